@@ -1,0 +1,121 @@
+"""Every public exception streamwatch raises, in one tree.
+
+Each class derives from :class:`StreamwatchError` *and* from the builtin a caller would
+naturally catch, so ``except TimeoutError`` and ``except StreamwatchError`` both work::
+
+    StreamwatchError(Exception)
+    ├── WouldBlock(BlockingIOError)       a *_nowait call could not proceed right now
+    │   ├── Full                          send side: the channel is at capacity (hands the item back)
+    │   └── Empty                         receive side: nothing buffered, senders still open
+    ├── SendTimeout(TimeoutError)         send/reserve waited `timeout` seconds for room (hands the item back)
+    ├── RecvTimeout(TimeoutError)         recv waited `timeout` seconds for an item
+    ├── ChannelClosed(BrokenPipeError)    send on a closed channel (hands the item back); says who closed it
+    ├── EndOfChannel(EOFError)            receive on a channel that is closed *and* drained
+    ├── Lagged(RuntimeError)              a subscriber fell behind; ``missed`` items were overwritten
+    └── PipelineError(RuntimeError)       a pipeline raised on the worker; the original is ``__cause__``
+
+Errors that hand an item back carry it as ``.item`` so nothing is lost silently: the caller
+decides whether to retry, drop (and count) or re-raise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "ChannelClosed",
+    "Empty",
+    "EndOfChannel",
+    "Full",
+    "Lagged",
+    "PipelineError",
+    "RecvTimeout",
+    "SendTimeout",
+    "StreamwatchError",
+    "WouldBlock",
+]
+
+
+class StreamwatchError(Exception):
+    """Base class of every exception streamwatch raises on purpose."""
+
+
+class WouldBlock(StreamwatchError, BlockingIOError):
+    """A ``*_nowait`` operation could not complete without blocking.
+
+    Catch this to handle both :class:`Full` and :class:`Empty`.
+    """
+
+    def __init__(self, message: str, item: Any = None) -> None:
+        super().__init__(message)
+        self.item = item
+
+
+class Full(WouldBlock):
+    """``send_nowait`` / ``reserve_nowait`` found the channel at capacity; ``.item`` is handed back."""
+
+
+class Empty(WouldBlock):
+    """``recv_nowait`` found nothing buffered while senders are still open (not the same as closed)."""
+
+
+class SendTimeout(StreamwatchError, TimeoutError):
+    """``send(item, timeout=...)`` or ``reserve(timeout=...)`` gave up; ``.item`` is handed back."""
+
+    def __init__(self, message: str, item: Any = None) -> None:
+        super().__init__(message)
+        self.item = item
+
+
+class RecvTimeout(StreamwatchError, TimeoutError):
+    """``recv(timeout=...)`` waited the full timeout and no item arrived."""
+
+
+class ChannelClosed(StreamwatchError, BrokenPipeError):
+    """Send on a closed channel; ``.item`` is handed back.
+
+    ``by`` says who closed it: ``"sender"`` (you closed this sender — your bug) or
+    ``"receiver"`` (the consumer went away — the other side's decision).
+    """
+
+    def __init__(self, message: str, item: Any = None, by: str = "receiver") -> None:
+        super().__init__(message)
+        self.item = item
+        self.by = by
+
+
+class EndOfChannel(StreamwatchError, EOFError):
+    """Receive on a channel that is closed and has no buffered items left. Iteration ends on it."""
+
+
+class Lagged(StreamwatchError, RuntimeError):
+    """A subscriber was too slow: ``missed`` items were overwritten before it read them.
+
+    Like tokio's ``broadcast::error::RecvError::Lagged(n)``: the subscription stays usable and the
+    next receive returns the oldest item still buffered.
+    """
+
+    def __init__(self, missed: int) -> None:
+        super().__init__(
+            f"subscriber lagged: {missed} item(s) were overwritten before it read them; "
+            "read faster or subscribe with a larger capacity"
+        )
+        self.missed = missed
+
+
+class PipelineError(StreamwatchError, RuntimeError):
+    """A pipeline raised while the worker fed it; the first original exception is ``__cause__``.
+
+    ``pipeline`` is the failing pipeline's repr and ``errors`` holds every ``(pipeline, exception)``
+    pair not yet reported, in the order they happened.
+    """
+
+    def __init__(self, errors: list[tuple[str, BaseException]]) -> None:
+        lines = [f"  {name}: {type(exc).__name__}: {exc}" for name, exc in errors]
+        noun = "pipeline" if len(errors) == 1 else "pipelines"
+        super().__init__(
+            f"{len(errors)} {noun} failed on the worker thread and {'was' if len(errors) == 1 else 'were'} "
+            "stopped (the others kept running):\n" + "\n".join(lines)
+        )
+        self.errors = errors
+        self.pipeline = errors[0][0] if errors else ""
