@@ -23,6 +23,7 @@ from streamwatch._exceptions import (
     WouldBlock,
 )
 from streamwatch._pipeline import Chain, Node, Operator, Pipeline, Sink, Source, Stream, source
+from streamwatch._worker import Worker, WorkerStatistics
 
 __all__ = [
     "OVERFLOW_POLICIES",
@@ -47,6 +48,8 @@ __all__ = [
     "Source",
     "Stream",
     "StreamwatchError",
+    "Worker",
+    "WorkerStatistics",
     "WouldBlock",
     "channel",
     "ops",

@@ -342,11 +342,12 @@ class Sender(Generic[T_contra]):
     Use it as a context manager so it is closed on exit.
     """
 
-    __slots__ = ("__weakref__", "_closed", "_state")
+    __slots__ = ("__weakref__", "_closed", "_state", "_warn_on_leak")
 
-    def __init__(self, state: _State[Any]) -> None:
+    def __init__(self, state: _State[Any], *, warn_on_leak: bool = True) -> None:
         self._state = state
         self._closed = False
+        self._warn_on_leak = warn_on_leak  # False for endpoints owned by another streamwatch object
         with state.lock:
             state.open_senders += 1
 
@@ -637,7 +638,8 @@ class Sender(Generic[T_contra]):
     def __del__(self) -> None:
         if getattr(self, "_closed", True):
             return
-        warnings.warn(_LEAK.format(self), ResourceWarning, stacklevel=1)
+        if self._warn_on_leak:
+            warnings.warn(_LEAK.format(self), ResourceWarning, stacklevel=1)
         self.close()
 
     def __repr__(self) -> str:
@@ -704,11 +706,12 @@ class Receiver(Generic[T_co]):
     Iterate it (sync or async) until the channel ends.
     """
 
-    __slots__ = ("__weakref__", "_closed", "_report_lag", "_state")
+    __slots__ = ("__weakref__", "_closed", "_report_lag", "_state", "_warn_on_leak")
 
-    def __init__(self, state: _State[Any], *, report_lag: bool = False) -> None:
+    def __init__(self, state: _State[Any], *, report_lag: bool = False, warn_on_leak: bool = True) -> None:
         self._state = state
         self._closed = False
+        self._warn_on_leak = warn_on_leak  # False for endpoints owned by another streamwatch object
         # Subscriptions raise Lagged(n) before the first item after an eviction (tokio broadcast).
         self._report_lag = report_lag
 
@@ -896,7 +899,8 @@ class Receiver(Generic[T_co]):
     def __del__(self) -> None:
         if getattr(self, "_closed", True):
             return
-        warnings.warn(_LEAK.format(self), ResourceWarning, stacklevel=1)
+        if self._warn_on_leak:
+            warnings.warn(_LEAK.format(self), ResourceWarning, stacklevel=1)
         self.close()
 
     def __repr__(self) -> str:

@@ -239,7 +239,9 @@ class Pipeline:
         if not isinstance(stream, Stream):
             raise TypeError(f"Expected `stream` to be a Stream (e.g. streamwatch.source()), got {stream!r}")
         if not isinstance(sink, Sink):
-            raise TypeError(f"Expected `sink` to be a Sink (e.g. streamwatch.sinks.callback(fn)), got {sink!r}")
+            raise TypeError(
+                f"Expected `sink` to be a Sink (e.g. streamwatch.sinks.callback(fn)), got {sink!r}"
+            )
         self.stream = stream
         self.sink = sink
         roots: list[Emit] = []

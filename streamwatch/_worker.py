@@ -1,0 +1,241 @@
+"""The worker thread: receive items from a channel and fan each one out to every pipeline.
+
+The worker runs beside the training loop and competes with it for the GIL, so it works in batches:
+one ``recv_many`` call takes up to ``batch`` items at once, and each item (a whole record, never a
+per-scalar Python object) is pushed through every pipeline.
+
+Failure isolation:
+    A pipeline that raises is stopped (its sink is told through ``Sink.fail``) and counted; the other
+    pipelines keep running. The exception is kept and re-raised to the owner as a
+    :class:`~streamwatch.PipelineError` (original as ``__cause__``) at the next :meth:`Worker.check`
+    or at :meth:`Worker.close` — never only printed.
+
+Clean shutdown:
+    :meth:`Worker.close` closes the receiver (producers get ``ChannelClosed`` from then on), lets the
+    thread drain every item already sent, flushes every pipeline (windows emit what they hold), closes
+    the sinks and joins the thread.
+
+Example:
+    >>> import streamwatch as sw
+    >>> from streamwatch import ops
+    >>> tx, rx = sw.channel(64)
+    >>> out = sw.sinks.collect()
+    >>> with sw.Worker(rx, [sw.source() | ops.window(2) | ops.sum() | out]) as worker:
+    ...     for i in range(5):
+    ...         tx.send(i)
+    >>> tx.close()
+    >>> out.items
+    [1, 5, 4]
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from streamwatch._channel import Receiver
+from streamwatch._exceptions import PipelineError
+from streamwatch._pipeline import Pipeline
+
+__all__ = ["Worker", "WorkerStatistics"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatistics:
+    """A snapshot of one worker.
+
+    Attributes:
+        items: items received from the channel and fanned out.
+        batches: ``recv_many`` batches processed (``items / batches`` is the mean batch size).
+        pipelines: pipelines attached (running or stopped).
+        failed: pipelines stopped by an exception.
+        busy_seconds: time spent pushing items through pipelines (the worker's share of the GIL).
+        running: the thread is alive.
+    """
+
+    items: int
+    batches: int
+    pipelines: int
+    failed: int
+    busy_seconds: float
+    running: bool
+
+
+class Worker:
+    """Consumes a :class:`~streamwatch.Receiver` on a daemon thread and feeds every pipeline.
+
+    Args:
+        receiver: the channel end to drain; the worker owns it and closes it in :meth:`close`.
+        pipelines: initial pipelines; more can be added with :meth:`add` at any time before close.
+        name: the thread's name.
+        batch: the most items taken per ``recv_many`` round.
+    """
+
+    def __init__(
+        self,
+        receiver: Receiver[Any],
+        pipelines: Iterable[Pipeline] = (),
+        *,
+        name: str = "streamwatch-worker",
+        batch: int = 256,
+    ) -> None:
+        if not isinstance(receiver, Receiver):
+            raise TypeError(f"Expected `receiver` to be a streamwatch Receiver, got {receiver!r}")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"Expected `batch` to be an integer >= 1, got {batch!r}")
+        self._receiver = receiver
+        self._batch = batch
+        self._name = name
+        self._pipelines: tuple[Pipeline, ...] = ()  # copy-on-write: the thread reads a snapshot per batch
+        self._lock = threading.Lock()
+        self._errors: list[tuple[str, BaseException]] = []  # not yet reported to the owner
+        self._failed = 0
+        self._items = 0
+        self._batches = 0
+        self._busy = 0.0
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        for pipeline in pipelines:
+            self.add(pipeline)
+
+    def add(self, pipeline: Pipeline) -> Pipeline:
+        """Attach ``pipeline``; it receives every item that arrives from now on. Thread-safe.
+
+        Raises:
+            TypeError: not a :class:`~streamwatch.Pipeline` (build one with ``stream | sink``).
+            RuntimeError: the worker is closed, or the pipeline is already closed.
+        """
+        if not isinstance(pipeline, Pipeline):
+            raise TypeError(f"Expected `pipeline` to be a Pipeline (build it as `stream | sink`), got {pipeline!r}")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"cannot add {pipeline!r}: the worker is closed")
+            if pipeline.closed or pipeline in self._pipelines:
+                raise RuntimeError(f"cannot add {pipeline!r}: it is closed or already attached")
+            self._pipelines = (*self._pipelines, pipeline)
+        return pipeline
+
+    def start(self) -> Worker:
+        """Start the thread (once). Returns ``self``."""
+        with self._lock:
+            if self._thread is not None:
+                raise RuntimeError("the worker was already started; a worker runs once")
+            if self._closed:
+                raise RuntimeError("cannot start a closed worker")
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        receiver = self._receiver
+        limit = self._batch
+        perf_counter = time.perf_counter
+        try:
+            while batch := receiver.recv_many(limit):
+                start = perf_counter()
+                pipelines = self._pipelines
+                for item in batch:
+                    for pipeline in pipelines:
+                        if pipeline.closed:
+                            continue
+                        try:
+                            pipeline.push(item)
+                        except Exception as exc:
+                            self._fail(pipeline, exc)
+                self._items += len(batch)
+                self._batches += 1
+                self._busy += perf_counter() - start
+        except BaseException as exc:  # a bug in the worker itself: keep it for the owner
+            self._record("<worker>", exc)
+        finally:
+            for pipeline in self._pipelines:
+                try:
+                    pipeline.close()
+                except Exception as exc:
+                    self._fail(pipeline, exc)
+
+    def _fail(self, pipeline: Pipeline, exc: BaseException) -> None:
+        pipeline.fail(exc)
+        self._failed += 1
+        self._record(repr(pipeline), exc)
+
+    def _record(self, name: str, exc: BaseException) -> None:
+        with self._lock:
+            self._errors.append((name, exc))
+
+    def check(self) -> None:
+        """Raise failures not yet reported, as one :class:`~streamwatch.PipelineError`. Thread-safe.
+
+        Each failure is reported once; a clean worker returns ``None``.
+        """
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise PipelineError(errors) from errors[0][1]
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop accepting items, drain what was sent, flush and close every pipeline, join the thread.
+
+        A worker that was never started drains on the calling thread. Idempotent.
+
+        Raises:
+            PipelineError: failures not yet reported by :meth:`check`.
+            TimeoutError: the thread did not finish within ``timeout`` seconds (it keeps draining).
+        """
+        with self._lock:
+            first = not self._closed
+            self._closed = True
+            thread = self._thread
+        self._receiver.close()
+        if first and thread is None:
+            self._run()
+        elif thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                raise TimeoutError(
+                    f"the worker did not drain within {timeout} s ({self._receiver.statistics().len} items "
+                    "left); a pipeline may be slow — call close() again to keep waiting"
+                )
+        self.check()
+
+    def statistics(self) -> WorkerStatistics:
+        """A snapshot of the worker's counters. Thread-safe."""
+        thread = self._thread
+        return WorkerStatistics(
+            items=self._items,
+            batches=self._batches,
+            pipelines=len(self._pipelines),
+            failed=self._failed,
+            busy_seconds=self._busy,
+            running=thread is not None and thread.is_alive(),
+        )
+
+    @property
+    def pipelines(self) -> tuple[Pipeline, ...]:
+        """Attached pipelines, in the order they were added."""
+        return self._pipelines
+
+    def __enter__(self) -> Worker:
+        if self._thread is None:
+            self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # the body already failed: don't let a pipeline error replace the original
+            self.close()
+        except PipelineError as err:
+            if exc is not None and hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(f"streamwatch: {err}")
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("running" if self._thread is not None else "new")
+        return f"<Worker {state} pipelines={len(self._pipelines)}>"
