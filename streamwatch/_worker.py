@@ -110,7 +110,7 @@ class Worker:
             RuntimeError: the worker is closed, or the pipeline is already closed.
         """
         if not isinstance(pipeline, Pipeline):
-            raise TypeError(f"Expected `pipeline` to be a Pipeline (build it as `stream | sink`), got {pipeline!r}")
+            raise TypeError(f"Expected `pipeline` to be a Pipeline (`stream | sink`), got {pipeline!r}")
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"cannot add {pipeline!r}: the worker is closed")

@@ -1,0 +1,41 @@
+# One entry point for people and CI. `make test` is the test command README gives; .ci/run calls it.
+# Each target creates (or reuses) a local virtual environment in .venv and installs what it needs:
+# torch==2.13.0 first (the CPU build; a looser pin could pull several GB of CUDA packages), then
+# streamwatch itself with its dev extra.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: env test lint format bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+env: $(VENV)/.installed
+
+# pytest exits 5 when it collected nothing: that is a failure here, never a pass.
+test: env
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests; a test run must run tests" >&2; exit 1; fi; \
+	exit $$rc
+
+lint: env
+	$(PY) -m ruff check streamwatch tests benchmarks
+	$(PY) -m ruff format --check streamwatch tests benchmarks
+	$(PY) -m mypy streamwatch
+
+format: env
+	$(PY) -m ruff check --fix streamwatch tests benchmarks
+	$(PY) -m ruff format streamwatch tests benchmarks
+
+bench: env
+	$(PY) -m pytest benchmarks -o python_files='bench_*.py' -p no:cacheprovider --benchmark-only \
+		--benchmark-columns=min,median,mean,rounds $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .benchmarks

@@ -1,0 +1,31 @@
+"""The public namespace is exactly `__all__` (ruff's RUF022 keeps it sorted) and all of it is documented."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import streamwatch
+from streamwatch import ops, sinks
+
+SUBMODULES = {"ops", "sinks", "testing"}
+
+
+@pytest.mark.parametrize("module", [streamwatch, ops, sinks], ids=lambda m: m.__name__)
+def test_all_lists_exactly_the_public_names(module) -> None:
+    exported = module.__all__
+    public = {name for name in vars(module) if not name.startswith("_")} - {"annotations"}
+    assert len(exported) == len(set(exported))
+    assert public - SUBMODULES == set(exported) - SUBMODULES
+
+
+@pytest.mark.parametrize("module", [streamwatch, ops, sinks], ids=lambda m: m.__name__)
+def test_every_public_callable_has_a_docstring(module) -> None:
+    undocumented = [
+        name
+        for name in module.__all__
+        if (inspect.isclass(getattr(module, name)) or inspect.isfunction(getattr(module, name)))
+        and not (getattr(module, name).__doc__ or "").strip()
+    ]
+    assert undocumented == []

@@ -1,0 +1,24 @@
+"""README's Python examples run as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)
+
+
+def test_readme_has_examples() -> None:
+    assert len(BLOCKS) >= 2
+
+
+def test_readme_examples_run_in_order(capsys: pytest.CaptureFixture[str]) -> None:
+    namespace: dict[str, object] = {}
+    for block in BLOCKS:
+        exec(compile(block, str(README), "exec"), namespace)
+    printed = capsys.readouterr().out
+    assert "ChannelStatistics(capacity=64, len=0, reserved=0, sent=1000, received=1000, dropped_oldest=0" in printed
+    assert "100 smoothed values" in printed
