@@ -1,6 +1,7 @@
 """Pipeline cost per event: ``map -> window(100) -> mean`` vs the same thing written by hand.
 
-Run:  make bench   (or: python -m pytest benchmarks/bench_pipeline.py -o python_files='bench_*.py' --benchmark-only)
+Run:  make bench
+  or: python -m pytest benchmarks/bench_pipeline.py -o python_files='bench_*.py' --benchmark-only
 
 Both variants run in the same session on the same 100 000 floats, so their ratio is meaningful on any
 machine. The vectorised variant pushes one numpy row of 1 000 per-layer values per event, the way the

@@ -20,5 +20,6 @@ def test_readme_examples_run_in_order(capsys: pytest.CaptureFixture[str]) -> Non
     for block in BLOCKS:
         exec(compile(block, str(README), "exec"), namespace)
     printed = capsys.readouterr().out
-    assert "ChannelStatistics(capacity=64, len=0, reserved=0, sent=1000, received=1000, dropped_oldest=0" in printed
+    expected = "ChannelStatistics(capacity=64, len=0, reserved=0, sent=1000, received=1000, dropped_oldest=0"
+    assert expected in printed
     assert "100 smoothed values" in printed

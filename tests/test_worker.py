@@ -172,7 +172,11 @@ def test_close_times_out_while_a_pipeline_is_stuck_and_can_be_retried() -> None:
 @pytest.mark.parametrize(
     ("call", "error", "message"),
     [
-        (lambda w: w.add("nope"), TypeError, r"^Expected `pipeline` to be a Pipeline \(`stream \| sink`\), got 'nope'$"),
+        (
+            lambda w: w.add("nope"),
+            TypeError,
+            r"^Expected `pipeline` to be a Pipeline \(`stream \| sink`\), got 'nope'$",
+        ),
         (lambda w: w.start().start(), RuntimeError, r"^the worker was already started; a worker runs once$"),
     ],
     ids=["add-non-pipeline", "start-twice"],
@@ -191,7 +195,8 @@ def test_adding_to_a_closed_worker_is_an_error() -> None:
     worker = sw.Worker(rx)
     tx.close()
     worker.close()
-    with pytest.raises(RuntimeError, match=r"^cannot add <pipeline <source> \| <collect>>: the worker is closed$"):
+    message = r"^cannot add <pipeline <source> \| <collect>>: the worker is closed$"
+    with pytest.raises(RuntimeError, match=message):
         worker.add(sw.source() | sw.sinks.collect())
 
 
@@ -206,10 +211,15 @@ def test_batch_must_be_a_positive_integer(batch) -> None:
 
 def test_context_manager_keeps_the_body_error_and_notes_the_pipeline_error() -> None:
     tx, rx = sw.channel(4)
-    with pytest.raises(KeyError) as info, sw.Worker(rx, [sw.source() | ops.map(explode_at(1)) | sw.sinks.collect()]):
-        tx.send(1)
-        tx.close()
-        raise KeyError("body")
+
+    def body() -> None:
+        with sw.Worker(rx, [sw.source() | ops.map(explode_at(1)) | sw.sinks.collect()]):
+            tx.send(1)
+            tx.close()
+            raise KeyError("body")
+
+    with pytest.raises(KeyError) as info:
+        body()
     assert any("Boom: bad item 1" in note for note in getattr(info.value, "__notes__", []))
 
 
