@@ -50,6 +50,7 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import math
 import queue
 import threading
 import time
@@ -249,13 +250,16 @@ class _State(Generic[T]):
             self.wake_senders()
 
     def statistics(self) -> ChannelStatistics:
-        with self.lock:
+        with self.lock:  # producers are locked out, so `sent` and the drop counts stand still
+            received = self.received  # the consumer counts without the lock: read it once
             return ChannelStatistics(
                 capacity=self.capacity,
-                len=max(0, self.buffer.qsize() - self.end_put),
+                # Derived, not read from the buffer, so the invariant holds even while the consumer is
+                # mid-receive (an item it has taken but not yet counted still shows as buffered).
+                len=self.sent - received - self.dropped_oldest,
                 reserved=self.reserved,
                 sent=self.sent,
-                received=self.received,
+                received=received,
                 dropped_oldest=self.dropped_oldest,
                 dropped_newest=self.dropped_newest,
                 high_water=self.high_water,
@@ -300,12 +304,17 @@ def _async_waker() -> tuple[Waker, Callable[[], Any]]:
 
 
 def _check_timeout(timeout: float | None) -> float | None:
-    """Validate ``timeout``; return the deadline on the monotonic clock (None: wait forever)."""
+    """Validate ``timeout`` and normalise it: ``None`` or ``inf`` wait forever (``None``)."""
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
         raise ValueError(f"Expected `timeout` to be None or a number >= 0, got {timeout!r}")
-    return time.monotonic() + timeout
+    return None if math.isinf(timeout) else float(timeout)
+
+
+def _deadline(timeout: float | None) -> float | None:
+    """The monotonic deadline of an already-normalised timeout."""
+    return None if timeout is None else time.monotonic() + timeout
 
 
 def channel(
@@ -388,6 +397,8 @@ class Sender(Generic[T_contra]):
             SendTimeout: still full after ``timeout`` seconds (``.item`` is the item).
             ChannelClosed: the channel is or becomes closed while waiting (``.item`` is the item).
         """
+        if timeout is not None:
+            timeout = _check_timeout(timeout)
         state = self._state
         lock = state.lock
         lock.acquire()
@@ -477,6 +488,8 @@ class Sender(Generic[T_contra]):
         """
         if policy not in _POLICY_SET:
             raise ValueError(f"Expected `policy` to be one of {OVERFLOW_POLICIES}, got {policy!r}")
+        if timeout is not None:
+            timeout = _check_timeout(timeout)
         state = self._state
         dropped: Any
         lock = state.lock
@@ -528,6 +541,7 @@ class Sender(Generic[T_contra]):
             SendTimeout: no room after ``timeout`` seconds.
             ChannelClosed: the channel is or becomes closed.
         """
+        timeout = _check_timeout(timeout)
         state = self._state
         with state.lock:
             if self._closed or state.receiver_closed:
@@ -565,13 +579,16 @@ class Sender(Generic[T_contra]):
     def _wait_for_token(self, item: Any, timeout: float | None) -> None:
         """Block (lock held) until a slot token is ours; raise if closed or timed out."""
         state = self._state
-        deadline = _check_timeout(timeout)
+        deadline = _deadline(timeout)
         start = time.perf_counter()
         state.send_waiting += 1  # register, then check: no lost wake-up
         try:
             while True:
                 if self._closed or state.receiver_closed:
                     raise self._closed_error(item)
+                # Before the attempt, not after: a slot freed between a failed pop and the wait below
+                # must see wake_pending False and notify, or this producer would sleep through it.
+                state.wake_pending = False
                 try:
                     state.tokens.pop()
                     return
@@ -583,7 +600,6 @@ class Sender(Generic[T_contra]):
                         f"channel stayed full (capacity {state.capacity}) for {timeout} s; item handed back",
                         item,
                     )
-                state.wake_pending = False  # any free slot from now on must notify us
                 state.not_full.wait(remaining)
         finally:
             state.send_waiting -= 1
@@ -604,9 +620,10 @@ class Sender(Generic[T_contra]):
         Raises:
             ChannelClosed: this sender is closed.
         """
-        if self._closed:
-            raise ChannelClosed("cannot clone a closed Sender: clone an open one", None, "sender")
-        return Sender(self._state)
+        with self._state.lock:  # check and register atomically: a racing close() cannot slip between
+            if self._closed:
+                raise ChannelClosed("cannot clone a closed Sender: clone an open one", None, "sender")
+            return Sender(self._state, warn_on_leak=self._warn_on_leak)
 
     def close(self) -> None:
         """Close this sender. When the last clone closes, the receiver drains and then ends. Idempotent."""
@@ -616,6 +633,7 @@ class Sender(Generic[T_contra]):
                 return
             self._closed = True
             state.open_senders -= 1
+            state.wake_senders()  # a send blocked on this very sender must raise ChannelClosed now
             state.maybe_end()
 
     @property
@@ -740,7 +758,7 @@ class Receiver(Generic[T_co]):
         if self._report_lag:
             self._raise_if_lagged()
         if timeout is not None:
-            _check_timeout(timeout)
+            timeout = _check_timeout(timeout)
         state = self._state
         try:
             item = state.buffer.get(True, timeout)
@@ -770,7 +788,7 @@ class Receiver(Generic[T_co]):
             self._raise_if_lagged()
             limit = 1  # a batch must never straddle a gap
         if timeout is not None:
-            _check_timeout(timeout)
+            timeout = _check_timeout(timeout)
         buffer = self._state.buffer
         try:
             first = buffer.get(True, timeout)
