@@ -345,18 +345,61 @@ def channel(
     return Sender(state), Receiver(state)
 
 
-class Sender(Generic[T_contra]):
+_E = TypeVar("_E", bound="_Endpoint")
+
+
+class _Endpoint:
+    """What both ends share: closing, statistics, the context manager and the leak warning."""
+
+    __slots__ = ("__weakref__", "_closed", "_state", "_warn_on_leak")
+
+    def __init__(self, state: _State[Any], warn_on_leak: bool) -> None:
+        self._state = state
+        self._closed = False
+        self._warn_on_leak = warn_on_leak  # False for endpoints owned by another streamwatch object
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def closed(self) -> bool:
+        """Whether this endpoint was closed (not whether the channel has ended)."""
+        return self._closed
+
+    def statistics(self) -> ChannelStatistics:
+        """A snapshot of the channel's counters. Thread-safe."""
+        return self._state.statistics()
+
+    def __enter__(self: _E) -> _E:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        if self._warn_on_leak:
+            warnings.warn(_LEAK.format(self), ResourceWarning, stacklevel=1)
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<{type(self).__name__} {state} capacity={self._state.capacity}>"
+
+
+class Sender(_Endpoint, Generic[T_contra]):
     """The sending endpoint. Thread-safe; ``clone()`` one per producer and close each.
 
     Use it as a context manager so it is closed on exit.
     """
 
-    __slots__ = ("__weakref__", "_closed", "_state", "_warn_on_leak")
+    __slots__ = ()
 
     def __init__(self, state: _State[Any], *, warn_on_leak: bool = True) -> None:
-        self._state = state
-        self._closed = False
-        self._warn_on_leak = warn_on_leak  # False for endpoints owned by another streamwatch object
+        super().__init__(state, warn_on_leak)
         with state.lock:
             state.open_senders += 1
 
@@ -642,34 +685,6 @@ class Sender(Generic[T_contra]):
             state.wake_senders()  # a send blocked on this very sender must raise ChannelClosed now
             state.maybe_end()
 
-    @property
-    def closed(self) -> bool:
-        """Whether *this* sender is closed."""
-        return self._closed
-
-    def statistics(self) -> ChannelStatistics:
-        """A snapshot of the channel's counters. Thread-safe."""
-        return self._state.statistics()
-
-    def __enter__(self) -> Sender[T_contra]:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_closed", True):
-            return
-        if self._warn_on_leak:
-            warnings.warn(_LEAK.format(self), ResourceWarning, stacklevel=1)
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
-        return f"<Sender {state} capacity={self._state.capacity}>"
-
 
 class Permit(Generic[T_contra]):
     """One reserved slot. ``send(item)`` cannot block or fail; an unused permit frees its slot on
@@ -724,18 +739,16 @@ class Permit(Generic[T_contra]):
         return f"<Permit {'used' if self._used else 'held'}>"
 
 
-class Receiver(Generic[T_co]):
+class Receiver(_Endpoint, Generic[T_co]):
     """The receiving endpoint: one per channel, used by one consumer at a time.
 
     Iterate it (sync or async) until the channel ends.
     """
 
-    __slots__ = ("__weakref__", "_closed", "_report_lag", "_state", "_warn_on_leak")
+    __slots__ = ("_report_lag",)
 
     def __init__(self, state: _State[Any], *, report_lag: bool = False, warn_on_leak: bool = True) -> None:
-        self._state = state
-        self._closed = False
-        self._warn_on_leak = warn_on_leak  # False for endpoints owned by another streamwatch object
+        super().__init__(state, warn_on_leak)
         # Subscriptions raise Lagged(n) before the first item after an eviction (tokio broadcast).
         self._report_lag = report_lag
 
@@ -902,30 +915,3 @@ class Receiver(Generic[T_co]):
             state.receiver_closed = True
             state.wake_senders()
             state.maybe_end()
-
-    @property
-    def closed(self) -> bool:
-        """Whether this receiver was closed (not whether the channel has ended)."""
-        return self._closed
-
-    def statistics(self) -> ChannelStatistics:
-        """A snapshot of the channel's counters. Thread-safe."""
-        return self._state.statistics()
-
-    def __enter__(self) -> Receiver[T_co]:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if getattr(self, "_closed", True):
-            return
-        if self._warn_on_leak:
-            warnings.warn(_LEAK.format(self), ResourceWarning, stacklevel=1)
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"<Receiver {'closed' if self._closed else 'open'} capacity={self._state.capacity}>"

@@ -12,7 +12,6 @@ import gc
 import math
 import re
 import threading
-import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -22,50 +21,12 @@ from typing import Any
 import pytest
 
 import streamwatch as sw
-
-JOIN_S = 10.0  # bound on every join: a hang fails the test instead of the 120 s session timeout
-
-
-def wait_until(predicate: Callable[[], object], what: str) -> None:
-    """Spin, yielding the GIL, until ``predicate()`` holds; fail after JOIN_S instead of hanging."""
-    deadline = time.monotonic() + JOIN_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0)
+from tests.threads import JOIN_S, Spawned, spawn, wait_until
 
 
 def blocked_senders(tx: sw.Sender[Any]) -> int:
     """Threads blocked in ``send``/``reserve``/``offer(policy="block")`` (white-box: the waiter count)."""
     return int(tx._state.send_waiting)
-
-
-class Worker(threading.Thread):
-    """Runs ``fn(*args)`` on its own thread; ``finish()`` joins it and returns its result or re-raises."""
-
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
-        super().__init__(daemon=True)
-        self.fn, self.args = fn, args
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.result = self.fn(*self.args)
-        except BaseException as exc:
-            self.error = exc
-
-    def finish(self, timeout: float = JOIN_S) -> Any:
-        self.join(timeout)
-        assert not self.is_alive(), f"{self.fn!r} still running after {timeout} s"
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-def spawn(fn: Callable[..., Any], *args: Any) -> Worker:
-    worker = Worker(fn, *args)
-    worker.start()
-    return worker
 
 
 @pytest.fixture
@@ -456,7 +417,7 @@ def test_blocked_send_is_woken_when_a_slot_frees_just_before_it_waits(make_chann
     assert rx.recv() == "a"
     worker.finish()
 
-    consumers: list[Worker] = []
+    consumers: list[Spawned] = []
 
     def consumer_frees_the_slot() -> None:  # on another thread, as the real consumer would
         consumers.append(spawn(rx.recv))

@@ -6,8 +6,6 @@ A task that must be suspended is detected through the channel's own waiter lists
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,10 +14,9 @@ import anyio.lowlevel
 import pytest
 
 import streamwatch as sw
+from tests.threads import JOIN_S, spawn, wait_until
 
 pytestmark = pytest.mark.anyio
-
-JOIN_S = 10.0
 
 
 @pytest.fixture(params=["asyncio", "trio"])
@@ -42,44 +39,6 @@ async def until(predicate: Callable[[], object]) -> None:
     with anyio.fail_after(JOIN_S):
         while not predicate():
             await anyio.lowlevel.checkpoint()
-
-
-def wait_until(predicate: Callable[[], object], what: str) -> None:
-    """The same, for a plain thread: spin, yielding the GIL."""
-    deadline = time.monotonic() + JOIN_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0)
-
-
-class Worker(threading.Thread):
-    """Runs ``fn(*args)`` on a plain thread, keeping its result or exception."""
-
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
-        super().__init__(daemon=True)
-        self.fn, self.args = fn, args
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.result = self.fn(*self.args)
-        except BaseException as exc:
-            self.error = exc
-
-    async def finish(self) -> Any:
-        """Join without blocking the event loop (the thread may still need it to make progress)."""
-        await anyio.to_thread.run_sync(self.join, JOIN_S)
-        assert not self.is_alive(), f"{self.fn!r} still running after {JOIN_S} s"
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-def spawn(fn: Callable[..., Any], *args: Any) -> Worker:
-    worker = Worker(fn, *args)
-    worker.start()
-    return worker
 
 
 async def test_send_async_and_recv_async_round_trip() -> None:
@@ -153,7 +112,7 @@ async def test_send_async_suspends_while_full_and_resumes_when_a_thread_receives
             await tx.send_async("b")  # suspends until the thread takes "a"
             for n in range(100):
                 await tx.send_async(n)
-        assert await consumer.finish() == ["a", "b", *range(100)]
+        assert await consumer.finish_async() == ["a", "b", *range(100)]
         stats = rx.statistics()
         assert stats.blocked_send_seconds > 0
         assert (stats.sent, stats.received) == (102, 102)
@@ -172,7 +131,7 @@ async def test_recv_async_is_woken_by_a_send_from_another_thread() -> None:
         producer = spawn(produce)
         with anyio.fail_after(JOIN_S):
             assert await rx.recv_async() == "from a thread"
-        await producer.finish()
+        await producer.finish_async()
         with pytest.raises(sw.EndOfChannel):
             await rx.recv_async()
         assert suspended_receivers(rx) == 0
@@ -189,7 +148,7 @@ async def test_recv_async_is_woken_by_the_end_when_a_thread_closes_the_last_send
         closer = spawn(close)
         with pytest.raises(sw.EndOfChannel), anyio.fail_after(JOIN_S):
             await rx.recv_async()
-        await closer.finish()
+        await closer.finish_async()
 
 
 async def test_cancelling_a_suspended_send_async_leaves_the_channel_unchanged() -> None:
@@ -277,7 +236,7 @@ async def test_suspended_send_async_raises_channel_closed_when_the_receiver_clos
         closer = spawn(close_receiver)
         with pytest.raises(sw.ChannelClosed) as info, anyio.fail_after(JOIN_S):
             await tx.send_async("b")
-        await closer.finish()
+        await closer.finish_async()
         assert (info.value.item, info.value.by) == ("b", "receiver")
         assert suspended_senders(tx) == 0
         assert await rx.recv_async() == "a"  # buffered items still drain
@@ -317,5 +276,5 @@ async def test_a_thread_producer_and_an_async_consumer_share_a_channel() -> None
         producer = spawn(produce)
         with anyio.fail_after(JOIN_S):
             received = [item async for item in rx]
-        await producer.finish()
+        await producer.finish_async()
     assert received == list(range(500))
