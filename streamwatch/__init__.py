@@ -22,7 +22,10 @@ from streamwatch._exceptions import (
     StreamwatchError,
     WouldBlock,
 )
+from streamwatch._observe import Sample, Watch, WatchStatistics, observe
 from streamwatch._pipeline import Chain, Node, Operator, Pipeline, Sink, Source, Stream, source
+from streamwatch._record import SeriesKey, StepRecord
+from streamwatch._taps import Select
 from streamwatch._worker import Worker, WorkerStatistics
 
 __all__ = [
@@ -42,16 +45,23 @@ __all__ = [
     "PipelineError",
     "Receiver",
     "RecvTimeout",
+    "Sample",
+    "Select",
     "SendTimeout",
     "Sender",
+    "SeriesKey",
     "Sink",
     "Source",
+    "StepRecord",
     "Stream",
     "StreamwatchError",
+    "Watch",
+    "WatchStatistics",
     "Worker",
     "WorkerStatistics",
     "WouldBlock",
     "channel",
+    "observe",
     "ops",
     "sinks",
     "source",

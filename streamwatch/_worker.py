@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -53,6 +53,7 @@ class WorkerStatistics:
         batches: ``recv_many`` batches processed (``items / batches`` is the mean batch size).
         pipelines: pipelines attached (running or stopped).
         failed: pipelines stopped by an exception.
+        failed_items: items dropped because ``prepare`` raised on them.
         busy_seconds: time spent pushing items through pipelines (the worker's share of the GIL).
         running: the thread is alive.
     """
@@ -61,6 +62,7 @@ class WorkerStatistics:
     batches: int
     pipelines: int
     failed: int
+    failed_items: int
     busy_seconds: float
     running: bool
 
@@ -73,6 +75,9 @@ class Worker:
         pipelines: initial pipelines; more can be added with :meth:`add` at any time before close.
         name: the thread's name.
         batch: the most items taken per ``recv_many`` round.
+        prepare: applied to each item on the worker thread before the fan-out (e.g. waiting for a
+            device copy and decoding it). An item whose ``prepare`` raises is dropped, counted in
+            ``statistics().failed_items`` and its error reported like a pipeline's.
     """
 
     def __init__(
@@ -82,6 +87,7 @@ class Worker:
         *,
         name: str = "streamwatch-worker",
         batch: int = 256,
+        prepare: Callable[[Any], Any] | None = None,
     ) -> None:
         if not isinstance(receiver, Receiver):
             raise TypeError(f"Expected `receiver` to be a streamwatch Receiver, got {receiver!r}")
@@ -89,6 +95,8 @@ class Worker:
             raise ValueError(f"Expected `batch` to be an integer >= 1, got {batch!r}")
         self._receiver = receiver
         self._batch = batch
+        self._prepare = prepare
+        self._failed_items = 0
         self._name = name
         self._pipelines: tuple[Pipeline, ...] = ()  # copy-on-write: the thread reads a snapshot per batch
         self._lock = threading.Lock()
@@ -135,10 +143,18 @@ class Worker:
         limit = self._batch
         perf_counter = time.perf_counter
         try:
+            prepare = self._prepare
             while batch := receiver.recv_many(limit):
                 start = perf_counter()
                 pipelines = self._pipelines
                 for item in batch:
+                    if prepare is not None:
+                        try:
+                            item = prepare(item)
+                        except Exception as exc:
+                            self._failed_items += 1
+                            self._record(f"<prepare {getattr(prepare, '__qualname__', prepare)!s}>", exc)
+                            continue
                     for pipeline in pipelines:
                         if pipeline.closed:
                             continue
@@ -210,6 +226,7 @@ class Worker:
             batches=self._batches,
             pipelines=len(self._pipelines),
             failed=self._failed,
+            failed_items=self._failed_items,
             busy_seconds=self._busy,
             running=thread is not None and thread.is_alive(),
         )

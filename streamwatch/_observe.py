@@ -1,0 +1,534 @@
+"""``streamwatch.observe(model)``: wires taps → summaries → step records → channel → worker → sinks.
+
+Example:
+    >>> import torch, streamwatch as sw
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> with sw.observe(model, opt) as watch:
+    ...     for _ in range(3):
+    ...         x, y = torch.randn(16, 4), torch.randint(0, 2, (16,))
+    ...         logits = model(x)
+    ...         loss = torch.nn.functional.cross_entropy(logits, y)
+    ...         opt.zero_grad(); loss.backward(); opt.step()
+    ...         watch.step(loss=loss, outputs=logits, targets=y, batch_size=16)
+    >>> sorted({s.labels["kind"] for s in watch.snapshot() if s.name == "streamwatch_tensor"})
+    ['activation', 'output_grad', 'param', 'param_grad', 'update']
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from streamwatch._channel import OVERFLOW_POLICIES, OverflowPolicy, channel
+from streamwatch._exceptions import PipelineError
+from streamwatch._pipeline import Pipeline, Sink, source
+from streamwatch._record import PendingRecord, SeriesKey, SlotPool, StepRecord
+from streamwatch._summary import COLUMNS, derive
+from streamwatch._taps import (
+    DEFAULT_CADENCE,
+    DEFAULT_TAPS,
+    KINDS,
+    TapSet,
+    TapState,
+    named_params,
+    resolve_select,
+)
+from streamwatch._worker import Worker
+
+__all__ = ["STATS", "Sample", "Watch", "WatchStatistics", "observe"]
+
+STATS = ("dead", "nonfinite")
+"""Optional summary statistics: ``dead`` (per-unit activity → dead-unit rate; on by default) and
+``nonfinite`` (exact NaN/Inf counts, one more pass per tensor; off by default — a free 0/1 presence
+flag is reported instead)."""
+
+_FORWARD_KINDS = ("input", "activation", "output_grad", "input_grad")
+_OBSERVED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_OBSERVED_LOCK = threading.Lock()
+
+
+class Sample(NamedTuple):
+    """One series' latest value: what ``/metrics`` serves for it (identity labels such as rank aside)."""
+
+    name: str
+    labels: Mapping[str, str]
+    value: float
+
+
+@dataclass(frozen=True, slots=True)
+class WatchStatistics:
+    """How the monitoring itself is doing.
+
+    Attributes:
+        steps: ``watch.step()`` calls.
+        sampled: steps whose record was sent to the worker.
+        records_received: records the worker turned into step records.
+        dropped_oldest: queued records evicted because the worker fell behind (``overflow="drop_oldest"``).
+        dropped_newest: records discarded at send (``overflow="drop_newest"``).
+        slots_exhausted: CUDA steps dropped because every pinned slot was still in flight.
+        queue_len: records waiting for the worker now; ``queue_high_water`` the most ever waiting.
+        worker_lag_seconds: from the step boundary to the worker having processed the record (latest).
+        skipped: tensors not summarised, by reason (``non_tensor``, ``complex``, ``sparse``, ``empty``, ...).
+        hook_errors: exceptions caught inside hooks (never raised into training; re-raised at close).
+        pipeline_failures: pipelines stopped by an exception.
+    """
+
+    steps: int
+    sampled: int
+    records_received: int
+    dropped_oldest: int
+    dropped_newest: int
+    slots_exhausted: int
+    queue_len: int
+    queue_high_water: int
+    worker_lag_seconds: float
+    skipped: Mapping[str, int]
+    hook_errors: int
+    pipeline_failures: int
+
+
+class _Latest(Sink):
+    """The built-in sink behind ``snapshot()``: the latest row of every series and the latest scalars."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.rows: dict[SeriesKey, np.ndarray] = {}
+        self.scalars: dict[str, float] = {}
+        self.step: int | None = None
+        self.records = 0
+        self.lag = math.nan
+
+    def send(self, item: Any) -> None:
+        record: StepRecord = item
+        with self.lock:
+            for key, row in zip(record.keys, record.table, strict=True):
+                self.rows[key] = row
+            self.scalars.update(record.scalars)
+            self.step = record.step
+            self.records += 1
+            self.lag = time.time() - record.time
+
+    def samples(self) -> list[Sample]:
+        with self.lock:
+            keys = list(self.rows)
+            table = np.array([self.rows[k] for k in keys]) if keys else np.empty((0, len(COLUMNS)))
+            scalars = dict(self.scalars)
+            step = self.step
+        out: list[Sample] = []
+        stats = {name: table[:, i] for i, name in enumerate(COLUMNS)} | derive(table)
+        for i, key in enumerate(keys):
+            is_param = key.kind in ("param", "param_grad", "update")
+            labels = {
+                "phase": key.phase,
+                "layer": key.layer,
+                "kind": key.kind,
+                "param": key.name if is_param else "",
+                "index": "" if is_param else key.name,
+            }
+            for stat, values in stats.items():
+                value = float(values[i])
+                if not math.isnan(value):  # absent, never a NaN placeholder
+                    out.append(Sample("streamwatch_tensor", {**labels, "stat": stat}, value))
+        for name, value in scalars.items():
+            out.append(_scalar_sample(name, value))
+        if step is not None:
+            out.append(Sample("streamwatch_step", {}, float(step)))
+        return out
+
+
+def _scalar_sample(name: str, value: float) -> Sample:
+    if name.startswith("lr/"):
+        return Sample("streamwatch_learning_rate", {"group": name[3:]}, value)
+    if name in ("loss", "accuracy", "correct", "total"):
+        return Sample(f"streamwatch_{name}", {"phase": "train"}, value)
+    return Sample(f"streamwatch_{name}", {}, value)
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_rank())
+    return int(os.environ.get("RANK", "0"))
+
+
+class Watch:
+    """A running observation of one model. Create it with :func:`observe`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        every: int,
+        select: object,
+        taps: Collection[str],
+        cadence: Mapping[str, int] | None,
+        stats: Collection[str],
+        channel_last: bool | None,
+        overflow: OverflowPolicy,
+        capacity: int,
+        sinks: Iterable[Sink],
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"Expected `optimizer` to be a torch.optim.Optimizer or None, got {optimizer!r}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"Expected `every` to be a positive integer, got {every!r}")
+        unknown = set(taps) - set(KINDS)
+        if isinstance(taps, str) or unknown:
+            raise ValueError(f"Expected `taps` to be a collection of {KINDS}, got {taps!r}")
+        if set(stats) - set(STATS) or isinstance(stats, str):
+            raise ValueError(f"Expected `stats` to be a collection of {STATS}, got {stats!r}")
+        merged = dict(DEFAULT_CADENCE)
+        for kind, n in (cadence or {}).items():
+            if kind not in KINDS or isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(
+                    f"Expected `cadence` to map tap kinds to positive integers, got {kind!r}: {n!r}"
+                )
+            merged[kind] = n
+        if overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"Expected `overflow` to be one of {OVERFLOW_POLICIES}, got {overflow!r}")
+        sinks = list(sinks)
+        for sink in sinks:
+            if not isinstance(sink, Sink):
+                raise TypeError(f"Expected every entry of `sinks` to be a Sink, got {sink!r}")
+        with _OBSERVED_LOCK:
+            if model in _OBSERVED:
+                raise RuntimeError(
+                    f"{type(model).__name__} is already observed by another Watch; close that one first "
+                    "(one Watch per model — use watch.pipe() to add pipelines to it)"
+                )
+            _OBSERVED.add(model)
+        try:
+            modules = resolve_select(select).modules(model)
+            params = named_params(model, modules, all_params=select is None)
+            self._every = every
+            self._cadence = merged
+            self._overflow: OverflowPolicy = overflow
+            self._optimizer = optimizer
+            self._state = TapState(
+                taps=frozenset(taps),
+                channel_last=channel_last,
+                dead_units="dead" in stats,
+                count_nonfinite="nonfinite" in stats,
+            )
+            self._model_ref = weakref.ref(model)
+            self._rank = _rank()
+            self._step = 0
+            self._sampled = 0
+            self._last = time.perf_counter()
+            self._errors: list[tuple[str, BaseException]] = []
+            self._reported_hook_errors = 0
+            self._closed = False
+            self._stream: Any = None
+            self._pool: SlotPool | None = None
+            self._latest = _Latest()
+            self._tx, rx = channel(capacity, on_drop=_release_dropped)
+            self._worker = Worker(
+                rx,
+                [source() | self._latest, *(source() | sink for sink in sinks)],
+                name="streamwatch-worker",
+                prepare=PendingRecord.resolve,
+            ).start()
+            self._taps = TapSet(model, modules, params, optimizer, self._state)
+            self._set_sampling(0)
+        except BaseException:
+            with _OBSERVED_LOCK:
+                _OBSERVED.discard(model)
+            raise
+
+    # -- the training loop's side ---------------------------------------------------------------------
+
+    def step(
+        self,
+        loss: torch.Tensor | float | None = None,
+        outputs: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        batch_size: int | None = None,
+    ) -> None:
+        """Mark the end of a training step. Never blocks on the device and (with the default overflow
+        policy) never blocks on the worker.
+
+        Args:
+            loss: the step's loss (a tensor stays on its device; a float is fine too).
+            outputs: model outputs (logits ``[batch, classes]`` or binary scores) for train accuracy.
+            targets: class indices (or 0/1 labels for binary scores) matching ``outputs``.
+            batch_size: samples in the step, for throughput.
+        """
+        if self._closed:
+            raise RuntimeError("this Watch is closed; create a new one with streamwatch.observe()")
+        now = time.perf_counter()
+        seconds, self._last = now - self._last, now
+        state = self._state
+        if any(state.on.values()) or len(state.buffer):
+            if state.on.get("param") and not self._taps.has_optimizer:
+                self._taps.summarize_params()
+            self._send(seconds, loss, outputs, targets, batch_size)
+        self._step += 1
+        self._set_sampling(self._step)
+        self._surface_errors()
+
+    def _send(
+        self,
+        seconds: float,
+        loss: torch.Tensor | float | None,
+        outputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        batch_size: int | None,
+    ) -> None:
+        host: dict[str, float] = {"step_seconds": seconds}
+        device: dict[str, torch.Tensor] = {}
+        if batch_size is not None:
+            host["batch_size"] = float(batch_size)
+            if seconds > 0:
+                host["samples_per_second"] = batch_size / seconds
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() == 1 and not loss.is_complex():
+                device["loss"] = loss.detach().reshape(()).to(torch.float32)
+            else:
+                self._state.skip("loss_not_scalar")
+        elif loss is not None:
+            host["loss"] = float(loss)
+        if outputs is not None and targets is not None:
+            correct = _correct(outputs, targets)
+            if correct is None:
+                self._state.skip("accuracy_shapes")
+            else:
+                device["correct"] = correct
+                host["total"] = float(targets.shape[0]) if targets.dim() else 1.0
+        if self._optimizer is not None:
+            for i, group in enumerate(self._optimizer.param_groups):
+                lr = group.get("lr")
+                if isinstance(lr, torch.Tensor):
+                    device[f"lr/{i}"] = lr.detach().reshape(()).to(torch.float32)
+                elif lr is not None:
+                    host[f"lr/{i}"] = float(lr)
+        buffer = self._state.buffer
+        if buffer.device is not None and buffer.device.type == "cuda" and self._stream is None:
+            self._stream = torch.cuda.Stream(buffer.device)
+            self._pool = SlotPool(self._tx.statistics().capacity + 2)
+        pending = buffer.seal(
+            step=self._step,
+            rank=self._rank,
+            step_scalars=device,
+            host_scalars=host,
+            nonfinite_counted=self._state.count_nonfinite,
+            stream=self._stream,
+            pool=self._pool,
+        )
+        if pending is None:
+            return  # counted by the slot pool
+        if self._tx.offer(pending, self._overflow):
+            self._sampled += 1
+
+    def _set_sampling(self, step: int) -> None:
+        state = self._state
+        state.on = {
+            kind: kind in state.taps and step % (self._every * self._cadence[kind]) == 0 for kind in KINDS
+        }
+        state.forward = any(state.on[kind] for kind in _FORWARD_KINDS)
+
+    def _surface_errors(self) -> None:
+        """Warn (once each) about new hook and pipeline errors; they are raised again at close()."""
+        new: list[tuple[str, BaseException]] = []
+        try:
+            self._worker.check()
+        except PipelineError as err:
+            new.extend(err.errors)
+        hook_errors = self._state.errors
+        for exc in hook_errors[self._reported_hook_errors :]:
+            new.append(("<tap>", exc))
+        self._reported_hook_errors = len(hook_errors)
+        if new:
+            self._errors.extend(new)
+            warnings.warn(
+                f"streamwatch: {PipelineError(new)} — training continues; these are raised again at close()",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    # -- users' side ------------------------------------------------------------------------------------
+
+    def pipe(self, pipeline: Pipeline) -> Pipeline:
+        """Attach a user pipeline (``source | ops... | sink``); it receives every :class:`StepRecord`.
+
+        Example:
+            >>> import torch, streamwatch as sw
+            >>> from streamwatch import ops
+            >>> model = torch.nn.Linear(3, 1)
+            >>> losses = sw.sinks.collect()
+            >>> with sw.observe(model) as watch:
+            ...     _ = watch.pipe(sw.source() | ops.map(lambda r: r.scalars["loss"]) | losses)
+            ...     for _ in range(2):
+            ...         loss = model(torch.randn(4, 3)).pow(2).mean()
+            ...         loss.backward()
+            ...         watch.step(loss=loss)
+            >>> len(losses.items)
+            2
+        """
+        return self._worker.add(pipeline)
+
+    def snapshot(self) -> list[Sample]:
+        """The latest value of every series (the data ``/metrics`` serves). Thread-safe.
+
+        Tensor statistics are one family, ``streamwatch_tensor``, labelled ``phase``, ``layer``, ``kind``,
+        ``param`` (parameter kinds), ``index`` (leaf of a tuple/dict output) and ``stat``. Series whose
+        value is unknown (e.g. dead units of a weight) are absent, never NaN.
+        """
+        return self._latest.samples()
+
+    def statistics(self) -> WatchStatistics:
+        """Steps seen and sampled, records sent and dropped by reason, worker lag, skips, errors."""
+        channel_stats = self._tx.statistics()
+        worker_stats = self._worker.statistics()
+        return WatchStatistics(
+            steps=self._step,
+            sampled=self._sampled,
+            records_received=self._latest.records,
+            dropped_oldest=channel_stats.dropped_oldest,
+            dropped_newest=channel_stats.dropped_newest,
+            slots_exhausted=self._pool.exhausted if self._pool is not None else 0,
+            queue_len=channel_stats.len,
+            queue_high_water=channel_stats.high_water,
+            worker_lag_seconds=self._latest.lag,
+            skipped=dict(self._state.skipped),
+            hook_errors=self._state.hook_errors,
+            pipeline_failures=worker_stats.failed,
+        )
+
+    def close(self) -> None:
+        """Flush every completed step to every sink, remove every hook, release the model. Idempotent.
+
+        Raises:
+            PipelineError: pipelines or hooks failed during the run (each was also warned about).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._taps.remove()
+        self._state.buffer.clear()  # an unfinished step is not a completed step
+        model = self._model_ref()
+        with _OBSERVED_LOCK:
+            if model is not None:
+                _OBSERVED.discard(model)
+        self._optimizer = None
+        self._tx.close()
+        try:
+            self._worker.close()
+        except PipelineError as err:
+            self._errors.extend(err.errors)
+        for exc in self._state.errors[self._reported_hook_errors :]:
+            self._errors.append(("<tap>", exc))
+        if self._errors:
+            errors, self._errors = self._errors, []
+            raise PipelineError(errors) from errors[0][1]
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._closed
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:  # the training loop failed: keep its exception, attach ours as a note
+            self.close()
+        except PipelineError as err:
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"streamwatch: {err}")
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"step={self._step}"
+        return f"<Watch {state} every={self._every} taps={sorted(self._state.taps)}>"
+
+
+def _release_dropped(item: Any, reason: str) -> None:
+    """A dropped record gives its pinned slot back (the drop itself is counted by the channel)."""
+    if isinstance(item, PendingRecord) and item.release is not None:
+        item.release()
+
+
+def _correct(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    """Correct predictions as a device scalar, or None if the shapes don't describe classification."""
+    outputs, targets = outputs.detach(), targets.detach()
+    if targets.is_floating_point() or targets.is_complex():
+        if outputs.shape != targets.shape:
+            return None
+        predicted = outputs > 0
+        return (predicted == (targets > 0.5)).sum(dtype=torch.float32)
+    if outputs.dim() == targets.dim() + 1 and outputs.shape[:-1] == targets.shape:
+        return (outputs.argmax(-1) == targets).sum(dtype=torch.float32)
+    if outputs.shape == targets.shape:  # binary scores vs 0/1 labels
+        return ((outputs > 0).to(targets.dtype) == targets).sum(dtype=torch.float32)
+    return None
+
+
+def observe(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    every: int = 1,
+    select: object = None,
+    taps: Collection[str] = DEFAULT_TAPS,
+    cadence: Mapping[str, int] | None = None,
+    stats: Collection[str] = ("dead",),
+    channel_last: bool | None = None,
+    overflow: OverflowPolicy = "drop_oldest",
+    capacity: int = 64,
+    sinks: Iterable[Sink] = (),
+) -> Watch:
+    """Observe ``model``: summarise every selected layer's tensors on the device, one record per step.
+
+    Args:
+        model: the module to observe; attach before any ``torch.compile``.
+        optimizer: enables the ``param`` (after each step), ``update`` and learning-rate taps.
+        every: sample one step in ``every``; unsampled steps cost one flag check per hook.
+        select: which modules — None (every leaf module), a glob, a module class, a tuple of classes
+            or a :class:`streamwatch.Select`.
+        taps: which kinds to capture (see ``streamwatch._taps.KINDS``); ``input`` and ``input_grad``
+            are opt-in.
+        cadence: per-kind multiples of ``every`` (default: weights and updates 10×, the rest 1×).
+        stats: optional statistics: ``"dead"`` (dead-unit rate, default) and ``"nonfinite"`` (exact
+            NaN/Inf counts; otherwise a free 0/1 flag).
+        channel_last: where units are for dead-unit rates; None picks per module (channels first for
+            convolutions/norms/pools, features last otherwise).
+        overflow: what to do when the worker is ``capacity`` records behind: ``"drop_oldest"``
+            (default, never stalls training), ``"drop_newest"``, ``"block"`` (lossless) or ``"error"``.
+        capacity: records in flight between the training thread and the worker.
+        sinks: extra sinks that receive every :class:`streamwatch.StepRecord`.
+
+    Raises:
+        RuntimeError: the model is already observed.
+    """
+    return Watch(
+        model,
+        optimizer,
+        every=every,
+        select=select,
+        taps=taps,
+        cadence=cadence,
+        stats=stats,
+        channel_last=channel_last,
+        overflow=overflow,
+        capacity=capacity,
+        sinks=sinks,
+    )

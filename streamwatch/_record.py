@@ -1,0 +1,289 @@
+"""Step records: the per-step buffer on the training thread, and what the worker receives.
+
+The training thread appends summary rows to a :class:`StepBuffer` while hooks fire. At the step boundary
+:meth:`StepBuffer.seal` stacks every device scalar of the step into one tensor and makes the only copy of
+the step: on CPU a plain host tensor; on CUDA an asynchronous copy on a side stream into a pinned host
+slot, with an event recorded after it, so the training thread never waits for the device. The result is a
+:class:`PendingRecord` — sent through the channel — which the worker turns into a :class:`StepRecord`
+(waiting on the event on *its* thread, then merging and deriving with numpy).
+
+A pinned slot is reused only after the worker released it; when every slot is in flight the step is
+dropped and counted (the overflow policy of the channel decides about records already queued).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from streamwatch._summary import COLUMNS, DEVICE_STATS, Raw, Row, derive, finalize
+
+__all__ = ["PendingRecord", "SeriesKey", "SlotPool", "StepBuffer", "StepRecord"]
+
+_NSTATS = len(DEVICE_STATS)
+
+
+class SeriesKey(NamedTuple):
+    """Which tensor a summary row describes. Becomes Prometheus labels.
+
+    Attributes:
+        phase: ``"train"`` or ``"eval"``.
+        layer: the module's qualified name (``"encoder.0.fc"``; ``""`` for the root module).
+        kind: ``activation``, ``output_grad``, ``input``, ``input_grad``, ``param``, ``param_grad`` or
+            ``update``.
+        name: the parameter name (``weight``/``bias``) or the position of a leaf in a tuple/dict output
+            (``"0"``, ``"logits"``); ``""`` for a single tensor.
+    """
+
+    phase: str
+    layer: str
+    kind: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One sampled step, as the worker's pipelines see it. Immutable, host-only (no autograd graph).
+
+    Attributes:
+        step: the step index (``watch.step()`` calls before this one).
+        time: wall-clock seconds (``time.time()``) at the step boundary.
+        rank: the process rank (0 without torch.distributed).
+        keys: one :class:`SeriesKey` per table row, unique.
+        table: ``(len(keys), len(COLUMNS))`` float64: count, sum, sumsq, min, max, zeros, nonfinite,
+            units, dead. Read-only.
+        scalars: step-level values: ``loss``, ``lr/<group>``, ``batch_size``, ``step_seconds``,
+            ``samples_per_second``, ``correct``, ``total``, ``accuracy`` — whichever were given.
+
+    Example:
+        >>> import numpy as np
+        >>> r = StepRecord(3, 0.0, 0, (SeriesKey("train", "fc", "activation", ""),),
+        ...                np.array([[4, 2.0, 6.0, -1.0, 2.0, 1, 0, 2, 1]]), {"loss": 0.5})
+        >>> round(float(r.stat("l2")[0]) ** 2, 9), float(r.column("zeros")[0])
+        (6.0, 1.0)
+    """
+
+    step: int
+    time: float
+    rank: int
+    keys: tuple[SeriesKey, ...]
+    table: np.ndarray
+    scalars: Mapping[str, float] = field(default_factory=dict)
+
+    def column(self, name: str) -> np.ndarray:
+        """One column of :attr:`table` by name (see ``streamwatch._summary.COLUMNS``)."""
+        return self.table[:, COLUMNS.index(name)]
+
+    def stat(self, name: str) -> np.ndarray:
+        """A column or a derived statistic (mean, std, var, l2, rms, absmax, zero_fraction, dead_fraction)."""
+        if name in COLUMNS:
+            return self.column(name)
+        return derive(self.table)[name]
+
+    def rows(self, kind: str | None = None, phase: str | None = None) -> list[int]:
+        """Indices of the rows of one kind and/or phase."""
+        return [
+            i
+            for i, key in enumerate(self.keys)
+            if (kind is None or key.kind == kind) and (phase is None or key.phase == phase)
+        ]
+
+
+class SlotPool:
+    """Pinned host slots for CUDA step copies, reused only after the worker released them.
+
+    Thread-safe: ``acquire`` runs on the training thread, ``release`` on the worker.
+    """
+
+    def __init__(self, slots: int) -> None:
+        self._free: list[torch.Tensor | None] = [None] * slots
+        self._lock = threading.Lock()
+        self.exhausted = 0  # steps dropped because every slot was still in flight
+
+    def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        with self._lock:
+            if not self._free:
+                self.exhausted += 1
+                return None
+            slot = self._free.pop()
+        if slot is None or slot.numel() < numel or slot.dtype != dtype:
+            slot = torch.empty(max(numel, 256), dtype=dtype, pin_memory=True)
+        return slot
+
+    def release(self, slot: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+
+@dataclass(slots=True)
+class PendingRecord:
+    """A sealed step in flight to the worker: host (or pinned, being copied) scalars plus metadata."""
+
+    step: int
+    time: float
+    rank: int
+    keys: tuple[Hashable, ...]
+    counts: np.ndarray
+    units: np.ndarray
+    dead_rows: tuple[int, ...]  # rows (first occurrence of a key) that carry a dead-unit count
+    scalar_names: tuple[str, ...]  # device step scalars after the dead counts (loss, correct)
+    host_scalars: dict[str, float]
+    data: torch.Tensor  # flat: rows*NSTATS values, then dead counts, then device step scalars
+    nonfinite_counted: bool
+    event: Any = None  # torch.cuda.Event on CUDA
+    release: Callable[[], None] | None = None  # gives the pinned slot back to its pool
+
+    def resolve(self) -> StepRecord:
+        """Wait for the copy (on the calling thread — the worker's), then merge and derive."""
+        if self.event is not None:
+            self.event.synchronize()
+        n = len(self.keys)
+        flat = self.data.numpy().astype(np.float64, copy=True)
+        if self.release is not None:
+            self.release()
+        values = flat[: n * _NSTATS].reshape(n, _NSTATS)
+        dead = np.full(n, np.nan)
+        ndead = len(self.dead_rows)
+        if ndead:
+            dead[list(self.dead_rows)] = (
+                self.units[list(self.dead_rows)] - flat[n * _NSTATS : n * _NSTATS + ndead]
+            )
+        raw = Raw(self.keys, self.counts, self.units, values, dead, self.nonfinite_counted)
+        keys, table = finalize(raw)
+        table.setflags(write=False)
+        scalars = dict(self.host_scalars)
+        base = n * _NSTATS + ndead
+        for i, name in enumerate(self.scalar_names):
+            scalars[name] = float(flat[base + i])
+        if "correct" in scalars and scalars.get("total"):
+            scalars["accuracy"] = scalars["correct"] / scalars["total"]
+        return StepRecord(self.step, self.time, self.rank, keys, table, scalars)  # type: ignore[arg-type]
+
+
+class StepBuffer:
+    """Rows of the current step, appended by hooks on the training thread (no locks: one thread).
+
+    Rows with equal keys are kept apart here and merged on the worker; per-unit activity of a repeated
+    key is merged here with ``torch.maximum`` (one small kernel) so dead units are exact across repeats.
+    """
+
+    __slots__ = ("counts", "device", "keys", "latest", "scalars", "unit_active", "units")
+
+    def __init__(self) -> None:
+        self.keys: list[Hashable] = []
+        self.counts: list[int] = []
+        self.units: list[int] = []
+        self.scalars: list[torch.Tensor] = []
+        self.unit_active: dict[Hashable, tuple[int, torch.Tensor]] = {}
+        self.latest: dict[Hashable, int] = {}  # row index of replaceable keys
+        self.device: torch.device | None = None
+
+    def add(self, key: Hashable, count: int, row: Row, replace: bool = False) -> None:
+        """Append one summarized tensor's row; with ``replace``, a later row of the same key overwrites
+        the earlier one (accumulated gradients: the last, complete one counts) instead of merging."""
+        if replace:
+            index = self.latest.get(key)
+            if index is not None:
+                start = index * len(row.scalars)
+                self.scalars[start : start + len(row.scalars)] = row.scalars
+                self.counts[index] = count
+                return
+            self.latest[key] = len(self.keys)
+        self.keys.append(key)
+        self.counts.append(count)
+        self.scalars.extend(row.scalars)
+        if self.device is None:
+            self.device = row.scalars[0].device
+        active = row.unit_active
+        if active is None:
+            self.units.append(0)
+            return
+        self.units.append(active.numel())
+        seen = self.unit_active.get(key)
+        if seen is None:
+            self.unit_active[key] = (len(self.keys) - 1, active)
+        elif seen[1].shape == active.shape:
+            self.unit_active[key] = (seen[0], torch.maximum(seen[1], active))
+        # else: the same key with another unit count (rare: a module reused on other shapes); the first
+        # call's units stand for the key.
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def seal(
+        self,
+        *,
+        step: int,
+        rank: int,
+        step_scalars: Mapping[str, torch.Tensor],
+        host_scalars: dict[str, float],
+        nonfinite_counted: bool,
+        stream: Any = None,
+        pool: SlotPool | None = None,
+    ) -> PendingRecord | None:
+        """Stack the step into one tensor and make its only copy; returns None if no slot was free."""
+        dead_rows = tuple(first for first, _ in self.unit_active.values())
+        dead = [active.sum(dtype=torch.float32) for _, active in self.unit_active.values()]
+        extra = [t.detach().reshape(()) for t in step_scalars.values()]
+        parts = self.scalars + dead + extra
+        device = (
+            self.device if self.device is not None else (extra[0].device if extra else torch.device("cpu"))
+        )
+        if parts:
+            # One kernel for the whole step (stack promotes float16/int64 scalars to float32/float64).
+            flat = torch.stack([p.to(device, non_blocking=True) if p.device != device else p for p in parts])
+        else:
+            flat = torch.empty(0, dtype=torch.float64)
+        event = None
+        release: Callable[[], None] | None = None
+        if flat.device.type == "cuda" and pool is not None:
+            slot = pool.acquire(flat.numel(), flat.dtype)
+            if slot is None:
+                return None
+            host = slot[: flat.numel()]
+            main = torch.cuda.current_stream(flat.device)
+            stream.wait_stream(main)
+            with torch.cuda.stream(stream):
+                host.copy_(flat, non_blocking=True)
+                flat.record_stream(stream)
+                event = torch.cuda.Event()
+                event.record(stream)
+            data = host
+
+            def release() -> None:
+                pool.release(slot)
+
+        else:
+            data = flat.detach().cpu() if flat.device.type != "cpu" else flat.detach()
+        record = PendingRecord(
+            step=step,
+            time=time.time(),
+            rank=rank,
+            keys=tuple(self.keys),
+            counts=np.asarray(self.counts, dtype=np.float64),
+            units=np.asarray(self.units, dtype=np.float64),
+            dead_rows=dead_rows,
+            scalar_names=tuple(step_scalars),
+            host_scalars=host_scalars,
+            data=data,
+            nonfinite_counted=nonfinite_counted,
+            event=event,
+            release=release,
+        )
+        self.clear()
+        return record
+
+    def clear(self) -> None:
+        self.keys = []
+        self.counts = []
+        self.units = []
+        self.scalars = []
+        self.unit_active = {}
+        self.latest = {}
+        self.device = None

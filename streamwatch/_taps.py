@@ -1,0 +1,375 @@
+"""Taps: every torch hook streamwatch installs lives here, and nowhere else.
+
+A tap captures one kind of tensor and hands it to :func:`streamwatch._summary.summarize`, appending the
+row to the current :class:`~streamwatch._record.StepBuffer`. Kinds:
+
+==============  ===============================================  ==========================================
+kind            where                                            hook
+==============  ===============================================  ==========================================
+``input``       a module's positional tensor inputs              ``register_forward_pre_hook``
+``activation``  a module's output (each tensor leaf)             ``register_forward_hook``
+``output_grad`` gradient w.r.t. the output                       ``Tensor.register_hook`` on the output
+``input_grad``  gradient w.r.t. the inputs                       ``Tensor.register_hook`` on the inputs
+``param_grad``  each parameter's accumulated gradient            ``register_post_accumulate_grad_hook``
+``param``       each parameter (weights, biases separately)      optimizer step post-hook (or the boundary)
+``update``      Δ = w_after − w_before across ``optimizer.step``  optimizer step pre- and post-hooks
+==============  ===============================================  ==========================================
+
+Hooks never raise into the training step: an exception inside one is caught, counted and kept for
+``Watch.close()``. Hooks do no work on steps no tap samples (one flag check). Forward passes under
+``eval()`` or ``torch.no_grad()`` are summarised under ``phase="eval"`` on every step they happen,
+so evaluation loops are never lost and never mix into training series.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from streamwatch._record import SeriesKey, StepBuffer
+from streamwatch._summary import summarize, unit_dim_for
+
+__all__ = ["DEFAULT_CADENCE", "DEFAULT_TAPS", "KINDS", "Select", "TapSet", "resolve_select"]
+
+KINDS = ("input", "activation", "output_grad", "input_grad", "param", "param_grad", "update")
+DEFAULT_TAPS = ("activation", "output_grad", "param", "param_grad", "update")
+DEFAULT_CADENCE: Mapping[str, int] = {
+    "input": 1,
+    "activation": 1,
+    "output_grad": 1,
+    "input_grad": 1,
+    "param_grad": 1,
+    # Weights and updates change slowly, and each pass over them reads every parameter byte (an update
+    # needs a copy of the weights too): sample them 10x coarser than activations and gradients.
+    "param": 10,
+    "update": 10,
+}
+
+# Modules whose activations lay units (channels) out in dim 1: [batch, channels, *spatial].
+_CHANNEL_FIRST = (
+    nn.modules.conv._ConvNd,
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.GroupNorm,
+    nn.modules.pooling._MaxPoolNd,
+    nn.modules.pooling._AvgPoolNd,
+    nn.modules.pooling._AdaptiveAvgPoolNd,
+    nn.modules.pooling._AdaptiveMaxPoolNd,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Select:
+    """Which modules to tap; every criterion given must hold (AND), none given means all leaf modules.
+
+    Attributes:
+        types: module classes (``isinstance``).
+        names: ``fnmatch`` globs on the qualified name (``"encoder.*.fc"``).
+        depth: only modules at this depth (``0`` is the model itself, ``1`` its children, ...).
+        indices: positions in ``model.named_modules()`` order (torchfunc's ``indices``).
+        leaves: only modules without children (default when no other criterion is given).
+
+    Example:
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+        >>> [name for name, _ in Select(types=(nn.Linear,)).modules(model)]
+        ['0', '2']
+        >>> [name for name, _ in Select(names=("1",)).modules(model)]
+        ['1']
+    """
+
+    types: tuple[type[nn.Module], ...] = ()
+    names: tuple[str, ...] = ()
+    depth: int | None = None
+    indices: tuple[int, ...] = ()
+    leaves: bool | None = None
+
+    def modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The selected ``(name, module)`` pairs, in ``named_modules()`` order."""
+        leaves = self.leaves
+        if leaves is None:
+            leaves = not (self.types or self.names or self.depth is not None or self.indices)
+        picked = []
+        for index, (name, module) in enumerate(model.named_modules()):
+            if leaves and next(module.children(), None) is not None:
+                continue
+            if self.types and not isinstance(module, self.types):
+                continue
+            if self.names and not any(fnmatch.fnmatchcase(name, pattern) for pattern in self.names):
+                continue
+            if self.depth is not None and (name.count(".") + 1 if name else 0) != self.depth:
+                continue
+            if self.indices and index not in self.indices:
+                continue
+            picked.append((name, module))
+        return picked
+
+
+def resolve_select(select: object) -> Select:
+    """Turn the ``select=`` shorthands into a :class:`Select`.
+
+    Accepts ``None`` (leaf modules), a :class:`Select`, a glob ``str``, a module class, a tuple of
+    classes, or a sequence of globs.
+    """
+    if select is None:
+        return Select()
+    if isinstance(select, Select):
+        return select
+    if isinstance(select, str):
+        return Select(names=(select,))
+    if isinstance(select, type) and issubclass(select, nn.Module):
+        return Select(types=(select,))
+    if (
+        isinstance(select, tuple)
+        and select
+        and all(isinstance(t, type) and issubclass(t, nn.Module) for t in select)
+    ):
+        return Select(types=select)
+    if isinstance(select, Sequence) and select and all(isinstance(s, str) for s in select):
+        return Select(names=tuple(select))
+    raise TypeError(
+        "Expected `select` to be None, a streamwatch.Select, a name glob, a module class or a tuple of "
+        f"classes, got {select!r}"
+    )
+
+
+@dataclass(slots=True)
+class TapState:
+    """What hooks read on every call; written by the Watch at each step boundary (one thread)."""
+
+    on: dict[str, bool] = field(default_factory=dict)  # this step samples this kind
+    forward: bool = False  # any forward-side kind is sampled this step
+    taps: frozenset[str] = frozenset()
+    buffer: StepBuffer = field(default_factory=StepBuffer)
+    channel_last: bool | None = None
+    dead_units: bool = True
+    count_nonfinite: bool = False
+    skipped: dict[str, int] = field(default_factory=dict)
+    errors: list[BaseException] = field(default_factory=list)
+    hook_errors: int = 0
+
+    def skip(self, reason: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+
+def _leaves(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(name, leaf) for every leaf of a tensor / tuple / list / dict output ("" for a bare tensor)."""
+    if isinstance(value, torch.Tensor):
+        yield prefix, value
+    elif isinstance(value, tuple | list):
+        for i, item in enumerate(value):
+            yield from _leaves(item, f"{prefix}.{i}" if prefix else str(i))
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _leaves(item, f"{prefix}.{key}" if prefix else str(key))
+    else:
+        yield prefix, value
+
+
+def _prepare(x: torch.Tensor, state: TapState) -> torch.Tensor | None:
+    """A dense real floating view of ``x`` to summarise, or None (skipped and counted)."""
+    if x.is_sparse or x.layout != torch.strided:
+        state.skip("sparse")
+        return None
+    if x.is_complex():
+        state.skip("complex")
+        return None
+    if x.is_quantized or x.device.type == "meta":
+        state.skip("unsupported_tensor")
+        return None
+    if x.numel() == 0:
+        state.skip("empty")
+        return None
+    x = x.detach()
+    if not x.is_floating_point():
+        x = x.to(torch.float32)  # bool masks, integer ids: summarised as numbers
+    return x
+
+
+def summarize_into(
+    state: TapState, key: SeriesKey, x: torch.Tensor, channel_last: bool | None, replace: bool = False
+) -> None:
+    """Summarise ``x`` into the current step buffer under ``key`` (skips odd tensors, counted).
+
+    ``channel_last`` says where units are for dead-unit counting (None: no per-unit activity).
+    """
+    prepared = _prepare(x, state)
+    if prepared is None:
+        return
+    unit_dim = None
+    if channel_last is not None and state.dead_units:
+        unit_dim = unit_dim_for(prepared, channel_last)
+    row = summarize(prepared, unit_dim=unit_dim, count_nonfinite=state.count_nonfinite)
+    state.buffer.add(key, prepared.numel(), row, replace=replace)
+
+
+def _guarded(state: TapState, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a hook body so that nothing it raises reaches the training step (counted, kept)."""
+
+    def hook(*args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:
+            state.hook_errors += 1
+            if len(state.errors) < 16:
+                state.errors.append(exc)
+
+    return hook
+
+
+class TapSet:
+    """Installs and removes every hook for one Watch."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        modules: list[tuple[str, nn.Module]],
+        params: list[tuple[str, str, nn.Parameter]],
+        optimizer: torch.optim.Optimizer | None,
+        state: TapState,
+    ) -> None:
+        self.state = state
+        self.params = params
+        self.handles: list[RemovableHandle] = []
+        self._before: list[torch.Tensor] | None = None
+        taps = state.taps
+        for name, module in modules:
+            channel_last = state.channel_last
+            if channel_last is None:
+                channel_last = not isinstance(module, _CHANNEL_FIRST)
+            if taps & {"activation", "output_grad"}:
+                self.handles.append(module.register_forward_hook(self._forward_hook(name, channel_last)))
+            if taps & {"input", "input_grad"}:
+                self.handles.append(module.register_forward_pre_hook(self._forward_pre_hook(name)))
+        if "param_grad" in taps:
+            for layer, pname, param in params:
+                if param.requires_grad:
+                    key = SeriesKey("train", layer, "param_grad", pname)
+                    self.handles.append(param.register_post_accumulate_grad_hook(self._param_grad_hook(key)))
+        if optimizer is not None:
+            self.handles.append(
+                optimizer.register_step_pre_hook(_guarded(state, self._before_optimizer_step))
+            )
+            self.handles.append(
+                optimizer.register_step_post_hook(_guarded(state, self._after_optimizer_step))
+            )
+        self.has_optimizer = optimizer is not None
+
+    # -- forward side ---------------------------------------------------------------------------------
+
+    def _forward_hook(self, name: str, channel_last: bool) -> Callable[..., Any]:
+        state = self.state
+
+        def body(module: nn.Module, args: Any, output: Any) -> None:
+            train = module.training and torch.is_grad_enabled()
+            if train and not state.forward:
+                return
+            phase = "train" if train else "eval"
+            on = state.on
+            for leaf_name, leaf in _leaves(output):
+                if not isinstance(leaf, torch.Tensor):
+                    state.skip("non_tensor")
+                    continue
+                if (not train and "activation" in state.taps) or (train and on["activation"]):
+                    summarize_into(state, SeriesKey(phase, name, "activation", leaf_name), leaf, channel_last)
+                if train and on["output_grad"] and leaf.requires_grad:
+                    key = SeriesKey("train", name, "output_grad", leaf_name)
+                    leaf.register_hook(self._grad_hook(key, channel_last))
+
+        return _guarded(state, body)
+
+    def _forward_pre_hook(self, name: str) -> Callable[..., Any]:
+        state = self.state
+
+        def body(module: nn.Module, args: Any) -> None:
+            train = module.training and torch.is_grad_enabled()
+            if train and not state.forward:
+                return
+            phase = "train" if train else "eval"
+            for leaf_name, leaf in _leaves(args):
+                if not isinstance(leaf, torch.Tensor):
+                    state.skip("non_tensor")
+                    continue
+                if (not train and "input" in state.taps) or (train and state.on["input"]):
+                    summarize_into(state, SeriesKey(phase, name, "input", leaf_name), leaf, None)
+                if train and state.on["input_grad"] and leaf.requires_grad:
+                    leaf.register_hook(
+                        self._grad_hook(SeriesKey("train", name, "input_grad", leaf_name), None)
+                    )
+
+        return _guarded(state, body)
+
+    def _grad_hook(self, key: SeriesKey, channel_last: bool | None) -> Callable[[torch.Tensor], None]:
+        state = self.state
+
+        def body(grad: torch.Tensor) -> None:
+            summarize_into(state, key, grad, channel_last)
+
+        return _guarded(state, body)
+
+    # -- parameters -------------------------------------------------------------------------------------
+
+    def _param_grad_hook(self, key: SeriesKey) -> Callable[[nn.Parameter], None]:
+        state = self.state
+
+        def body(param: nn.Parameter) -> None:
+            if state.on.get("param_grad") and param.grad is not None:
+                # Gradient accumulation fires this once per micro-step: the last (full) gradient wins.
+                summarize_into(state, key, param.grad, None, replace=True)
+
+        return _guarded(state, body)
+
+    def summarize_params(self) -> None:
+        """Weights and biases, each on its own row (``kind="param"``)."""
+        for layer, pname, param in self.params:
+            summarize_into(self.state, SeriesKey("train", layer, "param", pname), param, None, replace=True)
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.state.on.get("update"):
+            # Costs one copy of the parameters, only on steps that sample updates (see README).
+            with torch.no_grad():
+                self._before = [param.detach().clone() for _, _, param in self.params]
+
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        state = self.state
+        if state.on.get("param"):
+            self.summarize_params()
+        before, self._before = self._before, None
+        if before is not None:
+            with torch.no_grad():
+                deltas = torch._foreach_sub([p.detach() for _, _, p in self.params], before)
+            for (layer, pname, _), delta in zip(self.params, deltas, strict=True):
+                summarize_into(state, SeriesKey("train", layer, "update", pname), delta, None, replace=True)
+
+    def remove(self) -> None:
+        """Remove every hook. Idempotent."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self._before = None
+
+
+def named_params(
+    model: nn.Module, modules: list[tuple[str, nn.Module]], all_params: bool
+) -> list[tuple[str, str, nn.Parameter]]:
+    """``(layer, name, parameter)`` triples: every parameter of the model (by owner) or the selected ones."""
+    if all_params:
+        triples = []
+        for qualified, param in model.named_parameters():
+            layer, _, pname = qualified.rpartition(".")
+            triples.append((layer, pname, param))
+        return triples
+    seen: set[int] = set()
+    triples = []
+    for layer, module in modules:
+        for pname, param in module.named_parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                triples.append((layer, pname, param))
+    return triples
