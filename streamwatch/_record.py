@@ -24,9 +24,9 @@ import torch
 
 from streamwatch._summary import COLUMNS, DEVICE_STATS, Raw, Row, derive, finalize
 
-__all__ = ["PendingRecord", "SeriesKey", "SlotPool", "StepBuffer", "StepRecord"]
+_NSTATS_COUNTED = len(DEVICE_STATS)  # with the exact non-finite count; one fewer without
 
-_NSTATS = len(DEVICE_STATS)
+__all__ = ["PendingRecord", "SeriesKey", "SlotPool", "StepBuffer", "StepRecord"]
 
 
 class SeriesKey(NamedTuple):
@@ -134,7 +134,7 @@ class PendingRecord:
     dead_rows: tuple[int, ...]  # rows (first occurrence of a key) that carry a dead-unit count
     scalar_names: tuple[str, ...]  # device step scalars after the dead counts (loss, correct)
     host_scalars: dict[str, float]
-    data: torch.Tensor  # flat: rows*NSTATS values, then dead counts, then device step scalars
+    data: torch.Tensor  # flat: rows x 5 (6) device stats, then dead counts, then device step scalars
     nonfinite_counted: bool
     event: Any = None  # torch.cuda.Event on CUDA
     release: Callable[[], None] | None = None  # gives the pinned slot back to its pool
@@ -144,21 +144,22 @@ class PendingRecord:
         if self.event is not None:
             self.event.synchronize()
         n = len(self.keys)
+        nstats = _NSTATS_COUNTED if self.nonfinite_counted else _NSTATS_COUNTED - 1
         flat = self.data.numpy().astype(np.float64, copy=True)
         if self.release is not None:
             self.release()
-        values = flat[: n * _NSTATS].reshape(n, _NSTATS)
+        values = flat[: n * nstats].reshape(n, nstats)
         dead = np.full(n, np.nan)
         ndead = len(self.dead_rows)
         if ndead:
             dead[list(self.dead_rows)] = (
-                self.units[list(self.dead_rows)] - flat[n * _NSTATS : n * _NSTATS + ndead]
+                self.units[list(self.dead_rows)] - flat[n * nstats : n * nstats + ndead]
             )
         raw = Raw(self.keys, self.counts, self.units, values, dead, self.nonfinite_counted)
         keys, table = finalize(raw)
         table.setflags(write=False)
         scalars = dict(self.host_scalars)
-        base = n * _NSTATS + ndead
+        base = n * nstats + ndead
         for i, name in enumerate(self.scalar_names):
             scalars[name] = float(flat[base + i])
         if "correct" in scalars and scalars.get("total"):

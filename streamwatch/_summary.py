@@ -37,7 +37,7 @@ import torch
 __all__ = ["COLUMNS", "DERIVED", "Raw", "Row", "derive", "finalize", "summarize", "unit_dim_for"]
 
 DEVICE_STATS = ("sum", "l2", "min", "max", "nonzero", "nonfinite")
-"""The device scalars per tensor, in this order (``nonfinite`` is NaN unless counted)."""
+"""The device scalars per tensor, in this order (``nonfinite`` only when counted)."""
 
 COLUMNS = ("count", "sum", "sumsq", "min", "max", "zeros", "nonfinite", "units", "dead")
 """Columns of a finalized table: everything else derives from these, and all of them add up (or take
@@ -45,8 +45,6 @@ min/max) across rows, steps, shards and ranks — which is why sums of squares, 
 
 DERIVED = ("mean", "std", "var", "l2", "rms", "absmax", "zero_fraction", "dead_fraction")
 """Statistics :func:`derive` computes from the columns."""
-
-_NAN = float("nan")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +76,8 @@ def summarize(x: torch.Tensor, *, unit_dim: int | None = None, count_nonfinite: 
     Args:
         x: the tensor; it is only read.
         unit_dim: if given, also return per-unit activity along this dimension (dead-unit rate).
-        count_nonfinite: also count NaN/Inf elements exactly (one more pass); otherwise the count is NaN
-            and :func:`finalize` reports a 0/1 presence flag derived for free from min/max/sum.
+        count_nonfinite: also count NaN/Inf elements exactly (one more pass); otherwise there are five
+            scalars and :func:`finalize` reports a 0/1 presence flag derived for free from min/max/sum.
 
     Example:
         >>> import torch
@@ -92,16 +90,14 @@ def summarize(x: torch.Tensor, *, unit_dim: int | None = None, count_nonfinite: 
     l2 = torch.linalg.vector_norm(x, dtype=acc)
     low, high = torch.aminmax(x)
     active = x.sign().abs_()  # 1 where nonzero, 0 where zero (NaN where NaN): one mask, two uses
-    nonzero = active.sum(dtype=acc)
+    scalars = [total, l2, low, high, active.sum(dtype=acc)]
     if count_nonfinite:
-        nonfinite = (x.numel() - torch.isfinite(x).sum()).to(acc)
-    else:
-        nonfinite = torch.full((), _NAN, dtype=acc, device=x.device)
+        scalars.append(x.numel() - torch.isfinite(x).sum())
     unit_active = None
     if unit_dim is not None:
         dims = [d for d in range(x.dim()) if d != unit_dim]
         unit_active = active.amax(dim=dims)
-    return Row([total, l2, low, high, nonzero, nonfinite], unit_active)
+    return Row(scalars, unit_active)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +108,7 @@ class Raw:
         keys: one hashable key per row; equal keys are merged by :func:`finalize`.
         counts: elements per row.
         units: units per row (0 where no unit activity was taken).
-        values: ``(rows, len(DEVICE_STATS))`` device scalars, on the host.
+        values: ``(rows, 5)`` device scalars on the host (``(rows, 6)`` with the non-finite count).
         dead: dead units per row (NaN where not taken), already merged across repeats of a key.
         nonfinite_counted: whether the ``nonfinite`` column holds exact counts.
     """
@@ -147,7 +143,7 @@ def finalize(raw: Raw) -> tuple[tuple[Hashable, ...], np.ndarray]:
         with np.errstate(invalid="ignore"):
             finite = np.isfinite(values[:, 0]) & np.isfinite(values[:, 2]) & np.isfinite(values[:, 3])
         table[:, 6] = (~finite).astype(np.float64)
-    table[:, 7] = raw.units
+    table[:, 7] = np.where(raw.units > 0, raw.units, np.nan)  # no unit activity taken: unknown, not 0
     table[:, 8] = raw.dead
     nan_in_mask = np.isnan(values[:, 4])  # the nonzero mask of a NaN tensor is NaN: zeros unknown
     table[nan_in_mask, 5] = np.nan
@@ -183,7 +179,7 @@ def derive(table: np.ndarray) -> dict[str, np.ndarray]:
 
     ``var`` is the population variance ``sumsq/count - mean²`` (clipped at 0 against rounding); ``l2``
     is ``√sumsq``; ``rms`` is ``√(sumsq/count)``; ``absmax`` is ``max(|min|, |max|)``; fractions are
-    per element (zeros) and per unit (dead). Rows with ``count == 0`` give NaN.
+    per element (zeros) and per unit (dead). Ratios over a zero count are NaN (never an error).
 
     Example:
         >>> import numpy as np

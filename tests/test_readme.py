@@ -23,3 +23,4 @@ def test_readme_examples_run_in_order(capsys: pytest.CaptureFixture[str]) -> Non
     expected = "ChannelStatistics(capacity=64, len=0, reserved=0, sent=1000, received=1000, dropped_oldest=0"
     assert expected in printed
     assert "100 smoothed values" in printed
+    assert "50 records; 0 dropped" in printed

@@ -232,3 +232,24 @@ def test_repr_shows_state() -> None:
     tx.close()
     worker.close()
     assert repr(worker) == "<Worker closed pipelines=1>"
+
+
+def test_prepare_runs_on_the_worker_before_the_fan_out_and_its_failures_are_counted() -> None:
+    tx, rx = sw.channel(8)
+    out = sw.sinks.collect()
+
+    def decode(item: int) -> int:
+        if item < 0:
+            raise ValueError(f"cannot decode {item}")
+        return item * 100
+
+    worker = sw.Worker(rx, [sw.source() | out], prepare=decode).start()
+    for item in (1, -1, 2):
+        tx.send(item)
+    tx.close()
+    with pytest.raises(sw.PipelineError, match=r"ValueError: cannot decode -1") as info:
+        worker.close()
+    assert out.items == [100, 200]  # the bad item is dropped, the pipeline keeps running
+    assert isinstance(info.value.__cause__, ValueError)
+    stats = worker.statistics()
+    assert (stats.failed_items, stats.failed) == (1, 0)

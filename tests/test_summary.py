@@ -1,0 +1,142 @@
+"""Summaries: device scalars of one tensor, and the host-side merge/derive, against plain references."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamwatch._summary import COLUMNS, Raw, derive, finalize, summarize, unit_dim_for
+
+finite = st.floats(-1e3, 1e3, allow_nan=False, width=32)
+
+
+def reference_row(x: np.ndarray, unit_axis: int | None) -> dict[str, float]:
+    x = x.astype(np.float64)
+    units = dead = math.nan
+    if unit_axis is not None:
+        moved = np.moveaxis(x, unit_axis, 0).reshape(x.shape[unit_axis], -1)
+        units, dead = float(moved.shape[0]), float(np.sum(np.all(moved == 0, axis=1)))
+    return {
+        "count": float(x.size),
+        "sum": float(x.sum()),
+        "sumsq": float((x * x).sum()),
+        "min": float(x.min()),
+        "max": float(x.max()),
+        "zeros": float(np.sum(x == 0)),
+        "nonfinite": float(np.sum(~np.isfinite(x))),
+        "units": units,
+        "dead": dead,
+    }
+
+
+def raw_of(tensors: list[torch.Tensor], keys: list[str], unit_dim: int | None, counted: bool) -> Raw:
+    rows = [summarize(t, unit_dim=unit_dim, count_nonfinite=counted) for t in tensors]
+    first: dict[str, torch.Tensor] = {}
+    for key, row in zip(keys, rows, strict=True):
+        if row.unit_active is not None:
+            first[key] = torch.maximum(first[key], row.unit_active) if key in first else row.unit_active
+    units = np.array([0.0 if r.unit_active is None else r.unit_active.numel() for r in rows])
+    dead = np.full(len(rows), np.nan)
+    seen: set[str] = set()
+    for i, key in enumerate(keys):
+        if key in first and key not in seen:
+            seen.add(key)
+            dead[i] = units[i] - float(first[key].sum())
+    values = torch.stack([torch.stack([s.double() for s in r.scalars]) for r in rows]).numpy()
+    counts = np.array([float(t.numel()) for t in tensors])
+    return Raw(tuple(keys), counts, units, values, dead, counted)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("abc"), st.lists(finite, min_size=6, max_size=6)),
+        min_size=1,
+        max_size=6,
+    ),
+    st.booleans(),
+)
+def test_finalize_merges_rows_of_a_key_like_concatenating_their_tensors(rows, zero_some) -> None:
+    keys = [k for k, _ in rows]
+    tensors = []
+    for i, (_, values) in enumerate(rows):
+        t = torch.tensor(values, dtype=torch.float32).reshape(2, 3)
+        if zero_some and i % 2 == 0:
+            t[:, 1] = 0.0
+        tensors.append(t)
+    out_keys, table = finalize(raw_of(tensors, keys, unit_dim=1, counted=True))
+    assert list(out_keys) == list(dict.fromkeys(keys))
+    for row_index, key in enumerate(out_keys):
+        parts = [t.numpy() for k, t in zip(keys, tensors, strict=True) if k == key]
+        ref = reference_row(np.concatenate(parts, axis=0), unit_axis=1)
+        got = dict(zip(COLUMNS, table[row_index], strict=True))
+        for column in COLUMNS:
+            np.testing.assert_allclose(got[column], ref[column], rtol=1e-5, atol=1e-3, err_msg=column)
+
+
+@pytest.mark.parametrize(
+    ("shape", "channel_last", "axis"),
+    [
+        ((4, 3), False, 1),
+        ((4, 3, 5), False, 1),
+        ((4, 3, 5), True, 2),
+        ((2, 3, 4, 4), False, 1),
+        ((7,), False, None),
+    ],
+    ids=["linear", "seq-first", "seq-channel-last", "nchw", "1d"],
+)
+def test_summarize_matches_a_numpy_reference(shape, channel_last, axis) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen).relu()
+    unit_dim = unit_dim_for(x, channel_last)
+    assert unit_dim == axis
+    _, table = finalize(raw_of([x], ["k"], unit_dim=unit_dim, counted=True))
+    ref = reference_row(x.numpy(), axis)
+    for column, value in zip(COLUMNS, table[0], strict=True):
+        np.testing.assert_allclose(value, ref[column], rtol=1e-5, err_msg=column)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+def test_nonfinite_is_a_free_flag_by_default_and_an_exact_count_on_request(bad) -> None:
+    x = torch.tensor([[1.0, bad, 2.0], [bad, 0.0, 3.0]])
+    _, flagged = finalize(raw_of([x], ["k"], unit_dim=None, counted=False))
+    _, counted = finalize(raw_of([x], ["k"], unit_dim=None, counted=True))
+    assert flagged[0, COLUMNS.index("nonfinite")] == 1.0
+    assert counted[0, COLUMNS.index("nonfinite")] == 2.0
+    _, clean = finalize(raw_of([torch.ones(2, 2)], ["k"], unit_dim=None, counted=False))
+    assert clean[0, COLUMNS.index("nonfinite")] == 0.0
+
+
+def test_half_precision_sums_of_squares_do_not_overflow() -> None:
+    x = torch.full((64, 64), 300.0, dtype=torch.float16)  # sumsq = 3.7e8 > float16 max 65504
+    _, table = finalize(raw_of([x], ["k"], unit_dim=None, counted=False))
+    np.testing.assert_allclose(table[0, COLUMNS.index("sumsq")], 64 * 64 * 300.0**2, rtol=1e-4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(finite, min_size=1, max_size=40))
+def test_derived_statistics_match_numpy(values) -> None:
+    x = np.array(values, dtype=np.float32)
+    _, table = finalize(raw_of([torch.from_numpy(x)], ["k"], unit_dim=None, counted=False))
+    got = {k: float(v[0]) for k, v in derive(table).items()}
+    x64 = x.astype(np.float64)
+    scale = float(np.mean(x64 * x64)) + 1.0  # var = E[x²] - mean² from float32 sums: absolute error ∝ E[x²]
+    np.testing.assert_allclose(got["mean"], x64.mean(), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(got["var"], x64.var(), rtol=1e-4, atol=1e-5 * scale)
+    np.testing.assert_allclose(got["l2"], np.linalg.norm(x64), rtol=1e-5)
+    np.testing.assert_allclose(got["rms"], np.sqrt(np.mean(x64 * x64)), rtol=1e-5)
+    np.testing.assert_allclose(got["absmax"], np.abs(x64).max(), rtol=1e-6)
+    np.testing.assert_allclose(got["zero_fraction"], np.mean(x64 == 0))
+    assert math.isnan(got["dead_fraction"])  # no units taken
+
+
+def test_ratios_over_an_empty_row_are_nan_not_errors() -> None:
+    derived = derive(np.zeros((1, len(COLUMNS))))
+    for name in ("mean", "std", "var", "rms", "zero_fraction", "dead_fraction"):
+        assert math.isnan(float(derived[name][0])), name
+    assert float(derived["l2"][0]) == 0.0  # the norm of nothing is 0
