@@ -112,10 +112,20 @@ class PipelineError(StreamwatchError, RuntimeError):
 
     def __init__(self, errors: list[tuple[str, BaseException]]) -> None:
         lines = [f"  {name}: {type(exc).__name__}: {exc}" for name, exc in errors]
-        noun = "pipeline" if len(errors) == 1 else "pipelines"
-        super().__init__(
-            f"{len(errors)} {noun} failed on the worker thread and {'was' if len(errors) == 1 else 'were'} "
-            "stopped (the others kept running):\n" + "\n".join(lines)
-        )
+        n = len(errors)
+        taps = sum(name == "<tap>" for name, _ in errors)
+        if taps == 0:
+            head = (
+                f"{n} pipeline{'s' if n > 1 else ''} failed on the worker thread and "
+                f"{'were' if n > 1 else 'was'} stopped (the others kept running)"
+            )
+        elif taps == n:
+            calls = f"{n} hook call{'s' if n > 1 else ''}"
+            head = f"{calls} failed on the training thread (caught; training continued)"
+        else:
+            head = (
+                f"{n} failures while monitoring ({taps} in hooks, caught; {n - taps} in pipelines, stopped)"
+            )
+        super().__init__(head + ":\n" + "\n".join(lines))
         self.errors = errors
         self.pipeline = errors[0][0] if errors else ""

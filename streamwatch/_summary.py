@@ -145,21 +145,30 @@ def finalize(raw: Raw) -> tuple[tuple[Hashable, ...], np.ndarray]:
         table[:, 6] = (~finite).astype(np.float64)
     table[:, 7] = np.where(raw.units > 0, raw.units, np.nan)  # no unit activity taken: unknown, not 0
     table[:, 8] = raw.dead
-    nan_in_mask = np.isnan(values[:, 4])  # the nonzero mask of a NaN tensor is NaN: zeros unknown
-    table[nan_in_mask, 5] = np.nan
+    # sign(NaN) is 0 on CPU, so the nonzero mask counts NaN elements as zeros (and an all-NaN unit as
+    # dead): with a NaN present (aminmax propagates it) zeros and dead units are unknown, not wrong.
+    has_nan = np.isnan(values[:, 2]) | np.isnan(values[:, 3])
+    table[has_nan, 5] = np.nan
+    table[has_nan, 8] = np.nan
     if len(set(raw.keys)) == n:
         return raw.keys, table
-    return _merge(raw.keys, table)
+    return _merge(raw.keys, table, counted=raw.nonfinite_counted)
 
 
-def _merge(keys: tuple[Hashable, ...], table: np.ndarray) -> tuple[tuple[Hashable, ...], np.ndarray]:
+def _merge(
+    keys: tuple[Hashable, ...], table: np.ndarray, counted: bool
+) -> tuple[tuple[Hashable, ...], np.ndarray]:
     first: dict[Hashable, int] = {}
     for key in keys:
         first.setdefault(key, len(first))
     index = np.fromiter((first[k] for k in keys), dtype=np.intp, count=len(keys))
     out = np.zeros((len(first), table.shape[1]), dtype=np.float64)
-    for col in (0, 1, 2, 5, 6):
+    for col in (0, 1, 2, 5):
         np.add.at(out[:, col], index, table[:, col])
+    if counted:
+        np.add.at(out[:, 6], index, table[:, 6])
+    else:  # presence flags: any, not a sum
+        np.maximum.at(out[:, 6], index, table[:, 6])
     out[:, 3] = np.inf
     out[:, 4] = -np.inf
     np.fmin.at(out[:, 3], index, table[:, 3])

@@ -15,6 +15,11 @@ kind            where                                            hook
 ``update``      Δ = w_after − w_before across ``optimizer.step``  optimizer step pre- and post-hooks
 ==============  ===============================================  ==========================================
 
+Under ``torch.compile`` every tap traces into the graph without a break, except gradients w.r.t.
+outputs and inputs: a ``Tensor.register_hook`` inside a compiled forward always breaks the graph, so
+those two taps are skipped there and counted (``skipped["compiled_grad_hook"]``); parameter gradients
+(post-accumulate hooks) are unaffected.
+
 Hooks never raise into the training step: an exception inside one is caught, counted and kept for
 ``Watch.close()``. Hooks do no work on steps no tap samples (one flag check). Forward passes under
 ``eval()`` or ``torch.no_grad()`` are summarised under ``phase="eval"`` on every step they happen,
@@ -204,6 +209,8 @@ def summarize_into(
         return
     unit_dim = None
     if channel_last is not None and state.dead_units:
+        if state.channel_last is None and prepared.dim() >= 4:
+            channel_last = False  # NCHW / NCDHW: a ReLU after a Conv2d has channels in dim 1 too
         unit_dim = unit_dim_for(prepared, channel_last)
     row = summarize(prepared, unit_dim=unit_dim, count_nonfinite=state.count_nonfinite)
     state.buffer.add(key, prepared.numel(), row, replace=replace)
@@ -243,6 +250,7 @@ class TapSet:
             channel_last = state.channel_last
             if channel_last is None:
                 channel_last = not isinstance(module, _CHANNEL_FIRST)
+                # (4-D/5-D tensors are channels-first whatever module made them: see summarize_into)
             if taps & {"activation", "output_grad"}:
                 self.handles.append(module.register_forward_hook(self._forward_hook(name, channel_last)))
             if taps & {"input", "input_grad"}:
@@ -279,6 +287,11 @@ class TapSet:
                 if (not train and "activation" in state.taps) or (train and on["activation"]):
                     summarize_into(state, SeriesKey(phase, name, "activation", leaf_name), leaf, channel_last)
                 if train and on["output_grad"] and leaf.requires_grad:
+                    if torch.compiler.is_compiling():
+                        # A tensor hook registered inside a compiled forward breaks the graph; keep the
+                        # graph whole and say what is missing instead.
+                        state.skip("compiled_grad_hook")
+                        continue
                     key = SeriesKey("train", name, "output_grad", leaf_name)
                     leaf.register_hook(self._grad_hook(key, channel_last))
 
@@ -299,6 +312,9 @@ class TapSet:
                 if (not train and "input" in state.taps) or (train and state.on["input"]):
                     summarize_into(state, SeriesKey(phase, name, "input", leaf_name), leaf, None)
                 if train and state.on["input_grad"] and leaf.requires_grad:
+                    if torch.compiler.is_compiling():
+                        state.skip("compiled_grad_hook")
+                        continue
                     leaf.register_hook(
                         self._grad_hook(SeriesKey("train", name, "input_grad", leaf_name), None)
                     )
@@ -331,7 +347,7 @@ class TapSet:
             summarize_into(self.state, SeriesKey("train", layer, "param", pname), param, None, replace=True)
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.state.on.get("update"):
+        if self.state.on.get("update") and self.params:
             # Costs one copy of the parameters, only on steps that sample updates (see README).
             with torch.no_grad():
                 self._before = [param.detach().clone() for _, _, param in self.params]
@@ -353,6 +369,7 @@ class TapSet:
             handle.remove()
         self.handles = []
         self._before = None
+        self.params = []  # a closed Watch must not keep the model's parameters alive
 
 
 def named_params(

@@ -1,0 +1,133 @@
+"""``torch.compile`` of an observed model: streamwatch's hooks must add no graph breaks, and the compiled
+model must still train and be recorded.
+
+``observe()`` is attached before ``torch.compile`` (as documented). Graph breaks are counted with
+``torch._dynamo.explain`` for one forward in training mode, observed vs the same model unobserved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+import streamwatch as sw
+from streamwatch import SeriesKey
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(32, 8, generator=generator), torch.randint(0, 4, (32,), generator=generator)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def graph_breaks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tuple[int, list[str]]:
+    """Graph breaks in one traced call of ``fn(x)``, with their reasons."""
+    torch._dynamo.reset()
+    counters.clear()
+    explained = torch._dynamo.explain(fn)(x)
+    reasons = [str(reason.reason) for reason in explained.break_reasons]
+    reasons += [reason.splitlines()[0] + ": " + reason.splitlines()[1] for reason in counters["graph_break"]]
+    return explained.graph_break_count, reasons
+
+
+@pytest.mark.parametrize(
+    "sampled",
+    [
+        pytest.param(True, id="sampled"),
+        pytest.param(False, id="not_sampled"),
+    ],
+)
+def test_observe_adds_no_graph_breaks(sampled: bool) -> None:
+    x, _ = batch()
+    plain = make_model()
+    expected, _ = graph_breaks(lambda x: plain(x), x)
+    assert expected == 0
+
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sw.observe(model, optimizer, every=2) as watch:
+        if not sampled:
+            watch.step()  # step 1 of every=2: nothing samples, hooks only check a flag
+        breaks, reasons = graph_breaks(lambda x: model(x), x)
+    assert (breaks, reasons) == (expected, [])
+
+
+def test_forward_side_taps_add_no_graph_breaks() -> None:
+    """Every tap but output_grad traces into one graph, summaries included, on a sampled step."""
+    x, _ = batch()
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = sw.sinks.collect()
+    taps = ("input", "activation", "param", "param_grad", "update")
+    with sw.observe(model, optimizer, taps=taps, sinks=[records]) as watch:
+        breaks, reasons = graph_breaks(lambda x: model(x), x)
+        watch.step()
+    assert (breaks, reasons) == (0, [])
+    (record,) = records.items
+    assert {(key.layer, key.kind) for key in record.keys} == {
+        (layer, kind) for layer in ("0", "1", "2") for kind in ("input", "activation")
+    }
+    with torch.no_grad():
+        hidden = model[0](x)
+    index = record.keys.index(SeriesKey("train", "0", "activation", ""))
+    assert record.column("sum")[index] == pytest.approx(float(hidden.sum()), rel=1e-4)
+
+
+# Importing inductor imports torch.utils.mkldnn, which uses the deprecated torch.jit.script_method.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_compiled_observed_model_trains_and_is_recorded() -> None:
+    x, y = batch()
+    reference = make_model()
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    records = sw.sinks.collect()
+    losses = []
+    with sw.observe(model, optimizer, cadence={"param": 1, "update": 1}, sinks=[records]) as watch:
+        compiled = torch.compile(model)  # after observe(), as documented
+        for _ in range(5):
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(compiled(x), y)
+            loss.backward()
+            optimizer.step()
+            watch.step(loss=loss)
+            losses.append(float(loss.detach()))
+    assert watch.statistics().hook_errors == 0
+    assert losses[-1] < losses[0]
+    assert [record.step for record in records.items] == list(range(5))
+    first = records.items[0]
+    for layer in ("0", "1", "2"):
+        assert SeriesKey("train", layer, "activation", "") in first.keys
+        # A tensor hook inside a compiled forward would break the graph: skipped there, and counted.
+        assert SeriesKey("train", layer, "output_grad", "") not in first.keys
+    assert watch.statistics().skipped["compiled_grad_hook"] >= 3
+    for layer in ("0", "2"):
+        for kind in ("param", "param_grad", "update"):
+            assert SeriesKey("train", layer, kind, "weight") in first.keys
+    assert first.scalars["loss"] == pytest.approx(losses[0])
+
+    # The rows summarise the same tensors eager mode computes.
+    hidden = reference[0](x)
+    nn.functional.cross_entropy(reference[2](torch.relu(hidden)), y).backward()
+    index = first.keys.index(SeriesKey("train", "0", "activation", ""))
+    sums = first.column("sum")[index], first.column("sumsq")[index]
+    hidden = hidden.detach()
+    assert sums == pytest.approx((float(hidden.sum()), float(hidden.pow(2).sum())), rel=1e-4)
+    index = first.keys.index(SeriesKey("train", "0", "param_grad", "weight"))
+    assert first.column("sumsq")[index] == pytest.approx(
+        float(reference[0].weight.grad.pow(2).sum()), rel=1e-4
+    )
