@@ -1,0 +1,462 @@
+"""observe(): hooks in and out, garbage collection, flushing on close, failures, argument validation."""
+
+from __future__ import annotations
+
+import gc
+import re
+import threading
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import streamwatch as sw
+import streamwatch._taps
+from streamwatch._observe import STATS
+from streamwatch._taps import KINDS
+from tests.threads import JOIN_S, spawn, wait_until
+
+
+class Boom(Exception):
+    pass
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, watch: sw.Watch | None, steps: int) -> None:
+    for _ in range(steps):
+        x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+        logits = model(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if watch is not None:
+            watch.step(loss=loss, outputs=logits, targets=y, batch_size=8)
+
+
+def _hooks(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """Every hook streamwatch could install, counted per place."""
+    counts = {}
+    for name, module in model.named_modules():
+        counts[f"module {name!r} forward"] = len(module._forward_hooks)
+        counts[f"module {name!r} forward_pre"] = len(module._forward_pre_hooks)
+        counts[f"module {name!r} backward"] = len(module._backward_hooks)
+    for name, param in model.named_parameters():
+        counts[f"param {name} post_accumulate_grad"] = len(param._post_accumulate_grad_hooks or {})
+        counts[f"param {name} tensor"] = len(param._backward_hooks or {})
+    counts["optimizer step_pre"] = len(opt._optimizer_step_pre_hooks)
+    counts["optimizer step_post"] = len(opt._optimizer_step_post_hooks)
+    counts["global forward"] = len(nn.modules.module._global_forward_hooks)
+    counts["global forward_pre"] = len(nn.modules.module._global_forward_pre_hooks)
+    return counts
+
+
+# -- hooks and references ------------------------------------------------------------------------------
+
+
+def test_close_removes_every_hook_and_later_training_records_nothing() -> None:
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = _hooks(model, opt)
+    assert not any(before.values())
+    recs = sw.sinks.collect()
+    watch = sw.observe(model, opt, cadence={"param": 1, "update": 1}, sinks=[recs])
+    during = _hooks(model, opt)
+    assert during["optimizer step_pre"] == during["optimizer step_post"] == 1
+    assert during["module '0' forward"] == 1
+    assert during["param 0.weight post_accumulate_grad"] == 1
+    _train(model, opt, watch, 2)
+    watch.close()
+    assert watch.closed
+    assert _hooks(model, opt) == before
+    received = len(recs.items)
+    assert received == 2
+    _train(model, opt, None, 2)  # training after close works, and nothing is summarised any more
+    assert len(recs.items) == received
+    assert watch.statistics().steps == 2
+    assert watch.statistics().hook_errors == 0
+    with pytest.raises(
+        RuntimeError, match=r"^this Watch is closed; create a new one with streamwatch\.observe\(\)$"
+    ):
+        watch.step()
+    watch.close()  # idempotent
+
+
+def test_with_block_exception_propagates_and_hooks_are_removed() -> None:
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = _hooks(model, opt)
+    recs = sw.sinks.collect()
+    watch = sw.observe(model, opt, sinks=[recs])
+
+    def loop() -> None:
+        with watch:
+            _train(model, opt, watch, 2)
+            model(torch.randn(8, 4)).sum().backward()  # an unfinished step: never sent
+            raise Boom("mid-training")
+
+    with pytest.raises(Boom, match=r"^mid-training$"):
+        loop()
+    assert watch.closed
+    assert _hooks(model, opt) == before
+    assert [r.step for r in recs.items] == [0, 1]
+    assert recs.closed
+    with sw.observe(model, opt):  # the model is free to observe again
+        pass
+
+
+def test_with_block_exception_keeps_pipeline_failures_as_a_note() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    go = threading.Event()
+
+    def explode(record: sw.StepRecord) -> None:
+        assert go.wait(JOIN_S)  # fail after step() returned: no warning races the loop's own error
+        raise Boom("sink failed")
+
+    watch = sw.observe(model, opt)
+    watch.pipe(sw.source() | sw.sinks.callback(explode))
+
+    def loop() -> None:
+        with watch:
+            _train(model, opt, watch, 1)
+            go.set()
+            wait_until(lambda: watch.statistics().pipeline_failures == 1, "the pipeline failed")
+            raise KeyError("the loop's own error")
+
+    with pytest.raises(KeyError) as info:
+        loop()
+    notes = getattr(info.value, "__notes__", [])
+    assert len(notes) == 1
+    assert notes[0].startswith("streamwatch: 1 pipeline failed on the worker thread")
+    assert "Boom: sink failed" in notes[0]
+
+
+def test_closed_watch_lets_the_model_be_garbage_collected() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = sw.observe(model, opt, cadence={"param": 1, "update": 1})
+    _train(model, opt, watch, 2)
+    watch.close()
+    ref = weakref.ref(model)
+    del model, opt
+    gc.collect()
+    assert ref() is None
+    assert watch.closed  # the Watch itself is still alive
+    assert watch.statistics().steps == 2
+    assert any(s.name == "streamwatch_tensor" for s in watch.snapshot())
+
+
+def test_closed_watch_lets_the_parameters_be_garbage_collected() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = sw.observe(model, opt)
+    _train(model, opt, watch, 1)
+    watch.close()
+    ref = weakref.ref(model[0].weight)
+    del model, opt
+    gc.collect()
+    assert watch.closed
+    assert ref() is None
+
+
+def test_observing_an_observed_model_raises_until_the_first_watch_closes() -> None:
+    model = _model()
+    first = sw.observe(model)
+    with pytest.raises(
+        RuntimeError,
+        match=r"^Sequential is already observed by another Watch; close that one first "
+        r"\(one Watch per model — use watch\.pipe\(\) to add pipelines to it\)$",
+    ):
+        sw.observe(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"^Sequential is already observed"):
+        sw.observe(model, opt, every=5)
+    assert len(model[0]._forward_hooks) == 1  # the refused Watch installed nothing
+    first.close()
+    recs = sw.sinks.collect()
+    with sw.observe(model, opt, sinks=[recs]) as second:
+        _train(model, opt, second, 1)
+    assert len(recs.items) == 1
+
+
+# -- flushing and backpressure ------------------------------------------------------------------------
+
+
+def test_close_flushes_every_completed_step_through_a_slow_pipeline_with_block() -> None:
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gate, entered = threading.Event(), threading.Event()
+    slow: list[int] = []
+
+    def held(record: sw.StepRecord) -> None:
+        entered.set()
+        assert gate.wait(JOIN_S)
+        slow.append(record.step)
+
+    recs = sw.sinks.collect()
+    watch = sw.observe(model, opt, overflow="block", capacity=2, sinks=[recs])
+    watch.pipe(sw.source() | sw.sinks.callback(held))
+
+    def train() -> None:
+        _train(model, opt, watch, 6)
+        model(torch.randn(8, 4)).sum().backward()  # a step that is never completed with step()
+
+    trainer = spawn(train)
+    assert entered.wait(JOIN_S)  # the worker holds step 0 in the slow pipeline
+    # steps 1 and 2 fill the channel, so step 3 must wait for room: nothing is dropped
+    wait_until(lambda: watch.statistics().queue_len == 2, "the channel is full")
+    assert trainer.is_alive()
+    assert slow == []
+    gate.set()
+    trainer.finish()
+    closer = spawn(watch.close)
+    closer.finish()
+    assert slow == [0, 1, 2, 3, 4, 5]
+    assert [r.step for r in recs.items] == [0, 1, 2, 3, 4, 5]
+    stats = watch.statistics()
+    assert (stats.steps, stats.sampled, stats.records_received) == (6, 6, 6)
+    assert stats.dropped_oldest == stats.dropped_newest == 0
+    assert stats.queue_high_water == 2
+
+
+def test_drop_oldest_keeps_training_going_and_counts_every_drop() -> None:
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gate, entered = threading.Event(), threading.Event()
+    slow: list[int] = []
+
+    def held(record: sw.StepRecord) -> None:
+        entered.set()
+        assert gate.wait(JOIN_S)
+        slow.append(record.step)
+
+    recs = sw.sinks.collect()
+    watch = sw.observe(model, opt, overflow="drop_oldest", capacity=1, sinks=[recs])
+    watch.pipe(sw.source() | sw.sinks.callback(held))
+    _train(model, opt, watch, 1)
+    assert entered.wait(JOIN_S)  # step 0 is in the worker's hands, out of the channel
+    _train(model, opt, watch, 5)  # never blocks: steps 1..4 are each evicted by the next one
+    stats = watch.statistics()
+    assert (stats.steps, stats.sampled, stats.dropped_oldest, stats.dropped_newest) == (6, 6, 4, 0)
+    assert stats.queue_len == 1
+    gate.set()
+    watch.close()
+    assert slow == [0, 5]
+    assert [r.step for r in recs.items] == [0, 5]
+    stats = watch.statistics()
+    assert stats.records_received + stats.dropped_oldest == stats.sampled
+    assert stats.sampled + stats.dropped_newest == stats.steps
+
+
+# -- failures -----------------------------------------------------------------------------------------
+
+
+def test_failing_pipeline_warns_at_the_next_step_and_raises_at_close() -> None:
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    original = Boom("pipeline exploded")
+    go = threading.Event()
+
+    def explode(record: sw.StepRecord) -> None:
+        if record.step == 1:
+            assert go.wait(JOIN_S)  # fail only once step 1's step() has returned: no race with it
+            raise original
+
+    recs = sw.sinks.collect()
+    watch = sw.observe(model, opt, sinks=[recs])
+    healthy = sw.sinks.collect()
+    watch.pipe(sw.source() | sw.sinks.callback(explode))
+    watch.pipe(sw.source() | healthy)
+    _train(model, opt, watch, 2)
+    go.set()
+    wait_until(lambda: watch.statistics().pipeline_failures == 1, "the pipeline failed")
+    with pytest.warns(RuntimeWarning, match=r"(?s)^streamwatch: 1 pipeline failed .*Boom: pipeline exploded"):
+        _train(model, opt, watch, 1)  # the next step() surfaces it; training goes on
+    _train(model, opt, watch, 2)  # warned once only (filterwarnings=error would fail a second warning)
+    with pytest.raises(sw.PipelineError, match=r"^1 pipeline failed on the worker thread") as info:
+        watch.close()
+    assert info.value.__cause__ is original
+    assert [exc for _, exc in info.value.errors] == [original]
+    assert watch.statistics().pipeline_failures == 1
+    assert watch.statistics().hook_errors == 0
+    assert [r.step for r in recs.items] == [0, 1, 2, 3, 4]  # the other pipelines kept running
+    assert [r.step for r in healthy.items] == [0, 1, 2, 3, 4]
+    watch.close()  # reported once: a second close is quiet
+
+
+class Poisoned(torch.Tensor):
+    """A tensor that breaks summarisation (aminmax raises) but works for everything training does."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.aminmax:
+            raise Boom("cannot summarise this tensor")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class Side(nn.Module):
+    """Returns (x, a poisoned side tensor) — the side output is not used by the loss."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x.detach().as_subclass(Poisoned)
+
+
+def test_hook_error_never_reaches_training_and_is_raised_at_close() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), Side())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recs = sw.sinks.collect()
+    watch = sw.observe(model, opt, sinks=[recs])
+    for step in range(3):
+        out, _ = model(torch.randn(8, 4))
+        loss = out.pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        # each new error is warned about once, at the step() that follows it
+        with pytest.warns(
+            RuntimeWarning, match=r"(?s)^streamwatch: .*<tap>: Boom: cannot summarise this tensor"
+        ):
+            watch.step(loss=loss)
+        assert watch.statistics().hook_errors == step + 1  # one per forward of Side
+    with pytest.raises(sw.PipelineError, match=r"cannot summarise this tensor") as info:
+        watch.close()
+    assert isinstance(info.value.__cause__, Boom)
+    assert len(info.value.errors) == 3
+    # everything else was summarised: the failing leaf lost its row, nothing more
+    keys = set(recs.items[-1].keys)
+    assert sw.SeriesKey("train", "1", "activation", "0") in keys
+    assert sw.SeriesKey("train", "1", "activation", "1") not in keys
+    assert sw.SeriesKey("train", "0", "param_grad", "weight") in keys
+
+
+def test_hook_error_messages_blame_the_hook_not_a_pipeline() -> None:
+    model = nn.Sequential(nn.Linear(4, 3), Side())
+    watch = sw.observe(model)
+    model(torch.randn(8, 4))[0].sum().backward()
+    line = "  <tap>: Boom: cannot summarise this tensor"
+    head = re.escape("1 hook call failed on the training thread (caught; training continued):\n" + line)
+    with pytest.warns(RuntimeWarning, match=f"^streamwatch: {head} — training continues; these are raised"):
+        watch.step()
+    with pytest.raises(sw.PipelineError, match=f"^{head}$"):
+        watch.close()
+    assert watch.statistics().pipeline_failures == 0
+    assert watch.statistics().hook_errors == 1
+
+
+def test_failing_summaries_leave_training_bit_for_bit_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+    def trained(observe: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if not observe:
+            _train(model, opt, None, 3)
+            return [p.detach().clone() for p in model.parameters()]
+        watch = sw.observe(model, opt, cadence={"param": 1, "update": 1})
+        with pytest.warns(RuntimeWarning, match="(?s)^streamwatch: .*Boom: summaries are broken"):
+            _train(model, opt, watch, 3)
+        assert watch.statistics().hook_errors > 0
+        with pytest.raises(sw.PipelineError, match="summaries are broken") as info:
+            watch.close()
+        assert isinstance(info.value.__cause__, Boom)
+        return [p.detach().clone() for p in model.parameters()]
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise Boom("summaries are broken")
+
+    reference = trained(observe=False)
+    monkeypatch.setattr(streamwatch._taps, "summarize", broken)
+    observed = trained(observe=True)
+    for a, b in zip(reference, observed, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# -- argument validation ------------------------------------------------------------------------------
+
+BAD = {
+    "every_zero": ({"every": 0}, ValueError, "Expected `every` to be a positive integer, got 0"),
+    "every_bool": ({"every": True}, ValueError, "Expected `every` to be a positive integer, got True"),
+    "taps_unknown": (
+        {"taps": {"bogus"}},
+        ValueError,
+        f"Expected `taps` to be a collection of {KINDS}, got {{'bogus'}}",
+    ),
+    "taps_str": (
+        {"taps": "activation"},
+        ValueError,
+        f"Expected `taps` to be a collection of {KINDS}, got 'activation'",
+    ),
+    "stats_unknown": (
+        {"stats": {"x"}},
+        ValueError,
+        f"Expected `stats` to be a collection of {STATS}, got {{'x'}}",
+    ),
+    "cadence_zero": (
+        {"cadence": {"param": 0}},
+        ValueError,
+        "Expected `cadence` to map tap kinds to positive integers, got 'param': 0",
+    ),
+    "cadence_unknown_kind": (
+        {"cadence": {"weights": 2}},
+        ValueError,
+        "Expected `cadence` to map tap kinds to positive integers, got 'weights': 2",
+    ),
+    "overflow_unknown": (
+        {"overflow": "x"},
+        ValueError,
+        f"Expected `overflow` to be one of {sw.OVERFLOW_POLICIES}, got 'x'",
+    ),
+    "select_int": (
+        {"select": 42},
+        TypeError,
+        "Expected `select` to be None, a streamwatch.Select, a name glob, a module class or a tuple of "
+        "classes, got 42",
+    ),
+    "optimizer_not_optimizer": (
+        {"optimizer": "sgd"},
+        TypeError,
+        "Expected `optimizer` to be a torch.optim.Optimizer or None, got 'sgd'",
+    ),
+    "sinks_not_sink": ({"sinks": [print]}, TypeError, "Expected every entry of `sinks` to be a Sink, got "),
+}
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), BAD.values(), ids=BAD)
+def test_bad_arguments_are_refused_with_a_message_naming_them(
+    kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    model = _model()
+    pattern = "^" + re.escape(message) + ("" if message.endswith("got ") else "$")
+    with pytest.raises(error, match=pattern):
+        sw.observe(model, **kwargs)
+    assert not any(len(m._forward_hooks) for m in model.modules())
+    with sw.observe(model):  # a refused observe() leaves the model free
+        pass
+
+
+def test_a_model_that_is_not_a_module_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"^Expected `model` to be a torch\.nn\.Module, got int$"):
+        sw.observe(42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^Expected `model` to be a torch\.nn\.Module, got function$"):
+        sw.observe(lambda x: x)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("capacity", [0, -1], ids=["zero", "negative"])
+def test_a_capacity_below_one_is_refused(capacity: int) -> None:
+    model = _model()
+    with pytest.raises(ValueError, match=r"`capacity`"):
+        sw.observe(model, capacity=capacity)
+    with sw.observe(model):
+        pass
