@@ -64,7 +64,7 @@ class StepRecord:
     Example:
         >>> import numpy as np
         >>> r = StepRecord(3, 0.0, 0, (SeriesKey("train", "fc", "activation", ""),),
-        ...                np.array([[4, 2.0, 6.0, -1.0, 2.0, 1, 0, 2, 1]]), {"loss": 0.5})
+        ...                np.array([[4, 2.0, 6.0, -1.0, 2.0, 1, 0, 2, 1, 2, 3]]), {"loss": 0.5})
         >>> round(float(r.stat("l2")[0]) ** 2, 9), float(r.column("zeros")[0])
         (6.0, 1.0)
     """
@@ -131,10 +131,11 @@ class PendingRecord:
     keys: tuple[Hashable, ...]
     counts: np.ndarray
     units: np.ndarray
-    dead_rows: tuple[int, ...]  # rows (first occurrence of a key) that carry a dead-unit count
+    samples: np.ndarray
+    unit_rows: tuple[int, ...]  # rows (first occurrence of a key) that carry per-unit activity
     scalar_names: tuple[str, ...]  # device step scalars after the dead counts (loss, correct)
     host_scalars: dict[str, float]
-    data: torch.Tensor  # flat: rows x 5 (6) device stats, then dead counts, then device step scalars
+    data: torch.Tensor  # flat: rows x 5 (6) device stats, then (dead, active) per unit-row, then step scalars
     nonfinite_counted: bool
     event: Any = None  # torch.cuda.Event on CUDA
     release: Callable[[], None] | None = None  # gives the pinned slot back to its pool
@@ -150,16 +151,18 @@ class PendingRecord:
             self.release()
         values = flat[: n * nstats].reshape(n, nstats)
         dead = np.full(n, np.nan)
-        ndead = len(self.dead_rows)
-        if ndead:
-            dead[list(self.dead_rows)] = (
-                self.units[list(self.dead_rows)] - flat[n * nstats : n * nstats + ndead]
-            )
-        raw = Raw(self.keys, self.counts, self.units, values, dead, self.nonfinite_counted)
+        active = np.full(n, np.nan)
+        activity = flat[n * nstats : n * nstats + 2 * len(self.unit_rows)]
+        rows = list(self.unit_rows)
+        dead[rows] = activity[0::2]
+        active[rows] = activity[1::2]
+        raw = Raw(
+            self.keys, self.counts, self.units, values, dead, self.nonfinite_counted, self.samples, active
+        )
         keys, table = finalize(raw)
         table.setflags(write=False)
         scalars = dict(self.host_scalars)
-        base = n * nstats + ndead
+        base = n * nstats + 2 * len(self.unit_rows)
         for i, name in enumerate(self.scalar_names):
             scalars[name] = float(flat[base + i])
         if "correct" in scalars and scalars.get("total"):
@@ -170,18 +173,19 @@ class PendingRecord:
 class StepBuffer:
     """Rows of the current step, appended by hooks on the training thread (no locks: one thread).
 
-    Rows with equal keys are kept apart here and merged on the worker; per-unit activity of a repeated
-    key is merged here with ``torch.maximum`` (one small kernel) so dead units are exact across repeats.
+    Rows with equal keys are kept apart here and merged on the worker; per-unit activity counts of a
+    repeated key are added here (one small kernel) so dead units and activation rates stay exact.
     """
 
-    __slots__ = ("counts", "device", "keys", "latest", "scalars", "unit_active", "units")
+    __slots__ = ("counts", "device", "keys", "latest", "samples", "scalars", "unit_counts", "units")
 
     def __init__(self) -> None:
         self.keys: list[Hashable] = []
         self.counts: list[int] = []
         self.units: list[int] = []
         self.scalars: list[torch.Tensor] = []
-        self.unit_active: dict[Hashable, tuple[int, torch.Tensor]] = {}
+        self.samples: list[int] = []
+        self.unit_counts: dict[Hashable, tuple[int, torch.Tensor]] = {}
         self.latest: dict[Hashable, int] = {}  # row index of replaceable keys
         self.device: torch.device | None = None
 
@@ -201,18 +205,22 @@ class StepBuffer:
         self.scalars.extend(row.scalars)
         if self.device is None:
             self.device = row.scalars[0].device
-        active = row.unit_active
-        if active is None:
+        counts = row.unit_counts
+        if counts is None:
             self.units.append(0)
+            self.samples.append(0)
             return
-        self.units.append(active.numel())
-        seen = self.unit_active.get(key)
+        seen = self.unit_counts.get(key)
         if seen is None:
-            self.unit_active[key] = (len(self.keys) - 1, active)
-        elif seen[1].shape == active.shape:
-            self.unit_active[key] = (seen[0], torch.maximum(seen[1], active))
-        # else: the same key with another unit count (rare: a module reused on other shapes); the first
-        # call's units stand for the key.
+            self.unit_counts[key] = (len(self.keys) - 1, counts)
+        elif seen[1].shape == counts.shape:
+            self.unit_counts[key] = (seen[0], seen[1] + counts)
+        else:  # the same key with another unit count (a module reused on other shapes): not comparable
+            self.units.append(0)
+            self.samples.append(0)
+            return
+        self.units.append(counts.numel())
+        self.samples.append(row.samples)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -229,10 +237,12 @@ class StepBuffer:
         pool: SlotPool | None = None,
     ) -> PendingRecord | None:
         """Stack the step into one tensor and make its only copy; returns None if no slot was free."""
-        dead_rows = tuple(first for first, _ in self.unit_active.values())
-        dead = [active.sum(dtype=torch.float32) for _, active in self.unit_active.values()]
+        unit_rows = tuple(first for first, _ in self.unit_counts.values())
+        activity = []  # per unit-row: dead units, then active (sample, unit) pairs
+        for _, counts in self.unit_counts.values():
+            activity += [(counts == 0).sum(dtype=torch.float32), counts.sum()]
         extra = [t.detach().reshape(()) for t in step_scalars.values()]
-        parts = self.scalars + dead + extra
+        parts = self.scalars + activity + extra
         device = (
             self.device if self.device is not None else (extra[0].device if extra else torch.device("cpu"))
         )
@@ -269,7 +279,8 @@ class StepBuffer:
             keys=tuple(self.keys),
             counts=np.asarray(self.counts, dtype=np.float64),
             units=np.asarray(self.units, dtype=np.float64),
-            dead_rows=dead_rows,
+            samples=np.asarray(self.samples, dtype=np.float64),
+            unit_rows=unit_rows,
             scalar_names=tuple(step_scalars),
             host_scalars=host_scalars,
             data=data,
@@ -285,6 +296,7 @@ class StepBuffer:
         self.counts = []
         self.units = []
         self.scalars = []
-        self.unit_active = {}
+        self.samples = []
+        self.unit_counts = {}
         self.latest = {}
         self.device = None

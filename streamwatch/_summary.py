@@ -20,7 +20,7 @@ Example:
     >>> row = summarize(x, unit_dim=1)
     >>> raw = Raw(keys=("a",), counts=np.array([4.0]), units=np.array([2.0]),
     ...           values=torch.stack(row.scalars).reshape(1, -1).numpy(), dead=np.array([1.0]),
-    ...           nonfinite_counted=False)
+    ...           nonfinite_counted=False, samples=np.array([2.0]), active=np.array([2.0]))
     >>> keys, table = finalize(raw)
     >>> dict(zip(COLUMNS, table[0].tolist()))["zeros"], dict(zip(COLUMNS, table[0].tolist()))["dead"]
     (2.0, 1.0)
@@ -34,17 +34,79 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["COLUMNS", "DERIVED", "Raw", "Row", "derive", "finalize", "summarize", "unit_dim_for"]
+__all__ = [
+    "COLUMNS",
+    "DERIVED",
+    "Raw",
+    "Row",
+    "derive",
+    "finalize",
+    "saturation_bounds",
+    "summarize",
+    "unit_dim_for",
+]
 
 DEVICE_STATS = ("sum", "l2", "min", "max", "nonzero", "nonfinite")
 """The device scalars per tensor, in this order (``nonfinite`` only when counted)."""
 
-COLUMNS = ("count", "sum", "sumsq", "min", "max", "zeros", "nonfinite", "units", "dead")
+COLUMNS = ("count", "sum", "sumsq", "min", "max", "zeros", "nonfinite", "units", "dead", "samples", "active")
 """Columns of a finalized table: everything else derives from these, and all of them add up (or take
-min/max) across rows, steps, shards and ranks — which is why sums of squares, not norms, are kept."""
+min/max) across rows, steps, shards and ranks — which is why sums of squares, not norms, are kept.
+``units``/``dead``/``samples``/``active`` describe per-unit activity (monitorch): ``active`` counts the
+(sample, unit) pairs in which the unit was active anywhere in its positions."""
 
-DERIVED = ("mean", "std", "var", "l2", "rms", "absmax", "zero_fraction", "dead_fraction")
+DERIVED = ("mean", "std", "var", "l2", "rms", "absmax", "zero_fraction", "dead_fraction", "activation_rate")
 """Statistics :func:`derive` computes from the columns."""
+
+_RTOL, _ATOL = 1e-5, 1e-8  # torch.isclose's defaults: "at a saturation bound" means isclose to it
+_INF = float("inf")
+_BOUNDS: dict[type[torch.nn.Module], tuple[float, float]] = {
+    torch.nn.Sigmoid: (0.0, 1.0),
+    torch.nn.Hardsigmoid: (0.0, 1.0),
+    torch.nn.Tanh: (-1.0, 1.0),
+    torch.nn.Softsign: (-1.0, 1.0),
+    torch.nn.ReLU6: (0.0, 6.0),
+    torch.nn.LogSigmoid: (-_INF, 0.0),
+    torch.nn.SELU: (-1.7580993408473766, _INF),  # -scale * alpha
+    torch.nn.Tanhshrink: (-_INF, _INF),  # never saturates
+}
+
+
+def saturation_bounds(module: torch.nn.Module) -> tuple[float, float] | None:
+    """Where ``module``'s output saturates (zero gradient): an output at a bound is *inactive*.
+
+    monitorch's definition of activity. None means the default bound, exact zero (ReLU and everything
+    that is not a saturating activation); streamwatch then counts exact zeros, where monitorch counts
+    ``|y| <= 1e-8`` — identical for ReLU-family outputs, which are exactly zero when inactive.
+
+    Example:
+        >>> import torch
+        >>> saturation_bounds(torch.nn.Sigmoid()), saturation_bounds(torch.nn.ReLU())
+        ((0.0, 1.0), None)
+    """
+    bounds = _BOUNDS.get(type(module))
+    if bounds is not None:
+        return bounds
+    if isinstance(module, torch.nn.Hardtanh):  # also ReLU6's base: read its own limits
+        return (float(module.min_val), float(module.max_val))
+    if isinstance(module, torch.nn.ELU | torch.nn.CELU):
+        return (-float(module.alpha), _INF)
+    if isinstance(module, torch.nn.Threshold):
+        return (float(module.value), _INF)
+    return None
+
+
+def _inside(x: torch.Tensor, bounds: tuple[float, float]) -> torch.Tensor:
+    """1 where ``x`` is not at (isclose to) either saturation bound, else 0 — in ``x``'s dtype."""
+    mask: torch.Tensor | None = None
+    for bound in bounds:
+        if bound in (_INF, -_INF):
+            continue
+        far = (x - bound).abs_() > (_ATOL + _RTOL * abs(bound))
+        mask = far if mask is None else mask & far
+    if mask is None:
+        return torch.ones_like(x)
+    return mask.to(x.dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +114,8 @@ class Row:
     """The device scalars of one summarized tensor (see :data:`DEVICE_STATS`), plus per-unit activity."""
 
     scalars: list[torch.Tensor]
-    unit_active: torch.Tensor | None  # 1-D: 1 where a unit had any nonzero element, else 0
+    unit_counts: torch.Tensor | None = None  # 1-D float32: per unit, the samples in which it was active
+    samples: int = 0  # the batch size behind unit_counts
 
 
 def unit_dim_for(x: torch.Tensor, channel_last: bool) -> int | None:
@@ -66,7 +129,13 @@ def unit_dim_for(x: torch.Tensor, channel_last: bool) -> int | None:
     return x.dim() - 1 if channel_last else 1
 
 
-def summarize(x: torch.Tensor, *, unit_dim: int | None = None, count_nonfinite: bool = False) -> Row:
+def summarize(
+    x: torch.Tensor,
+    *,
+    unit_dim: int | None = None,
+    count_nonfinite: bool = False,
+    bounds: tuple[float, float] | None = None,
+) -> Row:
     """Device scalars of a real floating tensor: sum, L2 norm, min, max, nonzero count, non-finite count.
 
     No host synchronisation: every result stays on ``x``'s device. ``x`` must be a dense, non-empty,
@@ -75,7 +144,10 @@ def summarize(x: torch.Tensor, *, unit_dim: int | None = None, count_nonfinite: 
 
     Args:
         x: the tensor; it is only read.
-        unit_dim: if given, also return per-unit activity along this dimension (dead-unit rate).
+        unit_dim: if given, also return per-unit activity along this dimension (dead units, activation
+            rate); dimension 0 is the batch.
+        bounds: the module's saturation bounds (:func:`saturation_bounds`): activity is "not at a
+            bound" instead of "nonzero".
         count_nonfinite: also count NaN/Inf elements exactly (one more pass); otherwise there are five
             scalars and :func:`finalize` reports a 0/1 presence flag derived for free from min/max/sum.
 
@@ -93,11 +165,14 @@ def summarize(x: torch.Tensor, *, unit_dim: int | None = None, count_nonfinite: 
     scalars = [total, l2, low, high, active.sum(dtype=acc)]
     if count_nonfinite:
         scalars.append(x.numel() - torch.isfinite(x).sum())
-    unit_active = None
-    if unit_dim is not None:
-        dims = [d for d in range(x.dim()) if d != unit_dim]
-        unit_active = active.amax(dim=dims)
-    return Row(scalars, unit_active)
+    if unit_dim is None:
+        return Row(scalars)
+    if bounds is not None:
+        active = _inside(x, bounds)
+    if x.dim() > 2:  # a (sample, unit) pair is active if the unit is active anywhere in its positions
+        positions = [d for d in range(1, x.dim()) if d != unit_dim]
+        active = active.amax(dim=positions)
+    return Row(scalars, active.sum(0, dtype=torch.float32), x.shape[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +186,8 @@ class Raw:
         values: ``(rows, 5)`` device scalars on the host (``(rows, 6)`` with the non-finite count).
         dead: dead units per row (NaN where not taken), already merged across repeats of a key.
         nonfinite_counted: whether the ``nonfinite`` column holds exact counts.
+        samples: batch size per row (0 where no unit activity was taken); repeats of a key add up.
+        active: active (sample, unit) pairs per row (NaN where not taken), merged like ``dead``.
     """
 
     keys: tuple[Hashable, ...]
@@ -119,6 +196,8 @@ class Raw:
     values: np.ndarray
     dead: np.ndarray
     nonfinite_counted: bool
+    samples: np.ndarray | None = None
+    active: np.ndarray | None = None
 
 
 def finalize(raw: Raw) -> tuple[tuple[Hashable, ...], np.ndarray]:
@@ -143,13 +222,17 @@ def finalize(raw: Raw) -> tuple[tuple[Hashable, ...], np.ndarray]:
         with np.errstate(invalid="ignore"):
             finite = np.isfinite(values[:, 0]) & np.isfinite(values[:, 2]) & np.isfinite(values[:, 3])
         table[:, 6] = (~finite).astype(np.float64)
-    table[:, 7] = np.where(raw.units > 0, raw.units, np.nan)  # no unit activity taken: unknown, not 0
+    taken = raw.units > 0  # no unit activity taken: unknown, not 0
+    table[:, 7] = np.where(taken, raw.units, np.nan)
     table[:, 8] = raw.dead
+    table[:, 9] = np.where(taken, raw.samples, np.nan) if raw.samples is not None else np.nan
+    table[:, 10] = raw.active if raw.active is not None else np.nan
     # sign(NaN) is 0 on CPU, so the nonzero mask counts NaN elements as zeros (and an all-NaN unit as
     # dead): with a NaN present (aminmax propagates it) zeros and dead units are unknown, not wrong.
     has_nan = np.isnan(values[:, 2]) | np.isnan(values[:, 3])
     table[has_nan, 5] = np.nan
     table[has_nan, 8] = np.nan
+    table[has_nan, 10] = np.nan
     if len(set(raw.keys)) == n:
         return raw.keys, table
     return _merge(raw.keys, table, counted=raw.nonfinite_counted)
@@ -163,7 +246,7 @@ def _merge(
         first.setdefault(key, len(first))
     index = np.fromiter((first[k] for k in keys), dtype=np.intp, count=len(keys))
     out = np.zeros((len(first), table.shape[1]), dtype=np.float64)
-    for col in (0, 1, 2, 5):
+    for col in (0, 1, 2, 5, 9):
         np.add.at(out[:, col], index, table[:, col])
     if counted:
         np.add.at(out[:, 6], index, table[:, 6])
@@ -178,8 +261,8 @@ def _merge(
     out[nan_min, 3] = np.nan
     out[nan_min, 4] = np.nan
     order = np.unique(index, return_index=True)[1]
-    out[:, 7] = table[order, 7]
-    out[:, 8] = table[order, 8]
+    for col in (7, 8, 10):  # per-unit activity was merged per key on the training thread
+        out[:, col] = table[order, col]
     return tuple(first), out
 
 
@@ -188,14 +271,17 @@ def derive(table: np.ndarray) -> dict[str, np.ndarray]:
 
     ``var`` is the population variance ``sumsq/count - mean²`` (clipped at 0 against rounding); ``l2``
     is ``√sumsq``; ``rms`` is ``√(sumsq/count)``; ``absmax`` is ``max(|min|, |max|)``; fractions are
-    per element (zeros) and per unit (dead). Ratios over a zero count are NaN (never an error).
+    per element (zeros) and per unit (dead); ``activation_rate`` is the fraction of (sample, unit) pairs
+    in which the unit was active (monitorch). Ratios over a zero count are NaN (never an error).
 
     Example:
         >>> import numpy as np
-        >>> t = np.array([[4, 2.0, 6.0, -1.0, 2.0, 1, 0, 2, 1]])
+        >>> t = np.array([[4, 2.0, 6.0, -1.0, 2.0, 1, 0, 2, 1, 2, 3]])
         >>> d = {k: round(float(v[0]), 4) for k, v in derive(t).items()}
         >>> d["mean"], d["std"], d["l2"], d["rms"], d["absmax"], d["zero_fraction"], d["dead_fraction"]
         (0.5, 1.118, 2.4495, 1.2247, 2.0, 0.25, 0.5)
+        >>> d["activation_rate"]
+        0.75
     """
     count, total, sumsq = table[:, 0], table[:, 1], table[:, 2]
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -210,4 +296,5 @@ def derive(table: np.ndarray) -> dict[str, np.ndarray]:
             "absmax": np.fmax(np.abs(table[:, 3]), np.abs(table[:, 4])),
             "zero_fraction": table[:, 5] / count,
             "dead_fraction": table[:, 8] / table[:, 7],
+            "activation_rate": table[:, 10] / (table[:, 9] * table[:, 7]),
         }

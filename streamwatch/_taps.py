@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from streamwatch._record import SeriesKey, StepBuffer
-from streamwatch._summary import summarize, unit_dim_for
+from streamwatch._summary import saturation_bounds, summarize, unit_dim_for
 
 __all__ = ["DEFAULT_CADENCE", "DEFAULT_TAPS", "KINDS", "Select", "TapSet", "resolve_select"]
 
@@ -198,11 +198,17 @@ def _prepare(x: torch.Tensor, state: TapState) -> torch.Tensor | None:
 
 
 def summarize_into(
-    state: TapState, key: SeriesKey, x: torch.Tensor, channel_last: bool | None, replace: bool = False
+    state: TapState,
+    key: SeriesKey,
+    x: torch.Tensor,
+    channel_last: bool | None,
+    replace: bool = False,
+    bounds: tuple[float, float] | None = None,
 ) -> None:
     """Summarise ``x`` into the current step buffer under ``key`` (skips odd tensors, counted).
 
-    ``channel_last`` says where units are for dead-unit counting (None: no per-unit activity).
+    ``channel_last`` says where units are for per-unit activity (None: none taken); ``bounds`` are the
+    producing module's saturation bounds (activations only).
     """
     prepared = _prepare(x, state)
     if prepared is None:
@@ -212,7 +218,7 @@ def summarize_into(
         if state.channel_last is None and prepared.dim() >= 4:
             channel_last = False  # NCHW / NCDHW: a ReLU after a Conv2d has channels in dim 1 too
         unit_dim = unit_dim_for(prepared, channel_last)
-    row = summarize(prepared, unit_dim=unit_dim, count_nonfinite=state.count_nonfinite)
+    row = summarize(prepared, unit_dim=unit_dim, count_nonfinite=state.count_nonfinite, bounds=bounds)
     state.buffer.add(key, prepared.numel(), row, replace=replace)
 
 
@@ -252,7 +258,8 @@ class TapSet:
                 channel_last = not isinstance(module, _CHANNEL_FIRST)
                 # (4-D/5-D tensors are channels-first whatever module made them: see summarize_into)
             if taps & {"activation", "output_grad"}:
-                self.handles.append(module.register_forward_hook(self._forward_hook(name, channel_last)))
+                hook = self._forward_hook(name, channel_last, saturation_bounds(module))
+                self.handles.append(module.register_forward_hook(hook))
             if taps & {"input", "input_grad"}:
                 self.handles.append(module.register_forward_pre_hook(self._forward_pre_hook(name)))
         if "param_grad" in taps:
@@ -271,7 +278,9 @@ class TapSet:
 
     # -- forward side ---------------------------------------------------------------------------------
 
-    def _forward_hook(self, name: str, channel_last: bool) -> Callable[..., Any]:
+    def _forward_hook(
+        self, name: str, channel_last: bool, bounds: tuple[float, float] | None
+    ) -> Callable[..., Any]:
         state = self.state
 
         def body(module: nn.Module, args: Any, output: Any) -> None:
@@ -285,7 +294,8 @@ class TapSet:
                     state.skip("non_tensor")
                     continue
                 if (not train and "activation" in state.taps) or (train and on["activation"]):
-                    summarize_into(state, SeriesKey(phase, name, "activation", leaf_name), leaf, channel_last)
+                    key = SeriesKey(phase, name, "activation", leaf_name)
+                    summarize_into(state, key, leaf, channel_last, bounds=bounds)
                 if train and on["output_grad"] and leaf.requires_grad:
                     if torch.compiler.is_compiling():
                         # A tensor hook registered inside a compiled forward breaks the graph; keep the

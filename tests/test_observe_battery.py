@@ -166,12 +166,17 @@ def reference(x: torch.Tensor, unit_dim: int | None = None, counted: bool = Fals
         "nonfinite": float(nonfinite) if counted else float(nonfinite > 0),
         "units": math.nan,  # no unit activity taken: unknown, not 0
         "dead": math.nan,
+        "samples": math.nan,
+        "active": math.nan,
     }
     if unit_dim is not None:
         units = a.shape[unit_dim]
-        active = (a != 0).movedim(unit_dim, 0).reshape(units, -1).any(dim=1)
+        # (sample, unit) pairs active anywhere in their positions (monitorch); dim 0 is the batch
+        pairs = (a != 0).movedim(unit_dim, 1).reshape(a.shape[0], units, -1).any(dim=2)
         ref["units"] = float(units)
-        ref["dead"] = math.nan if has_nan else float(units - int(active.sum()))
+        ref["samples"] = float(a.shape[0])
+        ref["dead"] = math.nan if has_nan else float(units - int(pairs.any(dim=0).sum()))
+        ref["active"] = math.nan if has_nan else float(pairs.sum())
     return ref
 
 

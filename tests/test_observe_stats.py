@@ -433,6 +433,132 @@ def test_death_and_activation_rates_of_known_inputs_follow_monitorch(
     assert by_stat["dead_fraction"] == pytest.approx(death_rate, abs=1e-12)
 
 
+class Fixed(nn.Module):
+    """Returns a fixed output whatever the input (monitorch's test ``DumbModule``)."""
+
+    def __init__(self, output: torch.Tensor) -> None:
+        super().__init__()
+        self.output = output
+
+    def forward(self, _: torch.Tensor) -> torch.Tensor:
+        return self.output
+
+
+# monitorch's own published known-input cases (its tests/test_preprocessor/test_output_activation.py,
+# test_output_single_activation): the layer's activation rate for each module and input. Sigmoid shows the
+# saturation rule: an output at a bound (isclose to 0 or 1) is inactive, so 7 of these 13 are active.
+def column(*values: float) -> torch.Tensor:
+    """A ``[n, 1]`` batch: n samples of one unit."""
+    return torch.tensor(values, dtype=torch.float32).reshape(-1, 1)
+
+
+PUBLISHED = {
+    "fixed_zeros": (Fixed(torch.zeros(10, 10)), torch.rand(1, 10, 10), 0.0),
+    "fixed_ones": (Fixed(torch.ones(10, 10)), torch.rand(1, 10, 10), 1.0),
+    "relu_shifted_uniform": (
+        nn.ReLU(),
+        column(0.6934, 0.4656, 0.6557, 0.7697, 0.2359, 0.2468, 0.5747, 0.5834, 0.6392, 0.8261) - 0.5,
+        0.7,
+    ),
+    "relu_ten": (
+        nn.ReLU(),
+        column(-0.978, 1.534, 5.978, -1.841, -1.345, 0.291, -0.549, 3.051, -0.890, -0.496),
+        0.4,
+    ),
+    "relu_thirty": (
+        nn.ReLU(),
+        column(
+            -1.216,
+            -2.504,
+            0.206,
+            1.330,
+            6.213,
+            0.053,
+            -0.570,
+            1.486,
+            -8.944,
+            -0.194,
+            3.314,
+            -0.777,
+            -0.264,
+            2.458,
+            0.432,
+            -0.051,
+            7.436,
+            -0.196,
+            5.129,
+            -0.180,
+            -3.384,
+            -0.802,
+            -7.045,
+            -5.363,
+            -1.730,
+            0.168,
+            1.602,
+            2.740,
+            1.893,
+            -13.469,
+        ),
+        0.4666666666666667,
+    ),
+    "sigmoid_saturates": (
+        nn.Sigmoid(),
+        column(-1000, -500, -100, -10, -5, -1, 0, 1, 5, 10, 100, 500, 1000),
+        0.5384615384615384,
+    ),
+}
+
+
+@pytest.mark.parametrize(("module", "x", "activation_rate"), PUBLISHED.values(), ids=PUBLISHED)
+def test_monitorchs_published_activation_rates_reproduce(
+    module: nn.Module, x: torch.Tensor, activation_rate: float
+) -> None:
+    model = nn.Sequential(module)
+    recs = sw.sinks.collect()
+    with sw.observe(model, sinks=[recs]) as watch:
+        model(x)
+        watch.step()
+    (record,) = recs.items
+    i = record.keys.index(sw.SeriesKey("train", "0", "activation", ""))
+    assert record.stat("activation_rate")[i] == pytest.approx(activation_rate, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("module", "make_active"),
+    [
+        (nn.ReLU(), lambda y: y > 0),
+        (nn.ReLU6(), lambda y: (y > 0) & (y < 6)),
+        (nn.Tanh(), lambda y: ~torch.isclose(y, torch.tensor(-1.0)) & ~torch.isclose(y, torch.tensor(1.0))),
+    ],
+    ids=["relu", "relu6", "tanh"],
+)
+@pytest.mark.parametrize("shape", [(100, 100), (100, 10, 10), (100, 10, 2, 10)], ids=["2d", "3d", "4d"])
+def test_epoch_death_and_activation_rates_match_monitorchs_reference_computation(
+    module: nn.Module, make_active: Any, shape: tuple[int, ...]
+) -> None:
+    # monitorch's test_output_epoch_death_activation, step by step: a (sample, unit) pair is active if the
+    # unit is active anywhere in its positions; a unit's rate is its mean over the batch; dead = rate 0.
+    model = nn.Sequential(module)
+    recs = sw.sinks.collect()
+    expected = []
+    gen = torch.Generator().manual_seed(0)
+    with sw.observe(model, channel_last=False, sinks=[recs]) as watch:
+        for _ in range(5):
+            x = torch.empty(shape).cauchy_(generator=gen)
+            y = model(x)
+            active = make_active(y)
+            if active.dim() > 2:
+                active = active.flatten(2, -1).any(dim=-1)
+            rates = active.double().mean(dim=0)
+            expected.append((float((rates == 0).double().mean()), float(rates.mean())))
+            watch.step()
+    got = []
+    for record in recs.items:
+        i = record.keys.index(sw.SeriesKey("train", "0", "activation", ""))
+        got.append((float(record.stat("dead_fraction")[i]), float(record.stat("activation_rate")[i])))
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+
+
 # -- non-finite values --------------------------------------------------------------------------------
 
 
@@ -757,7 +883,8 @@ def test_snapshot_equals_the_last_record_and_never_holds_nan() -> None:
     relu_dead = {**dict.fromkeys(("param", "index"), ""), "phase": "train", "layer": "1", "stat": "dead"}
     assert tensor[tuple(sorted({**relu_dead, "kind": "activation"}.items()))] >= 1  # unit 2 at least
     weight_stats = {dict(k)["stat"] for k in tensor if ("param", "weight") in k and ("kind", "param") in k}
-    assert weight_stats == set(COLUMNS + DERIVED) - {"units", "dead", "dead_fraction"}
+    per_unit = {"units", "dead", "dead_fraction", "samples", "active", "activation_rate"}
+    assert weight_stats == set(COLUMNS + DERIVED) - per_unit
 
     scalars = {
         (s.name, tuple(sorted(s.labels.items()))): s.value for s in samples if s.name != "streamwatch_tensor"

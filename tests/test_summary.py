@@ -17,10 +17,12 @@ finite = st.floats(-1e3, 1e3, allow_nan=False, width=32)
 
 def reference_row(x: np.ndarray, unit_axis: int | None) -> dict[str, float]:
     x = x.astype(np.float64)
-    units = dead = math.nan
+    units = dead = samples = active = math.nan
     if unit_axis is not None:
-        moved = np.moveaxis(x, unit_axis, 0).reshape(x.shape[unit_axis], -1)
-        units, dead = float(moved.shape[0]), float(np.sum(np.all(moved == 0, axis=1)))
+        # (sample, unit) pairs active anywhere in their positions; a unit is dead if active in none
+        pairs = np.any(np.moveaxis(x, unit_axis, 1).reshape(x.shape[0], x.shape[unit_axis], -1) != 0, axis=2)
+        units, samples = float(pairs.shape[1]), float(pairs.shape[0])
+        dead, active = float(np.sum(~pairs.any(axis=0))), float(pairs.sum())
     return {
         "count": float(x.size),
         "sum": float(x.sum()),
@@ -31,25 +33,30 @@ def reference_row(x: np.ndarray, unit_axis: int | None) -> dict[str, float]:
         "nonfinite": float(np.sum(~np.isfinite(x))),
         "units": units,
         "dead": dead,
+        "samples": samples,
+        "active": active,
     }
 
 
 def raw_of(tensors: list[torch.Tensor], keys: list[str], unit_dim: int | None, counted: bool) -> Raw:
+    """What the step buffer hands the worker, built by hand (per-unit counts of a key add up)."""
     rows = [summarize(t, unit_dim=unit_dim, count_nonfinite=counted) for t in tensors]
-    first: dict[str, torch.Tensor] = {}
+    merged: dict[str, torch.Tensor] = {}
     for key, row in zip(keys, rows, strict=True):
-        if row.unit_active is not None:
-            first[key] = torch.maximum(first[key], row.unit_active) if key in first else row.unit_active
-    units = np.array([0.0 if r.unit_active is None else r.unit_active.numel() for r in rows])
-    dead = np.full(len(rows), np.nan)
+        if row.unit_counts is not None:
+            merged[key] = merged[key] + row.unit_counts if key in merged else row.unit_counts
+    units = np.array([0.0 if r.unit_counts is None else r.unit_counts.numel() for r in rows])
+    samples = np.array([float(r.samples) for r in rows])
+    dead, active = np.full(len(rows), np.nan), np.full(len(rows), np.nan)
     seen: set[str] = set()
     for i, key in enumerate(keys):
-        if key in first and key not in seen:
+        if key in merged and key not in seen:
             seen.add(key)
-            dead[i] = units[i] - float(first[key].sum())
+            dead[i] = float((merged[key] == 0).sum())
+            active[i] = float(merged[key].sum())
     values = torch.stack([torch.stack([s.double() for s in r.scalars]) for r in rows]).numpy()
     counts = np.array([float(t.numel()) for t in tensors])
-    return Raw(tuple(keys), counts, units, values, dead, counted)
+    return Raw(tuple(keys), counts, units, values, dead, counted, samples, active)
 
 
 @settings(max_examples=60, deadline=None)
@@ -128,8 +135,9 @@ def test_derived_statistics_match_numpy(values) -> None:
     scale = float(np.mean(x64 * x64)) + 1.0  # var = E[x²] - mean² from float32 sums: absolute error ∝ E[x²]
     np.testing.assert_allclose(got["mean"], x64.mean(), rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(got["var"], x64.var(), rtol=1e-4, atol=1e-5 * scale)
-    np.testing.assert_allclose(got["l2"], np.linalg.norm(x64), rtol=1e-5)
-    np.testing.assert_allclose(got["rms"], np.sqrt(np.mean(x64 * x64)), rtol=1e-5)
+    # float32 sums of squares underflow below |x| ~ 1e-19: such norms read 0 (the absolute floor)
+    np.testing.assert_allclose(got["l2"], np.linalg.norm(x64), rtol=1e-5, atol=1e-18)
+    np.testing.assert_allclose(got["rms"], np.sqrt(np.mean(x64 * x64)), rtol=1e-5, atol=1e-18)
     np.testing.assert_allclose(got["absmax"], np.abs(x64).max(), rtol=1e-6)
     np.testing.assert_allclose(got["zero_fraction"], np.mean(x64 == 0))
     assert math.isnan(got["dead_fraction"])  # no units taken
