@@ -130,14 +130,7 @@ class _Latest(Sink):
         out: list[Sample] = []
         stats = {name: table[:, i] for i, name in enumerate(COLUMNS)} | derive(table)
         for i, key in enumerate(keys):
-            is_param = key.kind in ("param", "param_grad", "update")
-            labels = {
-                "phase": key.phase,
-                "layer": key.layer,
-                "kind": key.kind,
-                "param": key.name if is_param else "",
-                "index": "" if is_param else key.name,
-            }
+            labels = key.labels()
             for stat, values in stats.items():
                 value = float(values[i])
                 if not math.isnan(value):  # absent, never a NaN placeholder

@@ -46,6 +46,25 @@ class SeriesKey(NamedTuple):
     kind: str
     name: str
 
+    def labels(self) -> dict[str, str]:
+        """Prometheus labels: ``name`` is ``param`` for parameter kinds and ``index`` for tensor leaves.
+
+        Example:
+            >>> SeriesKey("train", "fc", "param_grad", "weight").labels()
+            {'phase': 'train', 'layer': 'fc', 'kind': 'param_grad', 'param': 'weight', 'index': ''}
+        """
+        is_param = self.kind in _PARAM_KINDS
+        return {
+            "phase": self.phase,
+            "layer": self.layer,
+            "kind": self.kind,
+            "param": self.name if is_param else "",
+            "index": "" if is_param else self.name,
+        }
+
+
+_PARAM_KINDS = frozenset({"param", "param_grad", "update"})
+
 
 @dataclass(frozen=True, slots=True)
 class StepRecord:
