@@ -36,7 +36,7 @@ from streamwatch._channel import OVERFLOW_POLICIES, OverflowPolicy, channel
 from streamwatch._exceptions import PipelineError
 from streamwatch._pipeline import Pipeline, Sink, source
 from streamwatch._record import PendingRecord, SeriesKey, SlotPool, StepRecord
-from streamwatch._summary import COLUMNS, derive
+from streamwatch._summary import COLUMNS, derive, release_scratch
 from streamwatch._taps import (
     DEFAULT_CADENCE,
     DEFAULT_TAPS,
@@ -412,6 +412,7 @@ class Watch:
             return
         self._closed = True
         self._taps.remove()
+        release_scratch()
         self._state.buffer.clear()  # an unfinished step is not a completed step
         model = self._model_ref()
         with _OBSERVED_LOCK:

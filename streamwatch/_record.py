@@ -267,7 +267,10 @@ class StepBuffer:
         )
         if parts:
             # One kernel for the whole step (stack promotes float16/int64 scalars to float32/float64).
-            flat = torch.stack([p.to(device, non_blocking=True) if p.device != device else p for p in parts])
+            try:
+                flat = torch.stack(parts)
+            except RuntimeError:  # parts on several devices (model parallel): gather them first
+                flat = torch.stack([p.to(device, non_blocking=True) for p in parts])
         else:
             flat = torch.empty(0, dtype=torch.float64)
         event = None

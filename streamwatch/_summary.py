@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -118,6 +119,34 @@ class Row:
     samples: int = 0  # the batch size behind unit_counts
 
 
+class _Scratch(threading.local):
+    """Per-thread reusable buffers, two per (device, dtype) (hooks run on the training thread, and on
+    CUDA also on autograd's device threads). Kernels on one stream run in order, so a buffer may be
+    rewritten as soon as the reductions reading it are enqueued."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
+
+
+_SCRATCH = _Scratch()
+
+
+def _scratch(x: torch.Tensor, slot: int = 0) -> torch.Tensor:
+    """A scratch tensor shaped like ``x`` (contiguous), reused across calls on this thread."""
+    key = (x.device, x.dtype, slot)
+    buffer = _SCRATCH.buffers.get(key)
+    n = x.numel()
+    if buffer is None or buffer.numel() < n:
+        buffer = torch.empty(n, dtype=x.dtype, device=x.device)
+        _SCRATCH.buffers[key] = buffer
+    return buffer[:n].view(x.shape)
+
+
+def release_scratch() -> None:
+    """Free this thread's scratch buffers (``Watch.close`` calls it)."""
+    _SCRATCH.buffers.clear()
+
+
 def unit_dim_for(x: torch.Tensor, channel_last: bool) -> int | None:
     """The dimension that indexes units (neurons/channels) of a batched tensor, or None (no units).
 
@@ -161,10 +190,13 @@ def summarize(
     total = x.sum(dtype=acc)
     l2 = torch.linalg.vector_norm(x, dtype=acc)
     low, high = torch.aminmax(x)
-    active = x.sign().abs_()  # 1 where nonzero, 0 where zero (NaN where NaN): one mask, two uses
+    # The nonzero mask (1 where nonzero, 0 where zero; sign(NaN) is 0) is written into a reused scratch
+    # buffer: a fresh full-size temporary per tensor costs page faults that dwarf the pass itself.
+    active = _scratch(x)
+    torch.sign(x, out=active).abs_()
     scalars = [total, l2, low, high, active.sum(dtype=acc)]
-    if count_nonfinite:
-        scalars.append(x.numel() - torch.isfinite(x).sum())
+    if count_nonfinite:  # x - x is 0 where finite and NaN at NaN/±inf: count those, in the scratch too
+        scalars.append(torch.sub(x, x, out=_scratch(x, 1)).nan_to_num_(nan=1.0).sum(dtype=acc))
     if unit_dim is None:
         return Row(scalars)
     if bounds is not None:

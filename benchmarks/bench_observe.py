@@ -1,0 +1,517 @@
+"""Overhead of ``streamwatch.observe`` on a CPU training step, against the same step unmonitored.
+
+Run (not part of the test suite; about 2 minutes on a quiet 2-core VM)::
+
+    make bench
+    python -m pytest benchmarks/bench_observe.py -o python_files='bench_*.py' -p no:cacheprovider \
+        --benchmark-only
+
+Add ``--benchmark-disable`` instead of ``--benchmark-only`` for a smoke run (one cycle per model, ~20 s,
+numbers not meaningful) that also runs the plain sanity test at the bottom: a broken ``observe`` must not
+pass as a fast, empty benchmark. ``--benchmark-only`` skips that test, so the benchmarks check their own
+watches too (every step sampled as configured, records received, no hook errors, every default kind seen).
+
+Models (fixed seeds, float32, ``torch.set_num_threads`` left at torch's default):
+
+* ``mlp``: 784→1024→1024→1024→10 with ReLUs (11.7 MB of weights), batch 128;
+* ``cnn``: three Conv2d(3×3)+ReLU+MaxPool2d blocks (32, 64, 64 channels) and a Linear head, batch 64 of
+  3×32×32;
+* ``transformer``: ``nn.TransformerEncoder`` (2 layers, d_model 128, 4 heads, feed-forward 512,
+  ``batch_first``), mean over the sequence, Linear head; batch 32, sequence 64.
+
+One step is forward, cross-entropy, ``zero_grad``, backward, SGD step, and in monitored variants
+``watch.step(loss=..., outputs=..., targets=..., batch_size=...)``. Variants, each on its own copy of the
+model (same initial weights) with its own optimizer, all alive for the whole test:
+
+* ``baseline``: unmonitored;
+* ``default``: ``sw.observe(model, opt)`` — activations, output gradients and parameter gradients of
+  every leaf module every step; weights and updates every 10th step (the default cadence);
+* ``every100``: ``sw.observe(model, opt, every=100)``;
+* ``item_hooks``: what people write by hand — forward hooks on every leaf module taking
+  ``output.norm().item()`` and ``output.mean().item()``, post-accumulate-grad hooks taking
+  ``grad.norm().item()`` (DESIGN: 1.05–1.19× on such models);
+* ``nonfinite`` (MLP only: the extra pass costs alike everywhere): ``sw.observe(model, opt,
+  stats=("dead", "nonfinite"))`` — exact NaN/Inf counts, opt-in.
+
+**Why interleaved rounds.** The benchmark VM has two cores shared with other work: step times drift by
+tens of percent over seconds, and by several× while a neighbour is busy (torch's two intra-op threads
+then wait for each other at every parallel kernel). Measuring variant A for five rounds and then variant
+B for five would put that drift straight into the A/B ratio. So one test per model runs the variants
+round-robin — a *cycle* is one round of K steps of every variant, the order rotating each cycle so no
+variant always follows the same one — and every variant sees the same drift. ``benchmark.pedantic``
+times the cycles (``ROUNDS`` of them after ``WARMUP_ROUNDS`` warm-up cycles whose steps are discarded);
+the per-variant numbers go to ``benchmark.extra_info`` (``--benchmark-json`` keeps them) and to the
+"benchmark report" section at the end of the run. K is fixed per model (``Spec.steps``: rounds of about
+0.5–1 s unmonitored), so every run does the same work.
+
+**Estimator.** Every step is timed (``perf_counter`` around the whole step). A monitored step does more
+work on some steps than others (weights and updates on every 10th, everything on every 100th with
+``every=100``), so a variant's cost per step is the *cadence-weighted median*: the median over the steps
+of each class, weighted by how often that class occurs (``default``: ``0.1·median(steps with weights and
+updates) + 0.9·median(the others)``). Medians drop the steps a neighbour's burst slowed down. With
+``every=100`` a run holds at most two sampled steps, too few for a median; a sampled step there does
+exactly what a ``default`` step does (weights/updates on one sampled step in ten, as in ``default``), so
+``every100 = 0.99·median(its unsampled steps) + 0.01·default``. Two second opinions go beside each
+ratio: ``ratio_total`` (total time over all measured steps, bursts included) and ``ratio_q1`` (the same
+cadence weighting over first quartiles). When the three disagree by more than a few percent, the machine
+was too busy for the run to mean much.
+
+The worker thread runs while the steps run, so its GIL use is in the step times. After each monitored
+round the test waits (untimed) until the worker has handled every record, so no round pays for another
+variant's backlog; that wait is reported as ``worker_backlog_ms``.
+
+**The floor** (DESIGN, "Know the floor"): one read of every byte the default cadence summarises per step
+(weights and updates at a tenth), at this machine's measured streaming bandwidth, plus one small-kernel
+dispatch per tensor — the cost of an ideal one-pass fused summary with no Python around it. Reported as
+``floor_ratio`` (with ``summarised_mb_per_step``, ``bandwidth_gb_s``) beside the measured ratio.
+
+``step() µs`` is ``watch.step()`` alone on the training thread (stack the step's device scalars, build the
+record, offer it to the channel; DESIGN budget ≤ 30 µs), timed inside the default variant's steps
+(cadence-weighted) and the every=100 variant's unsampled steps. ``test_handoff`` measures the same with
+pytest-benchmark's own table, the MLP training step in pedantic's untimed ``setup``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import streamwatch as sw
+
+SEED = 0
+LR = 0.01
+ROUNDS = 8  # interleaved cycles measured per model, after WARMUP_ROUNDS
+WARMUP_ROUNDS = 1
+HANDOFF_ROUNDS = 50
+DEFAULT_KINDS = {"activation", "output_grad", "param", "param_grad", "update"}
+WEIGHT_CADENCE = 10  # weights and updates: every 10th sampled step by default
+
+
+# -- models ------------------------------------------------------------------------------------------------
+
+
+def make_mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(784, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 10),
+    )
+
+
+def make_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(64, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * 4 * 4, 10),
+    )
+
+
+class SmallTransformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(128, 4, dim_feedforward=512, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x).mean(dim=1))
+
+
+@dataclass(frozen=True)
+class Spec:
+    build: Callable[[], nn.Module]
+    input_shape: tuple[int, ...]
+    steps: int  # K, steps per round: about 0.5-1 s unmonitored on a quiet 2-core VM
+
+    @property
+    def batch(self) -> int:
+        return self.input_shape[0]
+
+    def data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(SEED)
+        x = torch.randn(self.input_shape, generator=gen)
+        y = torch.randint(0, 10, (self.batch,), generator=gen)
+        return x, y
+
+
+SPECS = {
+    "mlp": Spec(make_mlp, (128, 784), steps=30),
+    "cnn": Spec(make_cnn, (64, 3, 32, 32), steps=15),
+    "transformer": Spec(SmallTransformer, (32, 64, 128), steps=10),
+}
+
+
+def build(spec: Spec) -> nn.Module:
+    torch.manual_seed(SEED)
+    return spec.build().train()
+
+
+# -- the hand-written baseline -----------------------------------------------------------------------------
+
+
+class ItemHooks:
+    """The monitoring people write by hand: ``.item()`` in forward and gradient hooks."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.values: list[float] = []
+        self.handles = []
+        for module in model.modules():
+            if next(module.children(), None) is None:
+                self.handles.append(module.register_forward_hook(self.forward_hook))
+        for param in model.parameters():
+            self.handles.append(param.register_post_accumulate_grad_hook(self.grad_hook))
+
+    def forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            out = output.detach()
+            self.values.append(out.norm().item())
+            self.values.append(out.mean().item())
+
+    def grad_hook(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self.values.append(param.grad.norm().item())
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+# -- variants and their per-step timings -------------------------------------------------------------------
+
+
+@dataclass
+class Variant:
+    """One way of running the step, on its own model copy; keeps every measured step's time."""
+
+    name: str
+    model: nn.Module
+    period: int  # steps with step % period == 0 do the most work (weights/updates, or the sampled step)
+    watch: sw.Watch | None = None
+    hooks: ItemHooks | None = None
+    steps: int = 0
+    recording: bool = False
+    times: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
+    handoff: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
+    backlog: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LR)
+
+    def run(self, k: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        model, optimizer, watch, hooks = self.model, self.optimizer, self.watch, self.hooks
+        clock, batch = time.perf_counter, x.shape[0]
+        for _ in range(k):
+            start = clock()
+            outputs = model(x)
+            loss = F.cross_entropy(outputs, y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            before_handoff = clock()
+            if watch is not None:
+                watch.step(loss=loss, outputs=outputs, targets=y, batch_size=batch)
+            end = clock()
+            if hooks is not None:
+                hooks.values.clear()
+            if self.recording:
+                heavy = self.steps % self.period == 0
+                self.times[heavy].append(end - start)
+                if watch is not None:
+                    self.handoff[heavy].append(end - before_handoff)
+            self.steps += 1
+        if watch is not None:
+            waited = wait_for_worker(watch)
+            if self.recording:
+                self.backlog.append(waited)
+
+    def measured(self) -> list[float]:
+        return self.times[True] + self.times[False]
+
+    def cost(self, stat: Callable[[list[float]], float] = statistics.median) -> float:
+        """Seconds per step: the cadence-weighted median (see the module docstring), or another ``stat``."""
+        if self.period == 1:
+            return stat(self.times[True])
+        f = 1 / self.period
+        return f * stat(self.times[True]) + (1 - f) * stat(self.times[False])
+
+
+def wait_for_worker(watch: sw.Watch, timeout: float = 60.0) -> float:
+    """Block until the worker handled (or the channel dropped) every record sent; seconds waited."""
+    start = time.perf_counter()
+    while True:
+        stats = watch.statistics()
+        if stats.records_received + stats.dropped_oldest + stats.dropped_newest >= stats.sampled:
+            return time.perf_counter() - start
+        if time.perf_counter() - start > timeout:
+            raise AssertionError(f"the worker is stuck: {stats}")
+        time.sleep(0.0005)
+
+
+@contextmanager
+def variants_of(spec: Spec, names: tuple[str, ...]) -> Iterator[dict[str, Variant]]:
+    made: dict[str, Variant] = {}
+    try:
+        for name in names:
+            model = build(spec)
+            if name == "baseline":
+                made[name] = Variant(name, model, period=1)
+            elif name == "item_hooks":
+                made[name] = Variant(name, model, period=1, hooks=ItemHooks(model))
+            else:
+                variant = Variant(name, model, period=100 if name == "every100" else WEIGHT_CADENCE)
+                kwargs: dict[str, Any] = {
+                    "default": {},
+                    "every100": {"every": 100},
+                    "nonfinite": {"stats": ("dead", "nonfinite")},
+                }[name]
+                variant.watch = sw.observe(model, variant.optimizer, **kwargs)
+                made[name] = variant
+        yield made
+    finally:
+        errors = []
+        for variant in made.values():
+            if variant.hooks is not None:
+                variant.hooks.remove()
+            if variant.watch is not None:
+                try:
+                    variant.watch.close()
+                except sw.PipelineError as err:
+                    errors.append(err)
+        if errors:
+            raise errors[0]
+
+
+# -- the floor ---------------------------------------------------------------------------------------------
+
+
+_FLOOR: dict[str, float] = {}
+
+
+def machine_floor() -> tuple[float, float]:
+    """(bytes/s of one streaming read, seconds of one small-tensor reduction), measured once a session."""
+    if not _FLOOR:
+        big, small = torch.ones(16 * 2**20), torch.ones(64)  # 64 MiB: past any cache
+        big.sum(), small.sum()
+        reads, calls = [], []
+        for _ in range(15):
+            start = time.perf_counter()
+            big.sum()
+            reads.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            for _ in range(100):
+                small.sum()
+            calls.append((time.perf_counter() - start) / 100)
+        _FLOOR["bandwidth"] = big.numel() * 4 / min(reads)
+        _FLOOR["dispatch"] = min(calls)
+    return _FLOOR["bandwidth"], _FLOOR["dispatch"]
+
+
+def summarised_per_step(watch: sw.Watch) -> tuple[float, float]:
+    """(bytes, tensors) the default cadence summarises per step, from the latest value of every series."""
+    bytes_, tensors = 0.0, 0.0
+    for sample in watch.snapshot():
+        if sample.name == "streamwatch_tensor" and sample.labels["stat"] == "count":
+            weight = 1 / WEIGHT_CADENCE if sample.labels["kind"] in ("param", "update") else 1.0
+            bytes_ += 4 * sample.value * weight
+            tensors += weight
+    return bytes_, tensors
+
+
+# -- checks ------------------------------------------------------------------------------------------------
+
+
+def check_watch(variant: Variant) -> None:
+    """The monitored run really monitored: every step sampled as configured, records made, no errors."""
+    watch = variant.watch
+    assert watch is not None
+    stats = watch.statistics()
+    every = 100 if variant.name == "every100" else 1
+    assert stats.steps == variant.steps
+    assert stats.sampled == -(-variant.steps // every), stats
+    assert stats.records_received + stats.dropped_oldest == stats.sampled, stats
+    assert stats.records_received > 0, stats
+    assert stats.hook_errors == 0, stats
+    assert stats.pipeline_failures == 0, stats
+    kinds = {s.labels["kind"] for s in watch.snapshot() if s.name == "streamwatch_tensor"}
+    assert kinds == DEFAULT_KINDS, kinds
+
+
+# -- 1. overhead per model, interleaved --------------------------------------------------------------------
+
+VARIANTS = ("baseline", "default", "every100", "item_hooks", "nonfinite")
+# Exact non-finite counts cost one more pass per tensor everywhere alike: measured on the MLP only.
+VARIANTS_OF = {name: VARIANTS if name == "mlp" else VARIANTS[:-1] for name in SPECS}
+
+
+def quartile(values: list[float]) -> float:
+    """The first quartile: the steps a neighbour's burst left alone, for a second opinion on a ratio."""
+    return statistics.quantiles(values, n=4)[0] if len(values) > 1 else values[0]
+
+
+def measure(variants: dict[str, Variant], k: int) -> dict[str, float]:
+    """Per-step costs and ratios of every variant, from the recorded steps (see the module docstring)."""
+    base, default, every100 = variants["baseline"], variants["default"], variants["every100"]
+    cost = {name: v.cost() for name, v in variants.items() if name != "every100"}
+    cost["every100"] = 0.99 * statistics.median(every100.times[False]) + 0.01 * cost["default"]
+    low = {name: v.cost(quartile) for name, v in variants.items() if name != "every100"}
+    low["every100"] = 0.99 * quartile(every100.times[False]) + 0.01 * low["default"]
+    total = {name: statistics.fmean(v.measured()) for name, v in variants.items()}
+    bandwidth, dispatch = machine_floor()
+    assert default.watch is not None
+    bytes_, tensors = summarised_per_step(default.watch)
+    floor = bytes_ / bandwidth + tensors * dispatch
+    handoff = 0.1 * statistics.median(default.handoff[True]) + 0.9 * statistics.median(default.handoff[False])
+    info = {
+        "steps_per_round": k,
+        "measured_steps_per_variant": len(base.measured()),
+        "baseline_ms_per_step": 1e3 * cost["baseline"],
+        "floor_ms_per_step": 1e3 * floor,
+        "floor_ratio": 1 + floor / cost["baseline"],
+        "summarised_mb_per_step": bytes_ / 1e6,
+        "summarised_tensors_per_step": tensors,
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "dispatch_us": dispatch * 1e6,
+        "handoff_us_sampled": 1e6 * handoff,
+        "handoff_us_unsampled": 1e6 * statistics.median(every100.handoff[False]),
+        "every100_unsampled_ratio": statistics.median(every100.times[False]) / cost["baseline"],
+    }
+    for name, variant in variants.items():
+        info[f"{name}_ms_per_step"] = 1e3 * cost[name]
+        info[f"{name}_ratio"] = cost[name] / cost["baseline"]
+        info[f"{name}_ratio_total"] = total[name] / total["baseline"]
+        info[f"{name}_ratio_q1"] = low[name] / low["baseline"]
+        if variant.backlog:
+            info[f"{name}_worker_backlog_ms"] = 1e3 * statistics.median(variant.backlog)
+    return info
+
+
+def report_line(model_name: str, info: dict[str, float]) -> str:
+    def ratio(name: str) -> str:
+        if f"{name}_ratio" not in info:
+            return "-"
+        return f"{info[f'{name}_ratio']:.3f} ({info[f'{name}_ratio_total']:.2f})"
+
+    return (
+        f"{model_name:<12}{info['baseline_ms_per_step']:>8.2f}{ratio('default'):>15}{ratio('every100'):>15}"
+        f"{ratio('item_hooks'):>15}{ratio('nonfinite'):>15}{info['floor_ratio']:>7.3f}"
+        f"{info['handoff_us_sampled']:>10.0f}{info['handoff_us_unsampled']:>10.1f}{info['steps_per_round']:>5.0f}"
+    )
+
+
+REPORT_HEADER = (
+    f"{'model':<12}{'base ms':>8}{'default':>15}{'every=100':>15}{'.item() hooks':>15}{'nonfinite':>15}"
+    f"{'floor':>7}{'step() µs':>10}{'unsamp µs':>10}{'K':>5}\n"
+    "ratios to baseline: cadence-weighted median (total-time ratio in parentheses); floor: one fused pass;"
+    " step() µs: watch.step() on the training thread, sampled (default) and unsampled (every=100)"
+)
+
+
+@pytest.mark.timeout(600)  # the VM is shared: a busy neighbour can slow a round several times over
+@pytest.mark.parametrize("model_name", list(SPECS))
+@pytest.mark.benchmark(group="observe overhead: one interleaved cycle (K steps of every variant)")
+def test_overhead(benchmark: Any, bench_report: list[str], model_name: str) -> None:
+    spec = SPECS[model_name]
+    x, y = spec.data()
+    with variants_of(spec, VARIANTS_OF[model_name]) as variants:
+        k = spec.steps
+        order = list(variants.values())
+        cycles = 0
+        warmup = 0 if benchmark.disabled else WARMUP_ROUNDS
+
+        def cycle() -> None:
+            nonlocal cycles
+            shift = cycles % len(order)  # rotate: no variant always runs right after the same one
+            for variant in order[shift:] + order[:shift]:
+                variant.recording = cycles >= warmup
+                variant.run(k, x, y)
+            cycles += 1
+
+        benchmark.pedantic(cycle, rounds=ROUNDS, iterations=1, warmup_rounds=warmup)
+        for variant in variants.values():
+            if variant.watch is not None:
+                check_watch(variant)
+        info = measure(variants, k)
+    benchmark.extra_info.update(info)
+    if not bench_report:
+        bench_report.extend(REPORT_HEADER.splitlines())
+    bench_report.append(report_line(model_name, info))
+
+
+# -- 2. the hand-off alone ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("every", [1, 100], ids=["sampled", "unsampled"])
+@pytest.mark.benchmark(group="observe hand-off: one watch.step() on the training thread, mlp")
+def test_handoff(benchmark: Any, every: int) -> None:
+    spec = SPECS["mlp"]
+    x, y = spec.data()
+    model = build(spec)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def train_step() -> tuple[tuple[()], dict[str, Any]]:
+        outputs = model(x)
+        loss = F.cross_entropy(outputs, y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return (), {"loss": loss, "outputs": outputs, "targets": y, "batch_size": spec.batch}
+
+    with sw.observe(model, optimizer, every=every) as watch:
+        benchmark.pedantic(watch.step, setup=train_step, rounds=HANDOFF_ROUNDS, warmup_rounds=5)
+        wait_for_worker(watch)
+        stats = watch.statistics()
+        assert stats.records_received == stats.sampled > 0, stats
+    if not benchmark.disabled:
+        benchmark.extra_info["us_per_step"] = benchmark.stats.stats.median * 1e6
+
+
+# -- sanity (plain pytest; skipped by --benchmark-only) ----------------------------------------------------
+
+
+def test_observe_records_the_benchmarked_steps() -> None:
+    spec = SPECS["mlp"]
+    x, y = spec.data()
+    model = build(spec)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    records = sw.sinks.collect()
+    with sw.observe(model, optimizer, sinks=[records]) as watch:
+        for _ in range(12):
+            outputs = model(x)
+            loss = F.cross_entropy(outputs, y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            watch.step(loss=loss, outputs=outputs, targets=y, batch_size=spec.batch)
+    assert [r.step for r in records.items] == list(range(12))
+    leaves = [name for name, m in model.named_modules() if next(m.children(), None) is None]
+    for record in records.items:
+        kinds = {key.kind for key in record.keys}
+        expected = DEFAULT_KINDS if record.step % 10 == 0 else DEFAULT_KINDS - {"param", "update"}
+        assert kinds == expected, (record.step, kinds)
+        activations = {key.layer: i for i, key in enumerate(record.keys) if key.kind == "activation"}
+        assert sorted(activations) == sorted(leaves)
+        assert record.column("count")[activations["1"]] == 128 * 1024
+        assert record.scalars["loss"] > 0
+        assert (record.column("sumsq") > 0).all()
