@@ -147,14 +147,14 @@ class PendingRecord:
     step: int
     time: float
     rank: int
-    keys: tuple[Hashable, ...]
-    counts: np.ndarray
-    units: np.ndarray
-    samples: np.ndarray
-    unit_rows: tuple[int, ...]  # rows (first occurrence of a key) that carry per-unit activity
+    keys: list[Hashable]
+    counts: list[int]
+    units: list[int]
+    samples: list[int]
+    unit_rows: list[int]  # rows (first occurrence of a key) whose per-unit activity counts were copied
     scalar_names: tuple[str, ...]  # device step scalars after the dead counts (loss, correct)
     host_scalars: dict[str, float]
-    data: torch.Tensor  # flat: rows x 5 (6) device stats, then (dead, active) per unit-row, then step scalars
+    data: torch.Tensor  # flat: rows x 5 (6) device stats, step scalars, then per-unit counts per unit-row
     nonfinite_counted: bool
     event: Any = None  # torch.cuda.Event on CUDA
     release: Callable[[], None] | None = None  # gives the pinned slot back to its pool
@@ -169,21 +169,30 @@ class PendingRecord:
         if self.release is not None:
             self.release()
         values = flat[: n * nstats].reshape(n, nstats)
+        units = np.asarray(self.units, dtype=np.float64)
         dead = np.full(n, np.nan)
         active = np.full(n, np.nan)
-        activity = flat[n * nstats : n * nstats + 2 * len(self.unit_rows)]
-        rows = list(self.unit_rows)
-        dead[rows] = activity[0::2]
-        active[rows] = activity[1::2]
+        start = n * nstats + len(self.scalar_names)
+        for row in self.unit_rows:  # each unit-row's per-unit activity counts follow the scalars
+            counts = flat[start : start + int(units[row])]
+            start += len(counts)
+            dead[row] = np.count_nonzero(counts == 0)
+            active[row] = counts.sum()
         raw = Raw(
-            self.keys, self.counts, self.units, values, dead, self.nonfinite_counted, self.samples, active
+            tuple(self.keys),
+            np.asarray(self.counts, dtype=np.float64),
+            units,
+            values,
+            dead,
+            self.nonfinite_counted,
+            np.asarray(self.samples, dtype=np.float64),
+            active,
         )
         keys, table = finalize(raw)
         table.setflags(write=False)
         scalars = dict(self.host_scalars)
-        base = n * nstats + 2 * len(self.unit_rows)
         for i, name in enumerate(self.scalar_names):
-            scalars[name] = float(flat[base + i])
+            scalars[name] = float(flat[n * nstats + i])
         if "correct" in scalars and scalars.get("total"):
             scalars["accuracy"] = scalars["correct"] / scalars["total"]
         return StepRecord(self.step, self.time, self.rank, keys, table, scalars)  # type: ignore[arg-type]
@@ -255,22 +264,27 @@ class StepBuffer:
         stream: Any = None,
         pool: SlotPool | None = None,
     ) -> PendingRecord | None:
-        """Stack the step into one tensor and make its only copy; returns None if no slot was free."""
-        unit_rows = tuple(first for first, _ in self.unit_counts.values())
-        activity = []  # per unit-row: dead units, then active (sample, unit) pairs
-        for _, counts in self.unit_counts.values():
-            activity += [(counts == 0).sum(dtype=torch.float32), counts.sum()]
+        """Stack the step into one tensor and make its only copy; returns None if no slot was free.
+
+        Layout of the copy: every row's device scalars, then the step scalars, then each unit-row's
+        per-unit activity counts (small vectors: dead units and active pairs are counted on the worker).
+        Everything else stays a plain Python list handed over as is — numpy work happens on the worker.
+        """
         extra = [t.detach().reshape(()) for t in step_scalars.values()]
-        parts = self.scalars + activity + extra
+        parts = self.scalars + extra
+        vectors = [counts for _, counts in self.unit_counts.values()]
         device = (
             self.device if self.device is not None else (extra[0].device if extra else torch.device("cpu"))
         )
         if parts:
-            # One kernel for the whole step (stack promotes float16/int64 scalars to float32/float64).
+            # One stack for the whole step (it promotes float16/int64 scalars to float32/float64), one
+            # cat for the unit vectors.
             try:
                 flat = torch.stack(parts)
             except RuntimeError:  # parts on several devices (model parallel): gather them first
                 flat = torch.stack([p.to(device, non_blocking=True) for p in parts])
+            if vectors:  # convert the small vectors, never the sums (float64 models keep float64)
+                flat = torch.cat([flat, *(v if v.dtype == flat.dtype else v.to(flat.dtype) for v in vectors)])
         else:
             flat = torch.empty(0, dtype=torch.float64)
         event = None
@@ -298,11 +312,11 @@ class StepBuffer:
             step=step,
             time=time.time(),
             rank=rank,
-            keys=tuple(self.keys),
-            counts=np.asarray(self.counts, dtype=np.float64),
-            units=np.asarray(self.units, dtype=np.float64),
-            samples=np.asarray(self.samples, dtype=np.float64),
-            unit_rows=unit_rows,
+            keys=self.keys,
+            counts=self.counts,
+            units=self.units,
+            samples=self.samples,
+            unit_rows=[first for first, _ in self.unit_counts.values()],
             scalar_names=tuple(step_scalars),
             host_scalars=host_scalars,
             data=data,
