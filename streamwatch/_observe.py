@@ -210,6 +210,10 @@ class Watch:
             params = named_params(model, modules, all_params=select is None)
             self._every = every
             self._cadence = merged
+            taps_on = frozenset(taps)
+            # Sampling periods of the tapped kinds; kinds not tapped stay False in the flags.
+            self._periods = [(kind, every * merged[kind]) for kind in KINDS if kind in taps_on]
+            self._all_off = dict.fromkeys(KINDS, False)
             self._overflow: OverflowPolicy = overflow
             self._optimizer = optimizer
             self._state = TapState(
@@ -329,13 +333,16 @@ class Watch:
 
     def _set_sampling(self, step: int) -> None:
         state = self._state
-        state.on = {
-            kind: kind in state.taps and step % (self._every * self._cadence[kind]) == 0 for kind in KINDS
-        }
+        if step % self._every:  # most steps with every > 1: nothing samples, reuse the all-off flags
+            state.on, state.forward = self._all_off, False
+            return
+        state.on = dict.fromkeys(KINDS, False) | {kind: step % period == 0 for kind, period in self._periods}
         state.forward = any(state.on[kind] for kind in _FORWARD_KINDS)
 
     def _surface_errors(self) -> None:
         """Warn (once each) about new hook and pipeline errors; they are raised again at close()."""
+        if not self._worker.has_errors and len(self._state.errors) == self._reported_hook_errors:
+            return  # the common case, without taking the worker's lock
         new: list[tuple[str, BaseException]] = []
         try:
             self._worker.check()

@@ -183,6 +183,11 @@ class Worker:
         with self._lock:
             self._errors.append((name, exc))
 
+    @property
+    def has_errors(self) -> bool:
+        """Whether failures await :meth:`check` (a lock-free read, for hot paths)."""
+        return bool(self._errors)
+
     def check(self) -> None:
         """Raise failures not yet reported, as one :class:`~streamwatch.PipelineError`. Thread-safe.
 
