@@ -6,7 +6,7 @@ row to the current :class:`~streamwatch._record.StepBuffer`. Kinds:
 ==============  ===============================================  ==========================================
 kind            where                                            hook
 ==============  ===============================================  ==========================================
-``input``       a module's positional tensor inputs              ``register_forward_pre_hook``
+``input``       a module's tensor inputs (positional and keyword)  ``register_forward_pre_hook``
 ``activation``  a module's output (each tensor leaf)             ``register_forward_hook``
 ``output_grad`` gradient w.r.t. the output                       ``Tensor.register_hook`` on the output
 ``input_grad``  gradient w.r.t. the inputs                       ``Tensor.register_hook`` on the inputs
@@ -261,7 +261,8 @@ class TapSet:
                 hook = self._forward_hook(name, channel_last, saturation_bounds(module))
                 self.handles.append(module.register_forward_hook(hook))
             if taps & {"input", "input_grad"}:
-                self.handles.append(module.register_forward_pre_hook(self._forward_pre_hook(name)))
+                hook = self._forward_pre_hook(name)
+                self.handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
         if "param_grad" in taps:
             for layer, pname, param in params:
                 if param.requires_grad:
@@ -310,12 +311,13 @@ class TapSet:
     def _forward_pre_hook(self, name: str) -> Callable[..., Any]:
         state = self.state
 
-        def body(module: nn.Module, args: Any) -> None:
+        def body(module: nn.Module, args: Any, kwargs: Any) -> None:
             train = module.training and torch.is_grad_enabled()
             if train and not state.forward:
                 return
             phase = "train" if train else "eval"
-            for leaf_name, leaf in _leaves(args):
+            # positional leaves are named by position ("0", "1.0"), keyword ones by name ("mask")
+            for leaf_name, leaf in (*_leaves(args), *_leaves(kwargs)):
                 if not isinstance(leaf, torch.Tensor):
                     state.skip("non_tensor")
                     continue

@@ -911,3 +911,27 @@ def test_nan_is_neither_zero_nor_dead() -> None:
     # With a NaN present both are unknown (NaN), never wrong.
     assert math.isnan(got["zeros"])
     assert math.isnan(got["dead"])
+
+
+def test_keyword_tensor_inputs_are_tapped_by_name() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) * scale
+
+    model = Scaled()
+    x, scale = torch.randn(4, 3), torch.full((4, 3), 2.0)
+    recs = sw.sinks.collect()
+    with sw.observe(model, select=Scaled, taps=("input",), sinks=[recs]) as watch:
+        model(x, scale=scale)
+        watch.step()
+    (record,) = recs.items
+    for name, tensor in (("0", x), ("scale", scale)):
+        got = row(record, SeriesKey("train", "", "input", name))
+        assert got["count"] == tensor.numel()
+        scale_of_sum = float(tensor.double().abs().sum())  # float32 sums cancel: tolerance scales with Σ|x|
+        assert got["sum"] == pytest.approx(float(tensor.double().sum()), abs=1e-6 * scale_of_sum)
+        assert got["sumsq"] == pytest.approx(float(tensor.double().pow(2).sum()), rel=1e-6)
