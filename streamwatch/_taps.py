@@ -29,7 +29,8 @@ so evaluation loops are never lost and never mix into training series.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -279,59 +280,60 @@ class TapSet:
 
     # -- forward side ---------------------------------------------------------------------------------
 
-    def _forward_hook(
-        self, name: str, channel_last: bool, bounds: tuple[float, float] | None
-    ) -> Callable[..., Any]:
+    def _tap(
+        self,
+        name: str,
+        value_kind: str,
+        grad_kind: str,
+        channel_last: bool | None,
+        bounds: tuple[float, float] | None,
+    ) -> Callable[[nn.Module, Iterable[tuple[str, Any]]], None]:
+        """The shared body of the forward-side hooks: for each tensor leaf, summarise its value
+        (``value_kind``) and hook its gradient (``grad_kind``)."""
         state = self.state
 
-        def body(module: nn.Module, args: Any, output: Any) -> None:
+        def tap(module: nn.Module, leaves: Iterable[tuple[str, Any]]) -> None:
             train = module.training and torch.is_grad_enabled()
             if train and not state.forward:
                 return
             phase = "train" if train else "eval"
             on = state.on
-            for leaf_name, leaf in _leaves(output):
+            for leaf_name, leaf in leaves:
                 if not isinstance(leaf, torch.Tensor):
                     state.skip("non_tensor")
                     continue
-                if (not train and "activation" in state.taps) or (train and on["activation"]):
-                    key = SeriesKey(phase, name, "activation", leaf_name)
+                if (not train and value_kind in state.taps) or (train and on[value_kind]):
+                    key = SeriesKey(phase, name, value_kind, leaf_name)
                     summarize_into(state, key, leaf, channel_last, bounds=bounds)
-                if train and on["output_grad"] and leaf.requires_grad:
+                if train and on[grad_kind] and leaf.requires_grad:
                     if torch.compiler.is_compiling():
                         # A tensor hook registered inside a compiled forward breaks the graph; keep the
                         # graph whole and say what is missing instead.
                         state.skip("compiled_grad_hook")
                         continue
-                    key = SeriesKey("train", name, "output_grad", leaf_name)
+                    key = SeriesKey("train", name, grad_kind, leaf_name)
                     leaf.register_hook(self._grad_hook(key, channel_last))
 
-        return _guarded(state, body)
+        return tap
+
+    def _forward_hook(
+        self, name: str, channel_last: bool, bounds: tuple[float, float] | None
+    ) -> Callable[..., Any]:
+        tap = self._tap(name, "activation", "output_grad", channel_last, bounds)
+
+        def body(module: nn.Module, args: Any, output: Any) -> None:
+            tap(module, _leaves(output))
+
+        return _guarded(self.state, body)
 
     def _forward_pre_hook(self, name: str) -> Callable[..., Any]:
-        state = self.state
+        tap = self._tap(name, "input", "input_grad", None, None)  # inputs: no per-unit activity
 
         def body(module: nn.Module, args: Any, kwargs: Any) -> None:
-            train = module.training and torch.is_grad_enabled()
-            if train and not state.forward:
-                return
-            phase = "train" if train else "eval"
             # positional leaves are named by position ("0", "1.0"), keyword ones by name ("mask")
-            for leaf_name, leaf in (*_leaves(args), *_leaves(kwargs)):
-                if not isinstance(leaf, torch.Tensor):
-                    state.skip("non_tensor")
-                    continue
-                if (not train and "input" in state.taps) or (train and state.on["input"]):
-                    summarize_into(state, SeriesKey(phase, name, "input", leaf_name), leaf, None)
-                if train and state.on["input_grad"] and leaf.requires_grad:
-                    if torch.compiler.is_compiling():
-                        state.skip("compiled_grad_hook")
-                        continue
-                    leaf.register_hook(
-                        self._grad_hook(SeriesKey("train", name, "input_grad", leaf_name), None)
-                    )
+            tap(module, itertools.chain(_leaves(args), _leaves(kwargs)))
 
-        return _guarded(state, body)
+        return _guarded(self.state, body)
 
     def _grad_hook(self, key: SeriesKey, channel_last: bool | None) -> Callable[[torch.Tensor], None]:
         state = self.state

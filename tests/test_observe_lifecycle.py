@@ -191,7 +191,8 @@ def test_observing_an_observed_model_raises_until_the_first_watch_closes() -> No
 # -- flushing and backpressure ------------------------------------------------------------------------
 
 
-def test_close_flushes_every_completed_step_through_a_slow_pipeline_with_block() -> None:
+def _watch_with_a_held_pipeline(overflow: Any, capacity: int) -> tuple[Any, ...]:
+    """A watch whose user pipeline blocks on ``gate`` (``entered`` is set once it holds a record)."""
     torch.manual_seed(0)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -204,8 +205,13 @@ def test_close_flushes_every_completed_step_through_a_slow_pipeline_with_block()
         slow.append(record.step)
 
     recs = sw.sinks.collect()
-    watch = sw.observe(model, opt, overflow="block", capacity=2, sinks=[recs])
+    watch = sw.observe(model, opt, overflow=overflow, capacity=capacity, sinks=[recs])
     watch.pipe(sw.source() | sw.sinks.callback(held))
+    return model, opt, watch, recs, gate, entered, slow
+
+
+def test_close_flushes_every_completed_step_through_a_slow_pipeline_with_block() -> None:
+    model, opt, watch, recs, gate, entered, slow = _watch_with_a_held_pipeline("block", 2)
 
     def train() -> None:
         _train(model, opt, watch, 6)
@@ -230,20 +236,7 @@ def test_close_flushes_every_completed_step_through_a_slow_pipeline_with_block()
 
 
 def test_drop_oldest_keeps_training_going_and_counts_every_drop() -> None:
-    torch.manual_seed(0)
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gate, entered = threading.Event(), threading.Event()
-    slow: list[int] = []
-
-    def held(record: sw.StepRecord) -> None:
-        entered.set()
-        assert gate.wait(JOIN_S)
-        slow.append(record.step)
-
-    recs = sw.sinks.collect()
-    watch = sw.observe(model, opt, overflow="drop_oldest", capacity=1, sinks=[recs])
-    watch.pipe(sw.source() | sw.sinks.callback(held))
+    model, opt, watch, recs, gate, entered, slow = _watch_with_a_held_pipeline("drop_oldest", 1)
     _train(model, opt, watch, 1)
     assert entered.wait(JOIN_S)  # step 0 is in the worker's hands, out of the channel
     _train(model, opt, watch, 5)  # never blocks: steps 1..4 are each evicted by the next one
