@@ -345,10 +345,27 @@ def channel(
     return Sender(state), Receiver(state)
 
 
-_E = TypeVar("_E", bound="_Endpoint")
+_C = TypeVar("_C", bound="_Closing")
 
 
-class _Endpoint:
+class _Closing:
+    """``with x:`` closes ``x`` on exit."""
+
+    __slots__ = ()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _C) -> _C:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class _Endpoint(_Closing):
     """What both ends share: closing, statistics, the context manager and the leak warning."""
 
     __slots__ = ("__weakref__", "_closed", "_state", "_warn_on_leak")
@@ -358,9 +375,6 @@ class _Endpoint:
         self._closed = False
         self._warn_on_leak = warn_on_leak  # False for endpoints owned by another streamwatch object
 
-    def close(self) -> None:
-        raise NotImplementedError
-
     @property
     def closed(self) -> bool:
         """Whether this endpoint was closed (not whether the channel has ended)."""
@@ -369,14 +383,6 @@ class _Endpoint:
     def statistics(self) -> ChannelStatistics:
         """A snapshot of the channel's counters. Thread-safe."""
         return self._state.statistics()
-
-    def __enter__(self: _E) -> _E:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def __del__(self) -> None:
         if getattr(self, "_closed", True):
@@ -686,7 +692,7 @@ class Sender(_Endpoint, Generic[T_contra]):
             state.maybe_end()
 
 
-class Permit(Generic[T_contra]):
+class Permit(_Closing, Generic[T_contra]):
     """One reserved slot. ``send(item)`` cannot block or fail; an unused permit frees its slot on
     ``close()``, on leaving its ``with`` block, or when garbage-collected."""
 
@@ -722,14 +728,6 @@ class Permit(Generic[T_contra]):
             state.tokens.append(_TOKEN)
             state.wake_senders()
             state.maybe_end()
-
-    def __enter__(self) -> Permit[T_contra]:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def __del__(self) -> None:
         if not getattr(self, "_used", True):
