@@ -172,12 +172,14 @@ class PendingRecord:
         units = np.asarray(self.units, dtype=np.float64)
         dead = np.full(n, np.nan)
         active = np.full(n, np.nan)
-        start = n * nstats + len(self.scalar_names)
-        for row in self.unit_rows:  # each unit-row's per-unit activity counts follow the scalars
-            counts = flat[start : start + int(units[row])]
-            start += len(counts)
-            dead[row] = np.count_nonzero(counts == 0)
-            active[row] = counts.sum()
+        if self.unit_rows:  # each unit-row's per-unit activity counts follow the scalars, in row order
+            rows = np.asarray(self.unit_rows)
+            lengths = units[rows].astype(np.intp)  # >= 1: a unit-row has units
+            start = n * nstats + len(self.scalar_names)
+            vectors = flat[start : start + int(lengths.sum())]
+            offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+            dead[rows] = np.add.reduceat((vectors == 0).astype(np.float64), offsets)
+            active[rows] = np.add.reduceat(vectors, offsets)
         raw = Raw(
             tuple(self.keys),
             np.asarray(self.counts, dtype=np.float64),
