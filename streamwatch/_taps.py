@@ -153,7 +153,7 @@ class TapState:
     forward: bool = False  # any forward-side kind is sampled this step
     taps: frozenset[str] = frozenset()
     buffer: StepBuffer = field(default_factory=StepBuffer)
-    channel_last: bool | None = None
+    channel_last: bool | None = None  # the user's override; None: per module, and 4-D/5-D tensors are NCHW
     dead_units: bool = True
     count_nonfinite: bool = False
     skipped: dict[str, int] = field(default_factory=dict)
