@@ -428,14 +428,7 @@ class Sender(_Endpoint, Generic[T_contra]):
                 state.tokens.pop()
             except IndexError:
                 raise Full(f"channel is full (capacity {state.capacity}); item handed back", item) from None
-            # inlined state.put(item): the producer's per-item hot path
-            buffer = state.buffer
-            buffer.put(item)
-            state.sent += 1
-            if buffer.qsize() > state.high_water:
-                state.high_water = buffer.qsize()
-            if state.async_recv:
-                _wake_all(state.async_recv)
+            state.put(item)
         finally:
             lock.release()
 
@@ -458,13 +451,7 @@ class Sender(_Endpoint, Generic[T_contra]):
                 state.tokens.pop()
             except IndexError:
                 self._wait_for_token(item, timeout)
-            buffer = state.buffer  # inlined state.put(item)
-            buffer.put(item)
-            state.sent += 1
-            if buffer.qsize() > state.high_water:
-                state.high_water = buffer.qsize()
-            if state.async_recv:
-                _wake_all(state.async_recv)
+            state.put(item)
         finally:
             lock.release()
 
@@ -550,14 +537,8 @@ class Sender(_Endpoint, Generic[T_contra]):
                 state.tokens.pop()
             except IndexError:
                 pass
-            else:  # inlined state.put(item): the tap's per-step hot path
-                buffer = state.buffer
-                buffer.put(item)
-                state.sent += 1
-                if buffer.qsize() > state.high_water:
-                    state.high_water = buffer.qsize()
-                if state.async_recv:
-                    _wake_all(state.async_recv)
+            else:
+                state.put(item)
                 return True
             if policy == "drop_oldest":
                 try:
