@@ -422,12 +422,8 @@ class Sender(_Endpoint, Generic[T_contra]):
         lock = state.lock
         lock.acquire()  # explicit acquire/release: measurably cheaper than `with` on the hot path
         try:
-            if self._closed or state.receiver_closed:
-                raise self._closed_error(item)
-            try:
-                state.tokens.pop()
-            except IndexError:
-                raise Full(f"channel is full (capacity {state.capacity}); item handed back", item) from None
+            if not self._try_token(item):
+                raise Full(f"channel is full (capacity {state.capacity}); item handed back", item)
             state.put(item)
         finally:
             lock.release()
@@ -445,11 +441,7 @@ class Sender(_Endpoint, Generic[T_contra]):
         lock = state.lock
         lock.acquire()
         try:
-            if self._closed or state.receiver_closed:
-                raise self._closed_error(item)
-            try:
-                state.tokens.pop()
-            except IndexError:
+            if not self._try_token(item):
                 self._wait_for_token(item, timeout)
             state.put(item)
         finally:
@@ -531,13 +523,7 @@ class Sender(_Endpoint, Generic[T_contra]):
         lock = state.lock
         lock.acquire()
         try:
-            if self._closed or state.receiver_closed:
-                raise self._closed_error(item)
-            try:
-                state.tokens.pop()
-            except IndexError:
-                pass
-            else:
+            if self._try_token(item):
                 state.put(item)
                 return True
             if policy == "drop_oldest":
@@ -580,11 +566,7 @@ class Sender(_Endpoint, Generic[T_contra]):
         timeout = _check_timeout(timeout)
         state = self._state
         with state.lock:
-            if self._closed or state.receiver_closed:
-                raise self._closed_error(None)
-            try:
-                state.tokens.pop()
-            except IndexError:
+            if not self._try_token(None):
                 self._wait_for_token(None, timeout)
             state.reserved += 1
         return Permit(state)
@@ -603,14 +585,21 @@ class Sender(_Endpoint, Generic[T_contra]):
         """
         state = self._state
         with state.lock:
-            if self._closed or state.receiver_closed:
-                raise self._closed_error(None)
-            try:
-                state.tokens.pop()
-            except IndexError:
-                raise Full(f"channel is full (capacity {state.capacity}); no slot to reserve") from None
+            if not self._try_token(None):
+                raise Full(f"channel is full (capacity {state.capacity}); no slot to reserve")
             state.reserved += 1
         return Permit(state)
+
+    def _try_token(self, item: Any) -> bool:
+        """(Lock held.) Raise if closed; take a free slot's token if there is one."""
+        state = self._state
+        if self._closed or state.receiver_closed:
+            raise self._closed_error(item)
+        try:
+            state.tokens.pop()
+        except IndexError:
+            return False
+        return True
 
     def _wait_for_token(self, item: Any, timeout: float | None) -> None:
         """Block (lock held) until a slot token is ours; raise if closed or timed out."""
