@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from streamwatch import _kernel
 from streamwatch._channel import OVERFLOW_POLICIES, OverflowPolicy, channel
 from streamwatch._exceptions import PipelineError
 from streamwatch._pipeline import Pipeline, Sink, source
@@ -84,6 +85,8 @@ class WatchStatistics:
         skipped: tensors not summarised, by reason (``non_tensor``, ``complex``, ``sparse``, ``empty``, ...).
         hook_errors: exceptions caught inside hooks (never raised into training; re-raised at close).
         pipeline_failures: pipelines stopped by an exception.
+        kernel: how CPU tensors are summarised: ``"fused: <library>"`` (one pass, exact non-finite
+            counts) or ``"torch: <why the fused kernel is not used>"``.
     """
 
     steps: int
@@ -98,6 +101,7 @@ class WatchStatistics:
     skipped: Mapping[str, int]
     hook_errors: int
     pipeline_failures: int
+    kernel: str = ""
 
 
 class _Latest(Sink):
@@ -148,6 +152,15 @@ def _scalar_sample(name: str, value: float) -> Sample:
     if name in ("loss", "accuracy", "correct", "total"):
         return Sample(f"streamwatch_{name}", {"phase": "train"}, value)
     return Sample(f"streamwatch_{name}", {}, value)
+
+
+def _on_cpu(model: nn.Module) -> bool:
+    """Whether the model's tensors live on the CPU (or it has none): then the fused kernel is built."""
+    for param in model.parameters():
+        return param.device.type == "cpu"
+    for buffer in model.buffers():
+        return buffer.device.type == "cpu"
+    return True
 
 
 def _rank() -> int:
@@ -221,7 +234,9 @@ class Watch:
                 channel_last=channel_last,
                 dead_units="dead" in stats,
                 count_nonfinite="nonfinite" in stats,
+                kernel=_kernel.load() if _on_cpu(model) else None,
             )
+            self._kernel_status = _kernel.status() if _on_cpu(model) else "torch: the model is not on the CPU"
             self._model_ref = weakref.ref(model)
             self._rank = _rank()
             self._step = 0
@@ -407,6 +422,7 @@ class Watch:
             skipped=dict(self._state.skipped),
             hook_errors=self._state.hook_errors,
             pipeline_failures=worker_stats.failed,
+            kernel=self._kernel_status,
         )
 
     def close(self) -> None:

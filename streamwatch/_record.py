@@ -1,11 +1,14 @@
 """Step records: the per-step buffer on the training thread, and what the worker receives.
 
-The training thread appends summary rows to a :class:`StepBuffer` while hooks fire. At the step boundary
-:meth:`StepBuffer.seal` stacks every device scalar of the step into one tensor and makes the only copy of
-the step: on CPU a plain host tensor; on CUDA an asynchronous copy on a side stream into a pinned host
-slot, with an event recorded after it, so the training thread never waits for the device. The result is a
-:class:`PendingRecord` — sent through the channel — which the worker turns into a :class:`StepRecord`
-(waiting on the event on *its* thread, then merging and deriving with numpy).
+The training thread appends summary rows to a :class:`StepBuffer` while hooks fire. CPU tensors go
+through the fused kernel (``_kernel.py``), which writes each row straight into the step's preallocated
+float64 host table: at the step boundary there is nothing left to copy. Rows computed with torch ops
+(CUDA, half precision, strided views, compiled code) are 0-d device tensors; :meth:`StepBuffer.seal`
+stacks them into one tensor and makes their only copy: on CPU a plain host tensor; on CUDA an
+asynchronous copy on a side stream into a pinned host slot, with an event recorded after it, so the
+training thread never waits for the device. The result is a :class:`PendingRecord` — sent through the
+channel — which the worker turns into a :class:`StepRecord` (waiting on the event on *its* thread, then
+merging and deriving with numpy).
 
 A pinned slot is reused only after the worker released it; when every slot is in flight the step is
 dropped and counted (the overflow policy of the channel decides about records already queued).
@@ -22,9 +25,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from streamwatch._summary import COLUMNS, DEVICE_STATS, Raw, Row, derive, finalize
-
-_NSTATS_COUNTED = len(DEVICE_STATS)  # with the exact non-finite count; one fewer without
+from streamwatch._kernel import NSTATS, FusedKernel
+from streamwatch._summary import COLUMNS, Raw, Row, derive, finalize
 
 __all__ = ["PendingRecord", "SeriesKey", "SlotPool", "StepBuffer", "StepRecord"]
 
@@ -142,7 +144,12 @@ class SlotPool:
 
 @dataclass(slots=True)
 class PendingRecord:
-    """A sealed step in flight to the worker: host (or pinned, being copied) scalars plus metadata."""
+    """A sealed step in flight to the worker: host rows, device rows (copied or being copied), metadata.
+
+    Rows summarised by the fused CPU kernel are already in ``host`` (float64, one line per row, the
+    kernel wrote them in place); rows summarised with torch ops (CUDA, half precision, strided views,
+    compiled code) are in ``data``, stacked once at the step boundary.
+    """
 
     step: int
     time: float
@@ -151,11 +158,14 @@ class PendingRecord:
     counts: list[int]
     units: list[int]
     samples: list[int]
-    unit_rows: list[int]  # rows (first occurrence of a key) whose per-unit activity counts were copied
-    scalar_names: tuple[str, ...]  # device step scalars after the dead counts (loss, correct)
+    host: np.ndarray  # (>= rows, NSTATS) float64: the fused kernel's rows; other lines are unused
+    host_units: dict[int, np.ndarray]  # first row of a key -> active samples per unit (fused rows)
+    device_rows: list[int]  # rows whose device scalars are in ``data``, in order
+    unit_rows: list[int]  # device rows (first occurrence of a key) whose per-unit counts follow in ``data``
+    scalar_names: tuple[str, ...]  # device step scalars after the device rows (loss, correct)
     host_scalars: dict[str, float]
-    data: torch.Tensor  # flat: rows x 5 (6) device stats, step scalars, then per-unit counts per unit-row
-    nonfinite_counted: bool
+    data: torch.Tensor  # flat: device rows x 5 (6) stats, step scalars, then per-unit counts per unit-row
+    nonfinite_counted: bool  # exact non-finite counts asked for (fused rows always have them; else a flag)
     event: Any = None  # torch.cuda.Event on CUDA
     release: Callable[[], None] | None = None  # gives the pinned slot back to its pool
 
@@ -164,18 +174,27 @@ class PendingRecord:
         if self.event is not None:
             self.event.synchronize()
         n = len(self.keys)
-        nstats = _NSTATS_COUNTED if self.nonfinite_counted else _NSTATS_COUNTED - 1
+        nstats = NSTATS if self.nonfinite_counted else NSTATS - 1
         flat = self.data.numpy().astype(np.float64, copy=True)
         if self.release is not None:
             self.release()
-        values = flat[: n * nstats].reshape(n, nstats)
-        units = np.asarray(self.units, dtype=np.float64)
+        values = self.host[:n]
+        if len(values) < n:  # the table only grows for fused rows; device rows need their lines too
+            values = np.concatenate([values, np.empty((n - len(values), NSTATS))])
         dead = np.full(n, np.nan)
         active = np.full(n, np.nan)
-        if self.unit_rows:  # each unit-row's per-unit activity counts follow the scalars, in row order
-            rows = np.asarray(self.unit_rows)
+        nd = len(self.device_rows)
+        if nd:
+            rows = np.asarray(self.device_rows, dtype=np.intp)
+            values[rows, :nstats] = flat[: nd * nstats].reshape(nd, nstats)
+        for row, vector in self.host_units.items():
+            dead[row] = np.count_nonzero(vector == 0)
+            active[row] = vector.sum()
+        units = np.asarray(self.units, dtype=np.float64)
+        if self.unit_rows:  # each device unit-row's activity counts follow the scalars, in row order
+            rows = np.asarray(self.unit_rows, dtype=np.intp)
             lengths = units[rows].astype(np.intp)  # >= 1: a unit-row has units
-            start = n * nstats + len(self.scalar_names)
+            start = nd * nstats + len(self.scalar_names)
             vectors = flat[start : start + int(lengths.sum())]
             offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
             dead[rows] = np.add.reduceat((vectors == 0).astype(np.float64), offsets)
@@ -194,7 +213,7 @@ class PendingRecord:
         table.setflags(write=False)
         scalars = dict(self.host_scalars)
         for i, name in enumerate(self.scalar_names):
-            scalars[name] = float(flat[n * nstats + i])
+            scalars[name] = float(flat[nd * nstats + i])
         if "correct" in scalars and scalars.get("total"):
             scalars["accuracy"] = scalars["correct"] / scalars["total"]
         return StepRecord(self.step, self.time, self.rank, keys, table, scalars)  # type: ignore[arg-type]
@@ -203,54 +222,114 @@ class PendingRecord:
 class StepBuffer:
     """Rows of the current step, appended by hooks on the training thread (no locks: one thread).
 
-    Rows with equal keys are kept apart here and merged on the worker; per-unit activity counts of a
-    repeated key are added here (one small kernel) so dead units and activation rates stay exact.
+    Two kinds of rows share one row order: *host rows*, which the fused CPU kernel writes straight into
+    a preallocated float64 table (:meth:`add_host`), and *device rows* of 0-d tensors from the torch
+    path (:meth:`add`), stacked once at :meth:`seal`. Rows with equal keys are kept apart here and
+    merged on the worker; per-unit activity counts of a repeated key are added here so dead units and
+    activation rates stay exact.
     """
 
-    __slots__ = ("counts", "device", "keys", "latest", "samples", "scalars", "unit_counts", "units")
+    __slots__ = (
+        "counts",
+        "device",
+        "device_rows",
+        "host",
+        "host_units",
+        "keys",
+        "latest",
+        "samples",
+        "unit_counts",
+        "units",
+    )
 
-    def __init__(self) -> None:
-        self.keys: list[Hashable] = []
-        self.counts: list[int] = []
-        self.units: list[int] = []
-        self.scalars: list[torch.Tensor] = []
-        self.samples: list[int] = []
-        self.unit_counts: dict[Hashable, tuple[int, torch.Tensor]] = {}
-        self.latest: dict[Hashable, int] = {}  # row index of replaceable keys
-        self.device: torch.device | None = None
+    keys: list[Hashable]
+    counts: list[int]
+    units: list[int]
+    samples: list[int]
+    device_rows: dict[int, list[torch.Tensor]]  # row -> its device scalars, in row order
+    unit_counts: dict[Hashable, tuple[int, torch.Tensor | np.ndarray]]  # key -> (first row, per-unit counts)
+    latest: dict[Hashable, int]  # row index of replaceable keys
+    device: torch.device | None
 
-    def add(self, key: Hashable, count: int, row: Row, replace: bool = False) -> None:
-        """Append one summarized tensor's row; with ``replace``, a later row of the same key overwrites
-        the earlier one (accumulated gradients: the last, complete one counts) instead of merging."""
+    def __init__(self, rows: int = 64) -> None:
+        self.host = np.empty((rows, NSTATS), dtype=np.float64)
+        self.clear()
+
+    def _append(self, key: Hashable, count: int, replace: bool) -> int | None:
+        """A new row's index, or the index to overwrite (``replace`` and the key was seen)."""
         if replace:
             index = self.latest.get(key)
             if index is not None:
-                start = index * len(row.scalars)
-                self.scalars[start : start + len(row.scalars)] = row.scalars
                 self.counts[index] = count
-                return
+                return index
             self.latest[key] = len(self.keys)
         self.keys.append(key)
         self.counts.append(count)
-        self.scalars.extend(row.scalars)
+        self.units.append(0)
+        self.samples.append(0)
+        return None
+
+    def add(self, key: Hashable, count: int, row: Row, replace: bool = False) -> None:
+        """Append one row summarised with torch ops; with ``replace``, a later row of the same key
+        overwrites the earlier one (accumulated gradients: the last, complete one counts) instead of
+        merging."""
+        index = self._append(key, count, replace)
+        if index is not None:
+            self.device_rows[index] = row.scalars
+            return
+        index = len(self.keys) - 1
+        self.device_rows[index] = row.scalars
         if self.device is None:
             self.device = row.scalars[0].device
         counts = row.unit_counts
         if counts is None:
-            self.units.append(0)
-            self.samples.append(0)
             return
         seen = self.unit_counts.get(key)
         if seen is None:
-            self.unit_counts[key] = (len(self.keys) - 1, counts)
+            self.unit_counts[key] = (index, counts)
         elif seen[1].shape == counts.shape:
             self.unit_counts[key] = (seen[0], seen[1] + counts)
         else:  # the same key with another unit count (a module reused on other shapes): not comparable
-            self.units.append(0)
-            self.samples.append(0)
             return
-        self.units.append(counts.numel())
-        self.samples.append(row.samples)
+        self.units[index] = counts.numel()
+        self.samples[index] = row.samples
+
+    def add_host(
+        self,
+        kernel: FusedKernel,
+        key: Hashable,
+        x: torch.Tensor,
+        *,
+        unit_dim: int | None = None,
+        bounds: tuple[float, float] | None = None,
+        replace: bool = False,
+    ) -> None:
+        """Summarise ``x`` with the fused CPU kernel straight into this step's host table."""
+        index = self._append(key, x.numel(), replace)
+        if index is not None:
+            self.device_rows.pop(index, None)  # a host row now
+            kernel.summarize(x, self.host[index])
+            return
+        index = len(self.keys) - 1
+        if index >= len(self.host):
+            self.host = np.concatenate([self.host, np.empty_like(self.host)])
+        out = self.host[index]
+        if unit_dim is None:
+            kernel.summarize(x, out)
+            return
+        n_units = x.shape[unit_dim]
+        seen = self.unit_counts.get(key)
+        if seen is None:
+            vector = np.zeros(n_units, dtype=np.float64)
+            self.unit_counts[key] = (index, vector)
+        elif isinstance(seen[1], np.ndarray) and seen[1].shape == (n_units,):
+            vector = seen[1]  # the kernel adds this call's active samples in place
+        else:  # the same key with another unit count: not comparable, summarise without units
+            kernel.summarize(x, out)
+            return
+        kernel.summarize(x, out, unit_dim=unit_dim, units=vector, bounds=bounds)
+        self.units[index] = n_units
+        self.samples[index] = x.shape[0]
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -266,21 +345,31 @@ class StepBuffer:
         stream: Any = None,
         pool: SlotPool | None = None,
     ) -> PendingRecord | None:
-        """Stack the step into one tensor and make its only copy; returns None if no slot was free.
+        """Hand the step over: host rows as they are, device rows stacked with one copy; returns None
+        if no pinned slot was free.
 
-        Layout of the copy: every row's device scalars, then the step scalars, then each unit-row's
-        per-unit activity counts (small vectors: dead units and active pairs are counted on the worker).
-        Everything else stays a plain Python list handed over as is — numpy work happens on the worker.
+        Layout of the device copy: every device row's scalars, then the device step scalars, then each
+        device unit-row's per-unit activity counts (small vectors: dead units and active pairs are
+        counted on the worker). CPU step scalars are read directly (no device to wait for). Everything
+        else is handed over as is — numpy work happens on the worker.
         """
-        extra = [t.detach().reshape(()) for t in step_scalars.values()]
-        parts = self.scalars + extra
-        vectors = [counts for _, counts in self.unit_counts.values()]
+        host_scalars = dict(host_scalars)
+        extra: list[torch.Tensor] = []
+        names: list[str] = []
+        for name, value in step_scalars.items():
+            if value.device.type == "cpu":
+                host_scalars[name] = float(value)  # a CPU tensor: reading it waits for nothing
+            else:
+                extra.append(value.detach().reshape(()))
+                names.append(name)
+        parts = [scalar for scalars in self.device_rows.values() for scalar in scalars] + extra
+        vectors = [counts for _, counts in self.unit_counts.values() if isinstance(counts, torch.Tensor)]
         device = (
             self.device if self.device is not None else (extra[0].device if extra else torch.device("cpu"))
         )
         if parts:
-            # One stack for the whole step (it promotes float16/int64 scalars to float32/float64), one
-            # cat for the unit vectors.
+            # One stack for all device rows (it promotes float16/int64 scalars to float32/float64),
+            # one cat for the unit vectors.
             try:
                 flat = torch.stack(parts)
             except RuntimeError:  # parts on several devices (model parallel): gather them first
@@ -294,6 +383,7 @@ class StepBuffer:
         if flat.device.type == "cuda" and pool is not None:
             slot = pool.acquire(flat.numel(), flat.dtype)
             if slot is None:
+                self.clear()
                 return None
             host = slot[: flat.numel()]
             main = torch.cuda.current_stream(flat.device)
@@ -318,23 +408,29 @@ class StepBuffer:
             counts=self.counts,
             units=self.units,
             samples=self.samples,
-            unit_rows=[first for first, _ in self.unit_counts.values()],
-            scalar_names=tuple(step_scalars),
+            host=self.host,
+            host_units={first: v for first, v in self.unit_counts.values() if isinstance(v, np.ndarray)},
+            device_rows=list(self.device_rows),
+            unit_rows=[first for first, v in self.unit_counts.values() if isinstance(v, torch.Tensor)],
+            scalar_names=tuple(names),
             host_scalars=host_scalars,
             data=data,
             nonfinite_counted=nonfinite_counted,
             event=event,
             release=release,
         )
+        # The next step's table: preallocated at this step's size, the record keeps this one.
+        self.host = np.empty((max(len(self.keys), 16), NSTATS), dtype=np.float64)
         self.clear()
         return record
 
     def clear(self) -> None:
+        """Forget the current step's rows (the host table is reused)."""
         self.keys = []
         self.counts = []
         self.units = []
-        self.scalars = []
         self.samples = []
+        self.device_rows = {}
         self.unit_counts = {}
         self.latest = {}
         self.device = None

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from streamwatch._kernel import FusedKernel
 from streamwatch._record import SeriesKey, StepBuffer
 from streamwatch._summary import saturation_bounds, summarize, unit_dim_for
 
@@ -156,6 +157,7 @@ class TapState:
     channel_last: bool | None = None  # the user's override; None: per module, and 4-D/5-D tensors are NCHW
     dead_units: bool = True
     count_nonfinite: bool = False
+    kernel: FusedKernel | None = None  # the fused CPU kernel, if it could be built
     skipped: dict[str, int] = field(default_factory=dict)
     errors: list[BaseException] = field(default_factory=list)
     hook_errors: int = 0
@@ -219,6 +221,10 @@ def summarize_into(
         if state.channel_last is None and prepared.dim() >= 4:
             channel_last = False  # NCHW / NCDHW: a ReLU after a Conv2d has channels in dim 1 too
         unit_dim = unit_dim_for(prepared, channel_last)
+    kernel = state.kernel
+    if kernel is not None and kernel.accepts(prepared) and not torch.compiler.is_compiling():
+        state.buffer.add_host(kernel, key, prepared, unit_dim=unit_dim, bounds=bounds, replace=replace)
+        return
     row = summarize(prepared, unit_dim=unit_dim, count_nonfinite=state.count_nonfinite, bounds=bounds)
     state.buffer.add(key, prepared.numel(), row, replace=replace)
 

@@ -25,6 +25,9 @@ import streamwatch as sw
 from streamwatch import PipelineError, SeriesKey, StepRecord, WatchStatistics
 from streamwatch._summary import COLUMNS
 
+# Every test runs with the fused CPU kernel and with the eager torch summaries.
+pytestmark = pytest.mark.usefixtures("summary_kernel")
+
 STEPS = 3
 ALL_TAPS = ("input", "activation", "output_grad", "param", "param_grad", "update")
 Batch = tuple[Any, ...]

@@ -370,7 +370,8 @@ def test_failing_summaries_leave_training_bit_for_bit_unchanged(monkeypatch: pyt
         raise Boom("summaries are broken")
 
     reference = trained(observe=False)
-    monkeypatch.setattr(streamwatch._taps, "summarize", broken)
+    monkeypatch.setattr(streamwatch._taps, "summarize", broken)  # the torch path
+    monkeypatch.setattr(streamwatch._kernel.FusedKernel, "summarize", broken)  # the fused CPU kernel
     observed = trained(observe=True)
     for a, b in zip(reference, observed, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

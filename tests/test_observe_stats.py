@@ -22,6 +22,9 @@ import streamwatch as sw
 from streamwatch._summary import COLUMNS, DERIVED
 from streamwatch._taps import KINDS
 
+# Every test runs with the fused CPU kernel and with the eager torch summaries.
+pytestmark = pytest.mark.usefixtures("summary_kernel")
+
 EVERY_STEP = {"param": 1, "update": 1}
 PARAM_KINDS = ("param", "param_grad", "update")
 
@@ -656,6 +659,37 @@ def test_exact_nonfinite_counts_add_up_when_a_module_runs_twice_in_a_step() -> N
         watch.step()
     (record,) = recs.items
     assert record.column("nonfinite")[0] == 4
+
+
+class Transposed(nn.Module):
+    """Returns a strided (transposed) view on its first call in a forward and a contiguous tensor on
+    the second: on CPU one row takes the fused kernel, the other the torch path, under one key."""
+
+    def forward(self, x: torch.Tensor, strided: bool) -> torch.Tensor:
+        return (x * 2).t() if strided else x * 2
+
+
+def test_fused_and_torch_rows_of_one_step_and_one_key_merge_exactly() -> None:
+    torch.manual_seed(4)
+    model = nn.ModuleDict({"lin": nn.Linear(5, 6), "tr": Transposed(), "low": nn.Linear(6, 3).half()})
+    recs = sw.sinks.collect()
+    with sw.observe(model, stats=("dead", "nonfinite"), sinks=[recs]) as watch:
+        h = model["lin"](torch.randn(4, 5))
+        a, b = model["tr"](h, True), model["tr"](h, False)  # a: 6x4 strided view, b: 4x6 contiguous
+        out = model["low"](b.detach().half())
+        watch.step()
+    (record,) = recs.items
+    counted = True
+    assert_row(record, sw.SeriesKey("train", "lin", "activation", ""), reference([h], 1, counted))
+    # a module run twice on differently shaped outputs: the rows merge; per-unit activity is not
+    # comparable across the two shapes, so it comes from the first call (as documented in finalize)
+    merged = reference([a, b], None, counted) | {
+        name: reference([a], 1, counted)[name] for name in ("units", "dead", "dead_fraction")
+    }
+    assert_row(record, sw.SeriesKey("train", "tr", "activation", ""), merged)
+    i = record.keys.index(sw.SeriesKey("train", "low", "activation", ""))  # float16: the torch path
+    np.testing.assert_allclose(record.column("sum")[i], out.double().sum().item(), rtol=1e-3)
+    assert record.column("count")[i] == out.numel()
 
 
 # -- phases, accumulation, sampling -------------------------------------------------------------------

@@ -1,0 +1,65 @@
+/* streamwatch's fused CPU summary: one pass over a contiguous float32/float64 tensor.
+ *
+ * In one read of the data it yields sum, sum of squares, min, max, the nonzero count and the exact
+ * non-finite count (NaN and ±inf), plus per-unit activity for dead units and activation rates. Plain
+ * C without torch headers: it builds in about a second with the system compiler and is loaded with
+ * ctypes (see _kernel.py).
+ *
+ * Contract of streamwatch_summarize_f32/_f64(x, N, A, U, B, act, out, units_out, flags):
+ *   x          contiguous data, viewed as [N, A, U, B]: N samples, U units (the unit dimension), A the
+ *              dimensions between the batch and the units (channel-last), B those after (NCHW
+ *              spatial positions). Without units pass units_out = NULL and any N*A*U*B = numel.
+ *   act        what "active" means: nonzero, or away from the module's saturation bounds (isclose with
+ *              rtol=1e-5, atol=1e-8, tolerances precomputed by the caller); NaN is never active.
+ *   out        6 doubles: sum, sumsq, min, max, nonzero, nonfinite (min/max are NaN if any NaN).
+ *   units_out  U doubles; the number of samples in which each unit was active is ADDED to them, so a
+ *              module called twice in a step accumulates in place.
+ *   flags      U int32 of scratch.
+ *
+ * Vectorisation: accumulators are arrays of LANES independent lanes, so the compiler vectorises the
+ * loops without reassociating floating-point sums (-ffast-math is never used: it would break the
+ * NaN/inf handling). On x86-64 every entry point is compiled twice (AVX2+FMA and baseline) and the
+ * loader picks the one the CPU runs.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16
+#define CHUNK 1024 /* elements per float64 flush: 64 per lane, so float32 counts stay exact */
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define CLONES
+#endif
+
+typedef struct {
+    double sum, sumsq, min, max, nonzero, nonfinite;
+} stats_t;
+
+typedef struct {
+    int32_t bounded;         /* 0: active = nonzero; 1: active = away from the finite bounds below */
+    int32_t has_lo, has_hi;  /* which bounds are finite */
+    int32_t reserved;
+    double lo, hi, tol_lo, tol_hi;
+} activity_t;
+
+#define T float
+#define CNT int32_t
+#define SUFFIX f32
+#include "_fused_body.h"
+#undef T
+#undef CNT
+#undef SUFFIX
+
+#define T double
+#define CNT int64_t
+#define SUFFIX f64
+#include "_fused_body.h"
+#undef T
+#undef CNT
+#undef SUFFIX
+
+int streamwatch_abi_version(void) { return 1; }

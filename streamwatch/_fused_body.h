@@ -1,0 +1,146 @@
+/* The per-dtype body of _fused.c: included once per element type with T (the element type), CNT (a
+ * counter as wide as T) and SUFFIX (f32, f64) defined. Every loop below is written so that the compiler vectorises it without
+ * reassociating floating-point arithmetic: accumulators are arrays of LANES independent lanes. */
+
+/* Exact count of NaN and ±inf in p[0..len): only run over a chunk whose sum of squares came out
+ * non-finite (which every NaN or infinity makes it; an overflow of finite squares merely makes us look). */
+static int64_t CAT(count_nonfinite_, SUFFIX)(const T *p, int64_t len) {
+    int64_t count = 0;
+    for (int64_t i = 0; i < len; i++) {
+        const T d = p[i] - p[i]; /* 0 where finite; NaN at NaN and at ±inf */
+        count += d != d;
+    }
+    return count;
+}
+
+/* Sum, sum of squares, min, max, nonzero and non-finite counts of p[0..len), accumulated into *s.
+ * Per element the hot loop does five vector operations (add, fma, min, max, compare-and-count); the
+ * non-finite count costs nothing unless a chunk has a non-finite element. Float32 lanes are flushed
+ * into the float64 totals every CHUNK elements. min/max skip NaN here (the caller makes them NaN when
+ * there is one, as torch.aminmax does). */
+static inline __attribute__((always_inline)) void CAT(stats_, SUFFIX)(const T *restrict p, int64_t len,
+                                                                      stats_t *s) {
+    for (int64_t start = 0; start < len; start += CHUNK) {
+        const T *restrict q = p + start;
+        const int64_t n = len - start < CHUNK ? len - start : CHUNK;
+        T sum[LANES], sq[LANES], mn[LANES], mx[LANES];
+        CNT nz[LANES];
+        for (int j = 0; j < LANES; j++) {
+            sum[j] = 0; sq[j] = 0; nz[j] = 0;
+            mn[j] = (T)s->min; mx[j] = (T)s->max;
+        }
+        const int64_t body = n - n % LANES;
+        for (int64_t i = 0; i < body; i += LANES) {
+            for (int j = 0; j < LANES; j++) {
+                const T v = q[i + j];
+                sum[j] += v;
+                sq[j] += v * v;
+                mn[j] = v < mn[j] ? v : mn[j];
+                mx[j] = v > mx[j] ? v : mx[j];
+                nz[j] += v != 0;
+            }
+        }
+        for (int64_t i = body; i < n; i++) {
+            const T v = q[i];
+            sum[0] += v;
+            sq[0] += v * v;
+            mn[0] = v < mn[0] ? v : mn[0];
+            mx[0] = v > mx[0] ? v : mx[0];
+            nz[0] += v != 0;
+        }
+        double csum = 0, csq = 0;
+        int64_t cnz = 0;
+        for (int j = 0; j < LANES; j++) {
+            csum += sum[j]; csq += sq[j]; cnz += nz[j];
+            if (mn[j] < s->min) s->min = mn[j];
+            if (mx[j] > s->max) s->max = mx[j];
+        }
+        s->sum += csum; s->sumsq += csq; s->nonzero += (double)cnz;
+        if (!(csq - csq == 0)) s->nonfinite += (double)CAT(count_nonfinite_, SUFFIX)(q, n);
+    }
+}
+
+/* Whether p[0..len) holds a NaN: only asked when the fused pass counted a non-finite element, since
+ * counting NaN apart from ±inf in the fused loop would cost another accumulator in every pass. */
+static int CAT(has_nan_, SUFFIX)(const T *p, int64_t len) {
+    for (int64_t i = 0; i < len; i++)
+        if (p[i] != p[i]) return 1;
+    return 0;
+}
+
+/* Whether v is active: not NaN, and nonzero (no bounds) or not isclose to a finite bound. The
+ * has_lo/has_hi arguments are compile-time constants at every call site, so each variant is its
+ * own branch-free loop. */
+static inline __attribute__((always_inline)) int CAT(active_, SUFFIX)(T v, int bounded, int has_lo, int has_hi,
+                                                                       T lo, T hi, T tol_lo, T tol_hi) {
+    if (!bounded) return (v != 0) & (v == v);
+    T dl = v - lo, dh = v - hi;
+    dl = dl < 0 ? -dl : dl;
+    dh = dh < 0 ? -dh : dh;
+    return (v == v) & (!has_lo | (dl > tol_lo)) & (!has_hi | (dh > tol_hi));
+}
+
+/* Per-unit activity of one sample's slab [A, U, B]: flags[u] becomes 1 if unit u is active at any of
+ * its A*B positions. */
+static inline __attribute__((always_inline)) void CAT(slab_, SUFFIX)(const T *restrict x, int64_t a_, int64_t u_,
+                                                                     int64_t b_, int32_t *restrict flags,
+                                                                     int bounded, int has_lo, int has_hi,
+                                                                     const activity_t *act) {
+    const T lo = (T)act->lo, hi = (T)act->hi, tol_lo = (T)act->tol_lo, tol_hi = (T)act->tol_hi;
+    if (b_ == 1) { /* units innermost (Linear outputs, channel-last): flag element-wise */
+        for (int64_t a = 0; a < a_; a++) {
+            const T *restrict row = x + a * u_;
+            for (int64_t u = 0; u < u_; u++)
+                flags[u] |= CAT(active_, SUFFIX)(row[u], bounded, has_lo, has_hi, lo, hi, tol_lo, tol_hi);
+        }
+        return;
+    }
+    for (int64_t a = 0; a < a_; a++) { /* each unit owns runs of B contiguous positions (NCHW) */
+        for (int64_t u = 0; u < u_; u++) {
+            const T *restrict run = x + (a * u_ + u) * b_;
+            int any = 0;
+            for (int64_t b = 0; b < b_; b++)
+                any |= CAT(active_, SUFFIX)(run[b], bounded, has_lo, has_hi, lo, hi, tol_lo, tol_hi);
+            flags[u] |= any;
+        }
+    }
+}
+
+/* The exported entry point for one element type; see _fused.c for the contract. */
+CLONES int CAT(streamwatch_summarize_, SUFFIX)(const T *x, int64_t n_, int64_t a_, int64_t u_, int64_t b_,
+                                                const activity_t *act, double *out, double *units_out,
+                                                int32_t *flags) {
+    stats_t s = {0, 0, 1.0 / 0.0, -1.0 / 0.0, 0, 0};
+    if (units_out == 0) {
+        CAT(stats_, SUFFIX)(x, n_ * a_ * u_ * b_, &s);
+    } else {
+        const int64_t slab = a_ * u_ * b_;
+        for (int64_t n = 0; n < n_; n++) {
+            const T *sample = x + n * slab;
+            CAT(stats_, SUFFIX)(sample, slab, &s); /* the slab stays in cache for its activity loop */
+            memset(flags, 0, (size_t)u_ * sizeof(int32_t));
+            if (!act->bounded)
+                CAT(slab_, SUFFIX)(sample, a_, u_, b_, flags, 0, 0, 0, act);
+            else if (act->has_lo && act->has_hi)
+                CAT(slab_, SUFFIX)(sample, a_, u_, b_, flags, 1, 1, 1, act);
+            else if (act->has_lo)
+                CAT(slab_, SUFFIX)(sample, a_, u_, b_, flags, 1, 1, 0, act);
+            else if (act->has_hi)
+                CAT(slab_, SUFFIX)(sample, a_, u_, b_, flags, 1, 0, 1, act);
+            else
+                CAT(slab_, SUFFIX)(sample, a_, u_, b_, flags, 1, 0, 0, act);
+            for (int64_t u = 0; u < u_; u++) units_out[u] += flags[u];
+        }
+    }
+    if (s.nonfinite > 0 && CAT(has_nan_, SUFFIX)(x, n_ * a_ * u_ * b_)) {
+        s.min = 0.0 / 0.0; /* NaN propagates through min and max, as in torch.aminmax */
+        s.max = 0.0 / 0.0;
+    }
+    out[0] = s.sum;
+    out[1] = s.sumsq;
+    out[2] = s.min;
+    out[3] = s.max;
+    out[4] = s.nonzero;
+    out[5] = s.nonfinite;
+    return 0;
+}
