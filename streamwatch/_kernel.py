@@ -40,6 +40,7 @@ import sysconfig
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -108,11 +109,13 @@ class _Flags(threading.local):
 
     def __init__(self) -> None:
         self.buffer = np.zeros(1024, dtype=np.int32)
+        self.address = int(self.buffer.ctypes.data)
 
     def at_least(self, n: int) -> int:
         if self.buffer.size < n:
             self.buffer = np.zeros(max(n, 2 * self.buffer.size), dtype=np.int32)
-        return int(self.buffer.ctypes.data)
+            self.address = int(self.buffer.ctypes.data)
+        return self.address
 
 
 class FusedKernel:
@@ -120,7 +123,7 @@ class FusedKernel:
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
-        self._fns = {}
+        self._fns: dict[torch.dtype, Any] = {}
         for dtype, name in (
             (torch.float32, "streamwatch_summarize_f32"),
             (torch.float64, "streamwatch_summarize_f64"),
@@ -130,6 +133,8 @@ class FusedKernel:
             fn.restype = ctypes.c_int
             self._fns[dtype] = fn
         self._flags = _Flags()
+        self._layouts: dict[tuple[torch.Size, int], tuple[int, int, int, int]] = {}
+        self._activities: dict[tuple[float, float], Activity] = {}
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Whether ``x`` can take the fused path: a plain CPU tensor, contiguous float32/float64.
@@ -138,6 +143,42 @@ class FusedKernel:
         the torch path: their raw memory is not necessarily what their ops see.
         """
         return x.dtype in self._fns and type(x) in _PLAIN and x.device.type == "cpu" and x.is_contiguous()
+
+    def layout(self, shape: torch.Size, unit_dim: int) -> tuple[int, int, int, int]:
+        """``shape`` as ``(N, A, U, B)`` around ``unit_dim`` (cached: shapes repeat every step)."""
+        key = (shape, unit_dim)
+        found = self._layouts.get(key)
+        if found is None:
+            a = b = 1
+            for d in shape[1:unit_dim]:
+                a *= d
+            for d in shape[unit_dim + 1 :]:
+                b *= d
+            found = self._layouts[key] = (shape[0], a, shape[unit_dim], b)
+        return found
+
+    def run(
+        self,
+        x: torch.Tensor,
+        out: int,
+        layout: tuple[int, int, int, int] | None = None,
+        units: int = 0,
+        bounds: tuple[float, float] | None = None,
+    ) -> None:
+        """The raw call, for the hot path: ``out`` and ``units`` are addresses (see :meth:`summarize`)."""
+        fn = self._fns[x.dtype]
+        if layout is None:
+            fn(x.data_ptr(), x.numel(), 1, 1, 1, _NONZERO, out, None, None)
+            return
+        activity = _NONZERO if bounds is None else self._activity(bounds)
+        n, a, u, b = layout
+        fn(x.data_ptr(), n, a, u, b, activity, out, units, self._flags.at_least(u))
+
+    def _activity(self, bounds: tuple[float, float]) -> Activity:
+        found = self._activities.get(bounds)
+        if found is None:
+            found = self._activities[bounds] = Activity.of(bounds)
+        return found
 
     def summarize(
         self,
@@ -152,22 +193,12 @@ class FusedKernel:
         number of samples in which each unit was active into ``units`` (float64, one per unit).
 
         ``x`` must pass :meth:`accepts` and be non-empty; ``out`` and ``units`` must be C-contiguous
-        float64 arrays of the right length (the caller owns them: they are written through pointers).
+        float64 arrays of the right length (they are written through their addresses).
         """
-        fn = self._fns[x.dtype]
         if unit_dim is None or units is None:
-            fn(x.data_ptr(), x.numel(), 1, 1, 1, _NONZERO, out.ctypes.data, None, None)
-            return
-        shape = x.shape
-        n, u = shape[0], shape[unit_dim]
-        a = 1
-        for d in shape[1:unit_dim]:
-            a *= d
-        b = 1
-        for d in shape[unit_dim + 1 :]:
-            b *= d
-        activity = _NONZERO if bounds is None else Activity.of(bounds)
-        fn(x.data_ptr(), n, a, u, b, activity, out.ctypes.data, units.ctypes.data, self._flags.at_least(u))
+            self.run(x, out.ctypes.data)
+        else:
+            self.run(x, out.ctypes.data, self.layout(x.shape, unit_dim), units.ctypes.data, bounds)
 
 
 _lock = threading.Lock()

@@ -28,6 +28,8 @@ import torch
 from streamwatch._kernel import NSTATS, FusedKernel
 from streamwatch._summary import COLUMNS, Raw, Row, derive, finalize
 
+_ROW_BYTES = NSTATS * 8  # one float64 row of the host table
+
 __all__ = ["PendingRecord", "SeriesKey", "SlotPool", "StepBuffer", "StepRecord"]
 
 
@@ -159,7 +161,8 @@ class PendingRecord:
     units: list[int]
     samples: list[int]
     host: np.ndarray  # (>= rows, NSTATS) float64: the fused kernel's rows; other lines are unused
-    host_units: dict[int, np.ndarray]  # first row of a key -> active samples per unit (fused rows)
+    host_units: list[tuple[int, int]]  # (first row of a key, offset in ``arena``) of fused unit-rows
+    arena: np.ndarray  # active samples per unit of fused unit-rows, ``units[row]`` values from offset
     device_rows: list[int]  # rows whose device scalars are in ``data``, in order
     unit_rows: list[int]  # device rows (first occurrence of a key) whose per-unit counts follow in ``data``
     scalar_names: tuple[str, ...]  # device step scalars after the device rows (loss, correct)
@@ -187,10 +190,14 @@ class PendingRecord:
         if nd:
             rows = np.asarray(self.device_rows, dtype=np.intp)
             values[rows, :nstats] = flat[: nd * nstats].reshape(nd, nstats)
-        for row, vector in self.host_units.items():
-            dead[row] = np.count_nonzero(vector == 0)
-            active[row] = vector.sum()
         units = np.asarray(self.units, dtype=np.float64)
+        if self.host_units:  # each fused unit-row's counts sit in the arena: one reduceat for all
+            # (offsets were handed out in this order, so they increase and the segments are adjacent)
+            rows, offsets = (np.asarray(column, dtype=np.intp) for column in zip(*self.host_units, strict=True))
+            vectors = self.arena[: offsets[-1] + int(units[rows[-1]])]
+            zero = (vectors == 0).astype(np.float64)
+            dead[rows] = np.add.reduceat(zero, offsets)
+            active[rows] = np.add.reduceat(vectors, offsets)
         if self.unit_rows:  # each device unit-row's activity counts follow the scalars, in row order
             rows = np.asarray(self.unit_rows, dtype=np.intp)
             lengths = units[rows].astype(np.intp)  # >= 1: a unit-row has units
@@ -230,6 +237,10 @@ class StepBuffer:
     """
 
     __slots__ = (
+        "_arena_address",
+        "_arena_used",
+        "_host_address",
+        "arena",
         "counts",
         "device",
         "device_rows",
@@ -247,12 +258,17 @@ class StepBuffer:
     units: list[int]
     samples: list[int]
     device_rows: dict[int, list[torch.Tensor]]  # row -> its device scalars, in row order
-    unit_counts: dict[Hashable, tuple[int, torch.Tensor | np.ndarray]]  # key -> (first row, per-unit counts)
+    # key -> (first row, its per-unit counts: a device tensor, or an offset into the fused rows' arena)
+    unit_counts: dict[Hashable, tuple[int, torch.Tensor | int]]
     latest: dict[Hashable, int]  # row index of replaceable keys
     device: torch.device | None
 
-    def __init__(self, rows: int = 64) -> None:
+    def __init__(self, rows: int = 64, units: int = 4096) -> None:
         self.host = np.empty((rows, NSTATS), dtype=np.float64)
+        self._host_address = int(self.host.ctypes.data)
+        self.arena = np.zeros(units, dtype=np.float64)  # per-unit active samples of fused unit-rows
+        self._arena_address = int(self.arena.ctypes.data)
+        self._arena_used = 0
         self.clear()
 
     def _append(self, key: Hashable, count: int, replace: bool) -> int | None:
@@ -287,7 +303,7 @@ class StepBuffer:
         seen = self.unit_counts.get(key)
         if seen is None:
             self.unit_counts[key] = (index, counts)
-        elif seen[1].shape == counts.shape:
+        elif isinstance(seen[1], torch.Tensor) and seen[1].shape == counts.shape:
             self.unit_counts[key] = (seen[0], seen[1] + counts)
         else:  # the same key with another unit count (a module reused on other shapes): not comparable
             return
@@ -304,32 +320,39 @@ class StepBuffer:
         bounds: tuple[float, float] | None = None,
         replace: bool = False,
     ) -> None:
-        """Summarise ``x`` with the fused CPU kernel straight into this step's host table."""
+        """Summarise ``x`` with the fused CPU kernel straight into this step's host table (and its
+        per-unit activity into the step's arena): no allocation on this path once shapes repeat."""
         index = self._append(key, x.numel(), replace)
         if index is not None:
             self.device_rows.pop(index, None)  # a host row now
-            kernel.summarize(x, self.host[index])
+            kernel.run(x, self._host_address + index * _ROW_BYTES)
             return
         index = len(self.keys) - 1
         if index >= len(self.host):
             self.host = np.concatenate([self.host, np.empty_like(self.host)])
-        out = self.host[index]
+            self._host_address = int(self.host.ctypes.data)
+        out = self._host_address + index * _ROW_BYTES
         if unit_dim is None:
-            kernel.summarize(x, out)
+            kernel.run(x, out)
             return
-        n_units = x.shape[unit_dim]
+        layout = kernel.layout(x.shape, unit_dim)
+        n_units = layout[2]
         seen = self.unit_counts.get(key)
         if seen is None:
-            vector = np.zeros(n_units, dtype=np.float64)
-            self.unit_counts[key] = (index, vector)
-        elif isinstance(seen[1], np.ndarray) and seen[1].shape == (n_units,):
-            vector = seen[1]  # the kernel adds this call's active samples in place
+            offset = self._arena_used
+            if offset + n_units > len(self.arena):
+                self.arena = np.concatenate([self.arena, np.zeros(max(n_units, len(self.arena)))])
+                self._arena_address = int(self.arena.ctypes.data)
+            self._arena_used += n_units
+            self.unit_counts[key] = (index, offset)
+        elif isinstance(seen[1], int) and self.units[seen[0]] == n_units:
+            offset = seen[1]  # the kernel adds this call's active samples to the first call's
         else:  # the same key with another unit count: not comparable, summarise without units
-            kernel.summarize(x, out)
+            kernel.run(x, out)
             return
-        kernel.summarize(x, out, unit_dim=unit_dim, units=vector, bounds=bounds)
+        kernel.run(x, out, layout, self._arena_address + offset * 8, bounds)
         self.units[index] = n_units
-        self.samples[index] = x.shape[0]
+        self.samples[index] = layout[0]
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -409,7 +432,8 @@ class StepBuffer:
             units=self.units,
             samples=self.samples,
             host=self.host,
-            host_units={first: v for first, v in self.unit_counts.values() if isinstance(v, np.ndarray)},
+            host_units=[(first, v) for first, v in self.unit_counts.values() if isinstance(v, int)],
+            arena=self.arena,
             device_rows=list(self.device_rows),
             unit_rows=[first for first, v in self.unit_counts.values() if isinstance(v, torch.Tensor)],
             scalar_names=tuple(names),
@@ -419,8 +443,11 @@ class StepBuffer:
             event=event,
             release=release,
         )
-        # The next step's table: preallocated at this step's size, the record keeps this one.
+        # The next step's table and arena, preallocated at this step's sizes: the record keeps these.
         self.host = np.empty((max(len(self.keys), 16), NSTATS), dtype=np.float64)
+        self._host_address = int(self.host.ctypes.data)
+        self.arena = np.zeros(max(self._arena_used, 64), dtype=np.float64)
+        self._arena_address = int(self.arena.ctypes.data)
         self.clear()
         return record
 
@@ -434,3 +461,6 @@ class StepBuffer:
         self.unit_counts = {}
         self.latest = {}
         self.device = None
+        if self._arena_used:
+            self.arena[: self._arena_used] = 0
+            self._arena_used = 0

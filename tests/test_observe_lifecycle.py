@@ -371,7 +371,7 @@ def test_failing_summaries_leave_training_bit_for_bit_unchanged(monkeypatch: pyt
 
     reference = trained(observe=False)
     monkeypatch.setattr(streamwatch._taps, "summarize", broken)  # the torch path
-    monkeypatch.setattr(streamwatch._kernel.FusedKernel, "summarize", broken)  # the fused CPU kernel
+    monkeypatch.setattr(streamwatch._kernel.FusedKernel, "run", broken)  # the fused CPU kernel
     observed = trained(observe=True)
     for a, b in zip(reference, observed, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
