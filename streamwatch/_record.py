@@ -193,7 +193,8 @@ class PendingRecord:
         units = np.asarray(self.units, dtype=np.float64)
         if self.host_units:  # each fused unit-row's counts sit in the arena: one reduceat for all
             # (offsets were handed out in this order, so they increase and the segments are adjacent)
-            rows, offsets = (np.asarray(column, dtype=np.intp) for column in zip(*self.host_units, strict=True))
+            pairs = np.asarray(self.host_units, dtype=np.intp)
+            rows, offsets = pairs[:, 0], pairs[:, 1]
             vectors = self.arena[: offsets[-1] + int(units[rows[-1]])]
             zero = (vectors == 0).astype(np.float64)
             dead[rows] = np.add.reduceat(zero, offsets)
