@@ -322,7 +322,41 @@ class StepBuffer:
         replace: bool = False,
     ) -> None:
         """Summarise ``x`` with the fused CPU kernel straight into this step's host table (and its
-        per-unit activity into the step's arena): no allocation on this path once shapes repeat."""
+        per-unit activity into the step's arena): no allocation on this path once shapes repeat.
+
+        All or nothing: if the kernel call raises, the step is left as it was before this call (no
+        half-written row, no arena range without units) and the error propagates to the hook guard.
+        """
+        n, arena_used, first_units = len(self.keys), self._arena_used, self.unit_counts.get(key)
+        latest, replaced = self.latest.get(key), None
+        if replace and latest is not None:
+            replaced = (self.counts[latest], self.device_rows.get(latest))
+        try:
+            self._add_host(kernel, key, x, unit_dim, bounds, replace)
+        except BaseException:
+            del self.keys[n:], self.counts[n:], self.units[n:], self.samples[n:]
+            if self._arena_used != arena_used:
+                self.arena[arena_used : self._arena_used] = 0
+                self._arena_used = arena_used
+            if first_units is None:
+                self.unit_counts.pop(key, None)
+            if latest is None:
+                self.latest.pop(key, None)
+            elif replaced is not None:
+                self.counts[latest] = replaced[0]
+                if replaced[1] is not None:
+                    self.device_rows[latest] = replaced[1]
+            raise
+
+    def _add_host(
+        self,
+        kernel: FusedKernel,
+        key: Hashable,
+        x: torch.Tensor,
+        unit_dim: int | None,
+        bounds: tuple[float, float] | None,
+        replace: bool,
+    ) -> None:
         index = self._append(key, x.numel(), replace)
         if index is not None:
             self.device_rows.pop(index, None)  # a host row now

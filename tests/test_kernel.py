@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -195,6 +196,43 @@ def test_repeated_calls_add_active_samples_in_place() -> None:
     KERNEL.summarize(b, out, unit_dim=1, units=units)
     want = reference(a, 1)[1] + reference(b, 1)[1]  # type: ignore[operator]
     np.testing.assert_array_equal(units, want)
+
+
+def test_a_failing_kernel_call_leaves_the_step_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row whose summary raises is not half-added: no garbage row, no arena range without units,
+    and the rows around it resolve to the reference."""
+    assert KERNEL is not None
+    from streamwatch._record import SeriesKey, StepBuffer
+
+    buffer = StepBuffer()
+    a, bad, c = torch.randn(6, 4).relu(), torch.randn(3, 5), torch.randn(2, 3).relu()
+    ka, kbad, kc = (SeriesKey("train", name, "activation", "") for name in ("a", "bad", "c"))
+    buffer.add_host(KERNEL, ka, a, unit_dim=1)
+    real_run = type(KERNEL).run
+
+    def failing(self: Any, x: torch.Tensor, *args: Any) -> None:
+        if x is bad:
+            raise RuntimeError("boom")
+        real_run(self, x, *args)
+
+    monkeypatch.setattr(type(KERNEL), "run", failing)
+    for replace in (False, True):
+        with pytest.raises(RuntimeError, match="boom"):
+            buffer.add_host(KERNEL, kbad, bad, unit_dim=1, replace=replace)
+        with pytest.raises(RuntimeError, match="boom"):  # a known key, replaced: the old row stays
+            buffer.add_host(KERNEL, ka, bad, unit_dim=1, replace=True)
+    buffer.add_host(KERNEL, kc, c, unit_dim=1)
+    pending = buffer.seal(step=0, rank=0, step_scalars={}, host_scalars={}, nonfinite_counted=True)
+    assert pending is not None
+    record = pending.resolve()
+    assert record.keys == (ka, kc)
+    for row, x in enumerate((a, c)):
+        stats, units = reference(x, 1)
+        assert units is not None
+        np.testing.assert_allclose(record.column("sum")[row], stats[0], rtol=1e-6)
+        assert record.column("count")[row] == x.numel()
+        assert record.column("units")[row] == x.shape[1]
+        assert record.column("dead")[row] == np.count_nonzero(units == 0)
 
 
 def test_accepts_only_plain_contiguous_cpu_float32_and_float64() -> None:
