@@ -14,7 +14,10 @@
  *   out        6 doubles: sum, sumsq, min, max, nonzero, nonfinite (min/max are NaN if any NaN).
  *   units_out  U doubles; the number of samples in which each unit was active is ADDED to them, so a
  *              module called twice in a step accumulates in place.
- *   flags      U int32 of scratch.
+ *   flags      2*U int32 of scratch.
+ *
+ * streamwatch_summarize_diff_f32/_f64(a, b, n, out): the same 6 values for a - b (n elements each,
+ * contiguous), computed without materialising the difference.
  *
  * Vectorisation: accumulators are arrays of LANES independent lanes, so the compiler vectorises the
  * loops without reassociating floating-point sums (-ffast-math is never used: it would break the
@@ -26,6 +29,7 @@
 
 #define LANES 16
 #define CHUNK 1024 /* elements per float64 flush: 64 per lane, so float32 counts stay exact */
+#define BLOCK 32   /* elements per early-exit block of a unit's run in the activity scan */
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 
@@ -62,4 +66,4 @@ typedef struct {
 #undef CNT
 #undef SUFFIX
 
-int streamwatch_abi_version(void) { return 1; }
+int streamwatch_abi_version(void) { return 3; }

@@ -4,10 +4,11 @@
 
 /* Exact count of NaN and ±inf in p[0..len): only run over a chunk whose sum of squares came out
  * non-finite (which every NaN or infinity makes it; an overflow of finite squares merely makes us look). */
-static int64_t CAT(count_nonfinite_, SUFFIX)(const T *p, int64_t len) {
+static int64_t CAT(count_nonfinite_, SUFFIX)(const T *p, const T *r, int64_t len) {
     int64_t count = 0;
     for (int64_t i = 0; i < len; i++) {
-        const T d = p[i] - p[i]; /* 0 where finite; NaN at NaN and at ±inf */
+        const T v = r ? p[i] - r[i] : p[i];
+        const T d = v - v; /* 0 where finite; NaN at NaN and at ±inf */
         count += d != d;
     }
     return count;
@@ -18,10 +19,12 @@ static int64_t CAT(count_nonfinite_, SUFFIX)(const T *p, int64_t len) {
  * non-finite count costs nothing unless a chunk has a non-finite element. Float32 lanes are flushed
  * into the float64 totals every CHUNK elements. min/max skip NaN here (the caller makes them NaN when
  * there is one, as torch.aminmax does). */
-static inline __attribute__((always_inline)) void CAT(stats_, SUFFIX)(const T *restrict p, int64_t len,
-                                                                      stats_t *s) {
+static inline __attribute__((always_inline)) void CAT(stats_, SUFFIX)(const T *restrict p, const T *restrict r,
+                                                                      int diff, int64_t len, stats_t *s) {
+    /* diff (a compile-time constant at each call site): summarise p - r, element by element */
     for (int64_t start = 0; start < len; start += CHUNK) {
         const T *restrict q = p + start;
+        const T *restrict z = diff ? r + start : q;
         const int64_t n = len - start < CHUNK ? len - start : CHUNK;
         T sum[LANES], sq[LANES], mn[LANES], mx[LANES];
         CNT nz[LANES];
@@ -32,7 +35,7 @@ static inline __attribute__((always_inline)) void CAT(stats_, SUFFIX)(const T *r
         const int64_t body = n - n % LANES;
         for (int64_t i = 0; i < body; i += LANES) {
             for (int j = 0; j < LANES; j++) {
-                const T v = q[i + j];
+                const T v = diff ? q[i + j] - z[i + j] : q[i + j];
                 sum[j] += v;
                 sq[j] += v * v;
                 mn[j] = v < mn[j] ? v : mn[j];
@@ -41,7 +44,7 @@ static inline __attribute__((always_inline)) void CAT(stats_, SUFFIX)(const T *r
             }
         }
         for (int64_t i = body; i < n; i++) {
-            const T v = q[i];
+            const T v = diff ? q[i] - z[i] : q[i];
             sum[0] += v;
             sq[0] += v * v;
             mn[0] = v < mn[0] ? v : mn[0];
@@ -56,16 +59,27 @@ static inline __attribute__((always_inline)) void CAT(stats_, SUFFIX)(const T *r
             if (mx[j] > s->max) s->max = mx[j];
         }
         s->sum += csum; s->sumsq += csq; s->nonzero += (double)cnz;
-        if (!(csq - csq == 0)) s->nonfinite += (double)CAT(count_nonfinite_, SUFFIX)(q, n);
+        if (!(csq - csq == 0)) s->nonfinite += (double)CAT(count_nonfinite_, SUFFIX)(q, diff ? z : 0, n);
     }
 }
 
 /* Whether p[0..len) holds a NaN: only asked when the fused pass counted a non-finite element, since
  * counting NaN apart from ±inf in the fused loop would cost another accumulator in every pass. */
-static int CAT(has_nan_, SUFFIX)(const T *p, int64_t len) {
-    for (int64_t i = 0; i < len; i++)
-        if (p[i] != p[i]) return 1;
+static int CAT(has_nan_, SUFFIX)(const T *p, const T *r, int64_t len) {
+    for (int64_t i = 0; i < len; i++) {
+        const T v = r ? p[i] - r[i] : p[i];
+        if (v != v) return 1;
+    }
     return 0;
+}
+
+static void CAT(store_, SUFFIX)(stats_t *s, double *out) {
+    out[0] = s->sum;
+    out[1] = s->sumsq;
+    out[2] = s->min;
+    out[3] = s->max;
+    out[4] = s->nonzero;
+    out[5] = s->nonfinite;
 }
 
 /* Whether v is active: not NaN, and nonzero (no bounds) or not isclose to a finite bound. The
@@ -80,30 +94,62 @@ static inline __attribute__((always_inline)) int CAT(active_, SUFFIX)(T v, int b
     return (v == v) & (!has_lo | (dl > tol_lo)) & (!has_hi | (dh > tol_hi));
 }
 
-/* Per-unit activity of one sample's slab [A, U, B]: flags[u] becomes 1 if unit u is active at any of
- * its A*B positions. */
+/* Whether any of run[0..len) is active, scanning BLOCK elements at a time (each block a vectorised
+ * OR) and stopping at the first block with an active element: a live unit is usually found in the
+ * first block of its run, so only dead (or nearly dead) units are read to the end. */
+static inline __attribute__((always_inline)) int CAT(any_active_, SUFFIX)(const T *restrict run, int64_t len,
+                                                                         int bounded, int has_lo, int has_hi,
+                                                                         T lo, T hi, T tol_lo, T tol_hi) {
+    int64_t i = 0;
+    for (; i + BLOCK <= len; i += BLOCK) {
+        int any = 0;
+        for (int j = 0; j < BLOCK; j++)
+            any |= CAT(active_, SUFFIX)(run[i + j], bounded, has_lo, has_hi, lo, hi, tol_lo, tol_hi);
+        if (any) return 1;
+    }
+    int any = 0;
+    for (; i < len; i++) any |= CAT(active_, SUFFIX)(run[i], bounded, has_lo, has_hi, lo, hi, tol_lo, tol_hi);
+    return any;
+}
+
+/* Per-unit activity of one sample's slab [A, U, B]: counts[u] grows by 1 if unit u is active at any of
+ * its A*B positions. flags is U int32 of scratch. */
 static inline __attribute__((always_inline)) void CAT(slab_, SUFFIX)(const T *restrict x, int64_t a_, int64_t u_,
                                                                      int64_t b_, int32_t *restrict flags,
-                                                                     int bounded, int has_lo, int has_hi,
-                                                                     const activity_t *act) {
+                                                                     int32_t *restrict counts, int bounded,
+                                                                     int has_lo, int has_hi, const activity_t *act) {
     const T lo = (T)act->lo, hi = (T)act->hi, tol_lo = (T)act->tol_lo, tol_hi = (T)act->tol_hi;
-    if (b_ == 1) { /* units innermost (Linear outputs, channel-last): flag element-wise */
-        for (int64_t a = 0; a < a_; a++) {
+    if (b_ == 1 && a_ == 1) { /* Linear outputs: one position per unit, counted directly */
+        for (int64_t u = 0; u < u_; u++)
+            counts[u] += CAT(active_, SUFFIX)(x[u], bounded, has_lo, has_hi, lo, hi, tol_lo, tol_hi);
+        return;
+    }
+    if (b_ == 1) { /* units innermost behind A positions (channel-last, sequences): OR rows, then count;
+                      every 4 rows, stop if every unit is already active in this sample */
+        for (int64_t u = 0; u < u_; u++)
+            flags[u] = CAT(active_, SUFFIX)(x[u], bounded, has_lo, has_hi, lo, hi, tol_lo, tol_hi);
+        for (int64_t a = 1; a < a_; a++) {
             const T *restrict row = x + a * u_;
             for (int64_t u = 0; u < u_; u++)
                 flags[u] |= CAT(active_, SUFFIX)(row[u], bounded, has_lo, has_hi, lo, hi, tol_lo, tol_hi);
+            if ((a & 3) == 3) {
+                int64_t set = 0;
+                for (int64_t u = 0; u < u_; u++) set += flags[u];
+                if (set == u_) break;
+            }
         }
+        for (int64_t u = 0; u < u_; u++) counts[u] += flags[u];
         return;
     }
-    for (int64_t a = 0; a < a_; a++) { /* each unit owns runs of B contiguous positions (NCHW) */
-        for (int64_t u = 0; u < u_; u++) {
-            const T *restrict run = x + (a * u_ + u) * b_;
-            int any = 0;
-            for (int64_t b = 0; b < b_; b++)
-                any |= CAT(active_, SUFFIX)(run[b], bounded, has_lo, has_hi, lo, hi, tol_lo, tol_hi);
-            flags[u] |= any;
-        }
-    }
+    /* each unit owns runs of B contiguous positions (NCHW): scan a run only while its unit is not yet
+     * known to be active in this sample */
+    memset(flags, 0, (size_t)u_ * sizeof(int32_t));
+    for (int64_t a = 0; a < a_; a++)
+        for (int64_t u = 0; u < u_; u++)
+            if (!flags[u])
+                flags[u] = CAT(any_active_, SUFFIX)(x + (a * u_ + u) * b_, b_, bounded, has_lo, has_hi, lo, hi,
+                                                    tol_lo, tol_hi);
+    for (int64_t u = 0; u < u_; u++) counts[u] += flags[u];
 }
 
 /* The exported entry point for one element type; see _fused.c for the contract. */
@@ -112,35 +158,45 @@ CLONES int CAT(streamwatch_summarize_, SUFFIX)(const T *x, int64_t n_, int64_t a
                                                 int32_t *flags) {
     stats_t s = {0, 0, 1.0 / 0.0, -1.0 / 0.0, 0, 0};
     if (units_out == 0) {
-        CAT(stats_, SUFFIX)(x, n_ * a_ * u_ * b_, &s);
+        CAT(stats_, SUFFIX)(x, 0, 0, n_ * a_ * u_ * b_, &s);
     } else {
         const int64_t slab = a_ * u_ * b_;
+        int32_t *counts = flags + u_; /* flags holds 2*U int32: per-sample flags, then per-unit counts */
+        memset(counts, 0, (size_t)u_ * sizeof(int32_t));
         for (int64_t n = 0; n < n_; n++) {
             const T *sample = x + n * slab;
-            CAT(stats_, SUFFIX)(sample, slab, &s); /* the slab stays in cache for its activity loop */
-            memset(flags, 0, (size_t)u_ * sizeof(int32_t));
+            CAT(stats_, SUFFIX)(sample, 0, 0, slab, &s); /* the slab stays in cache for its activity loop */
             if (!act->bounded)
-                CAT(slab_, SUFFIX)(sample, a_, u_, b_, flags, 0, 0, 0, act);
+                CAT(slab_, SUFFIX)(sample, a_, u_, b_, flags, counts, 0, 0, 0, act);
             else if (act->has_lo && act->has_hi)
-                CAT(slab_, SUFFIX)(sample, a_, u_, b_, flags, 1, 1, 1, act);
+                CAT(slab_, SUFFIX)(sample, a_, u_, b_, flags, counts, 1, 1, 1, act);
             else if (act->has_lo)
-                CAT(slab_, SUFFIX)(sample, a_, u_, b_, flags, 1, 1, 0, act);
+                CAT(slab_, SUFFIX)(sample, a_, u_, b_, flags, counts, 1, 1, 0, act);
             else if (act->has_hi)
-                CAT(slab_, SUFFIX)(sample, a_, u_, b_, flags, 1, 0, 1, act);
+                CAT(slab_, SUFFIX)(sample, a_, u_, b_, flags, counts, 1, 0, 1, act);
             else
-                CAT(slab_, SUFFIX)(sample, a_, u_, b_, flags, 1, 0, 0, act);
-            for (int64_t u = 0; u < u_; u++) units_out[u] += flags[u];
+                CAT(slab_, SUFFIX)(sample, a_, u_, b_, flags, counts, 1, 0, 0, act);
         }
+        for (int64_t u = 0; u < u_; u++) units_out[u] += counts[u];
     }
-    if (s.nonfinite > 0 && CAT(has_nan_, SUFFIX)(x, n_ * a_ * u_ * b_)) {
+    if (s.nonfinite > 0 && CAT(has_nan_, SUFFIX)(x, 0, n_ * a_ * u_ * b_)) {
         s.min = 0.0 / 0.0; /* NaN propagates through min and max, as in torch.aminmax */
         s.max = 0.0 / 0.0;
     }
-    out[0] = s.sum;
-    out[1] = s.sumsq;
-    out[2] = s.min;
-    out[3] = s.max;
-    out[4] = s.nonzero;
-    out[5] = s.nonfinite;
+    CAT(store_, SUFFIX)(&s, out);
+    return 0;
+}
+
+/* The statistics of a - b over n elements without materialising the difference (an update Δ from
+ * the weights after and before the optimizer step): two reads instead of a subtraction's two reads
+ * and a write, then a third read. */
+CLONES int CAT(streamwatch_summarize_diff_, SUFFIX)(const T *a, const T *b, int64_t n, double *out) {
+    stats_t s = {0, 0, 1.0 / 0.0, -1.0 / 0.0, 0, 0};
+    CAT(stats_, SUFFIX)(a, b, 1, n, &s);
+    if (s.nonfinite > 0 && CAT(has_nan_, SUFFIX)(a, b, n)) {
+        s.min = 0.0 / 0.0;
+        s.max = 0.0 / 0.0;
+    }
+    CAT(store_, SUFFIX)(&s, out);
     return 0;
 }

@@ -50,7 +50,7 @@ __all__ = ["NSTATS", "Activity", "FusedKernel", "load", "status"]
 _LOG = logging.getLogger("streamwatch")
 _SOURCES = ("_fused.c", "_fused_body.h")
 _FLAGS = ("-O3", "-funroll-loops", "-std=gnu11", "-shared", "-fPIC", "-fno-math-errno")
-_ABI = 1
+_ABI = 3
 NSTATS = 6
 """Values the kernel writes per tensor: sum, sumsq, min, max, nonzero, nonfinite."""
 _RTOL, _ATOL = 1e-5, 1e-8  # torch.isclose's defaults, as in _summary._inside
@@ -132,6 +132,15 @@ class FusedKernel:
             fn.argtypes = _ARGTYPES
             fn.restype = ctypes.c_int
             self._fns[dtype] = fn
+        self._diffs: dict[torch.dtype, Any] = {}
+        for dtype, name in (
+            (torch.float32, "streamwatch_summarize_diff_f32"),
+            (torch.float64, "streamwatch_summarize_diff_f64"),
+        ):
+            fn = getattr(lib, name)
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            self._diffs[dtype] = fn
         self._flags = _Flags()
         self._layouts: dict[tuple[torch.Size, int], tuple[int, int, int, int]] = {}
         self._activities: dict[tuple[float, float], Activity] = {}
@@ -172,7 +181,17 @@ class FusedKernel:
             return
         activity = _NONZERO if bounds is None else self._activity(bounds)
         n, a, u, b = layout
-        fn(x.data_ptr(), n, a, u, b, activity, out, units, self._flags.at_least(u))
+        fn(x.data_ptr(), n, a, u, b, activity, out, units, self._flags.at_least(2 * u))
+
+    def run_diff(self, a: torch.Tensor, b: torch.Tensor, out: int) -> None:
+        """The statistics of ``a - b`` into the row at address ``out``, without materialising the
+        difference. Both must pass :meth:`accepts`, with the same dtype and number of elements."""
+        if a.dtype != b.dtype or a.numel() != b.numel():
+            raise ValueError(
+                f"run_diff needs two tensors of one dtype and size, got {a.dtype}[{a.numel()}] and "
+                f"{b.dtype}[{b.numel()}]"
+            )
+        self._diffs[a.dtype](a.data_ptr(), b.data_ptr(), a.numel(), out)
 
     def _activity(self, bounds: tuple[float, float]) -> Activity:
         found = self._activities.get(bounds)

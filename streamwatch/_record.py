@@ -320,9 +320,11 @@ class StepBuffer:
         unit_dim: int | None = None,
         bounds: tuple[float, float] | None = None,
         replace: bool = False,
+        minus: torch.Tensor | None = None,
     ) -> None:
         """Summarise ``x`` with the fused CPU kernel straight into this step's host table (and its
         per-unit activity into the step's arena): no allocation on this path once shapes repeat.
+        With ``minus`` (no units), the row summarises ``x - minus`` without materialising it.
 
         All or nothing: if the kernel call raises, the step is left as it was before this call (no
         half-written row, no arena range without units) and the error propagates to the hook guard.
@@ -332,7 +334,7 @@ class StepBuffer:
         if replace and latest is not None:
             replaced = (self.counts[latest], self.device_rows.get(latest))
         try:
-            self._add_host(kernel, key, x, unit_dim, bounds, replace)
+            self._add_host(kernel, key, x, unit_dim, bounds, replace, minus)
         except BaseException:
             del self.keys[n:], self.counts[n:], self.units[n:], self.samples[n:]
             if self._arena_used != arena_used:
@@ -356,17 +358,25 @@ class StepBuffer:
         unit_dim: int | None,
         bounds: tuple[float, float] | None,
         replace: bool,
+        minus: torch.Tensor | None,
     ) -> None:
         index = self._append(key, x.numel(), replace)
         if index is not None:
             self.device_rows.pop(index, None)  # a host row now
-            kernel.run(x, self._host_address + index * _ROW_BYTES)
+            out = self._host_address + index * _ROW_BYTES
+            if minus is None:
+                kernel.run(x, out)
+            else:
+                kernel.run_diff(x, minus, out)
             return
         index = len(self.keys) - 1
         if index >= len(self.host):
             self.host = np.concatenate([self.host, np.empty_like(self.host)])
             self._host_address = int(self.host.ctypes.data)
         out = self._host_address + index * _ROW_BYTES
+        if minus is not None:
+            kernel.run_diff(x, minus, out)
+            return
         if unit_dim is None:
             kernel.run(x, out)
             return

@@ -377,11 +377,24 @@ class TapSet:
         if state.on.get("param"):
             self.summarize_params()
         before, self._before = self._before, None
-        if before is not None:
+        if before is None:
+            return
+        # Fused path: Δ's statistics straight from the two copies, never materialised; the rest
+        # (CUDA, half precision, subclasses, compiled code) subtracts in one foreach call.
+        kernel = None if torch.compiler.is_compiling() else state.kernel
+        rest: list[tuple[SeriesKey, torch.Tensor, torch.Tensor]] = []
+        for (layer, pname, param), old in zip(self.params, before, strict=True):
+            key = SeriesKey("train", layer, "update", pname)
+            after = param.detach()
+            if kernel is not None and after.numel() and kernel.accepts(after) and kernel.accepts(old):
+                state.buffer.add_host(kernel, key, after, replace=True, minus=old)
+            else:
+                rest.append((key, after, old))
+        if rest:
             with torch.no_grad():
-                deltas = torch._foreach_sub([p.detach() for _, _, p in self.params], before)
-            for (layer, pname, _), delta in zip(self.params, deltas, strict=True):
-                summarize_into(state, SeriesKey("train", layer, "update", pname), delta, None, replace=True)
+                deltas = torch._foreach_sub([after for _, after, _ in rest], [old for _, _, old in rest])
+            for (key, _, _), delta in zip(rest, deltas, strict=True):
+                summarize_into(state, key, delta, None, replace=True)
 
     def remove(self) -> None:
         """Remove every hook. Idempotent."""

@@ -94,18 +94,67 @@ LAYOUTS = {
     "ncdhw": ((2, 3, 4, 5, 6), 1),
     "channel_last_nhwc": ((3, 5, 4, 8), 3),
     "channel_last_sequence": ((4, 11, 16), 2),
+    "nchw_runs_over_blocks": ((3, 4, 9, 11), 1),  # B = 99: three early-exit blocks and a remainder
+    "channel_last_many_rows": ((3, 13, 24), 2),  # A = 13: past the every-4-rows all-active check
 }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("sparsity", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("sparsity", [0.0, 0.5, 0.97, 1.0])
 def test_every_layout_matches_the_float64_reference(layout: str, dtype: torch.dtype, sparsity: float) -> None:
     shape, unit_dim = LAYOUTS[layout]
     g = torch.Generator().manual_seed(hash((layout, sparsity)) % 2**31)
     x = torch.randn(shape, generator=g, dtype=dtype) * 3
     x[torch.rand(shape, generator=g) < sparsity] = 0  # whole dead units at sparsity 1.0
     assert_matches(x, unit_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("length", [1, 17, 1024, 3 * 1024 + 5])
+def test_the_difference_of_two_tensors_without_materialising_it(dtype: torch.dtype, length: int) -> None:
+    """An update Δ = after − before: the same six values as summarising the subtraction."""
+    assert KERNEL is not None
+    g = torch.Generator().manual_seed(length)
+    after = torch.randn(length, generator=g, dtype=dtype)
+    before = after + 0.01 * torch.randn(length, generator=g, dtype=dtype)
+    before[::3] = after[::3]  # unchanged elements: zeros of Δ
+    out = np.full(_kernel.NSTATS, -7.0)
+    KERNEL.run_diff(after, before, out.ctypes.data)
+    want, _ = reference(after - before)
+    rtol = 1e-12 if dtype == torch.float64 else 1e-5
+    np.testing.assert_allclose(out[:2], want[:2], rtol=rtol, atol=rtol * float((after - before).abs().sum()))
+    np.testing.assert_array_equal(out[2:], want[2:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_difference_counts_nan_and_infinities(dtype: torch.dtype) -> None:
+    assert KERNEL is not None
+    after = torch.arange(40, dtype=dtype)
+    before = torch.zeros(40, dtype=dtype)
+    after[3], before[3] = float("inf"), float("inf")  # inf - inf = NaN
+    after[7] = float("-inf")
+    before[11] = float("nan")
+    out = np.zeros(_kernel.NSTATS)
+    KERNEL.run_diff(after, before, out.ctypes.data)
+    want, _ = reference(after - before)
+    np.testing.assert_array_equal(out, want)  # sums are NaN, min/max NaN, 3 non-finite
+    assert out[5] == 3
+    assert np.isnan(out[2:4]).all()
+    finite = torch.arange(8, dtype=dtype)
+    finite[2] = float("inf")
+    KERNEL.run_diff(finite, torch.zeros(8, dtype=dtype), out.ctypes.data)
+    assert out[3] == float("inf")  # +inf without NaN: max is inf
+    assert out[5] == 1
+
+
+def test_the_difference_refuses_mismatched_tensors() -> None:
+    assert KERNEL is not None
+    out = np.zeros(_kernel.NSTATS)
+    with pytest.raises(ValueError, match=r"one dtype and size.*float32\[3\] and torch.float64\[3\]"):
+        KERNEL.run_diff(torch.zeros(3), torch.zeros(3, dtype=torch.float64), out.ctypes.data)
+    with pytest.raises(ValueError, match="one dtype and size"):
+        KERNEL.run_diff(torch.zeros(3), torch.zeros(4), out.ctypes.data)
 
 
 def test_dead_units_and_units_active_in_only_one_position() -> None:
@@ -117,6 +166,28 @@ def test_dead_units_and_units_active_in_only_one_position() -> None:
     _, units = fused(x, 1)
     assert units is not None
     assert units.tolist() == [0.0, 2.0, 1.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_activity_found_only_at_the_end_of_a_run_or_in_the_last_row(dtype: torch.dtype) -> None:
+    """The activity scan stops early for units already known active; units whose only active element
+    is the last one of a long run (NCHW), or in the last row after the all-active checks (channel
+    last), must still count — and NaN is never active."""
+    x = torch.zeros(3, 4, 7, 10, dtype=dtype)  # B = 70: two blocks of 32 and 6 more
+    x[0, 0, 6, 9] = 1.0  # the last position of unit 0's run in sample 0
+    x[1, 1, 3, 1] = -2.0  # inside the second block
+    x[:, 2] = 5.0  # unit 2: active everywhere (found in the first block)
+    x[2, 3] = float("nan")  # unit 3: NaN only, never active
+    x[2, 3, 6, 9] = 0.0
+    assert_matches(x, 1)
+    assert fused(x, 1)[1].tolist() == [1.0, 1.0, 3.0, 0.0]  # type: ignore[union-attr]
+    y = torch.ones(2, 9, 6, dtype=dtype)  # channel last: A = 9 rows of 6 units
+    y[:, :, 4] = 0.0
+    y[1, 8, 4] = 3.0  # unit 4 active only in the last row of sample 1
+    y[:, :, 5] = 0.0
+    y[0, 0, 5] = 1.0  # unit 5 active only in the first row of sample 0
+    assert_matches(y, 2)
+    assert fused(y, 2)[1].tolist() == [2.0, 2.0, 2.0, 2.0, 1.0, 1.0]  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(
