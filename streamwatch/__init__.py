@@ -1,6 +1,6 @@
 """streamwatch: a live, low-overhead PyTorch training monitor."""
 
-from streamwatch import ops, sinks
+from streamwatch import metrics, ops, sinks
 from streamwatch._channel import (
     OVERFLOW_POLICIES,
     ChannelStatistics,
@@ -22,13 +22,14 @@ from streamwatch._exceptions import (
     StreamwatchError,
     WouldBlock,
 )
-from streamwatch._observe import Sample, Watch, WatchStatistics, observe
+from streamwatch._observe import DEFAULT_METRICS, Sample, Watch, WatchStatistics, observe
 from streamwatch._pipeline import Chain, Node, Operator, Pipeline, Sink, Source, Stream, source
 from streamwatch._record import SeriesKey, StepRecord
 from streamwatch._taps import Select
 from streamwatch._worker import Worker, WorkerStatistics
 
 __all__ = [
+    "DEFAULT_METRICS",
     "OVERFLOW_POLICIES",
     "Chain",
     "ChannelClosed",
@@ -61,6 +62,7 @@ __all__ = [
     "WorkerStatistics",
     "WouldBlock",
     "channel",
+    "metrics",
     "observe",
     "ops",
     "sinks",

@@ -17,26 +17,27 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from streamwatch import _kernel
+from streamwatch import _kernel, ops
 from streamwatch._channel import OVERFLOW_POLICIES, OverflowPolicy, channel
 from streamwatch._exceptions import PipelineError
 from streamwatch._pipeline import Pipeline, Sink, source
-from streamwatch._record import PendingRecord, SeriesKey, SlotPool, StepRecord
+from streamwatch._record import PendingRecord, Sample, SeriesKey, SlotPool, StepRecord
 from streamwatch._summary import COLUMNS, derive, release_scratch
 from streamwatch._taps import (
     DEFAULT_CADENCE,
@@ -48,6 +49,8 @@ from streamwatch._taps import (
     resolve_select,
 )
 from streamwatch._worker import Worker
+from streamwatch.metrics._base import Binding, Metric
+from streamwatch.metrics._derived import DERIVED
 
 __all__ = ["STATS", "Sample", "Watch", "WatchStatistics", "observe"]
 
@@ -59,14 +62,6 @@ flag is reported instead)."""
 _FORWARD_KINDS = ("input", "activation", "output_grad", "input_grad")
 _OBSERVED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _OBSERVED_LOCK = threading.Lock()
-
-
-class Sample(NamedTuple):
-    """One series' latest value: what ``/metrics`` serves for it (identity labels such as rank aside)."""
-
-    name: str
-    labels: Mapping[str, str]
-    value: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +105,8 @@ class _Latest(Sink):
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.rows: dict[SeriesKey, np.ndarray] = {}
+        self.extras: dict[tuple[SeriesKey, str], np.ndarray] = {}
+        self.derived: dict[tuple[str, tuple[tuple[str, str], ...]], Sample] = {}  # and user-served series
         self.scalars: dict[str, float] = {}
         self.step: int | None = None
         self.records = 0
@@ -120,16 +117,25 @@ class _Latest(Sink):
         with self.lock:
             for key, row in zip(record.keys, record.table, strict=True):
                 self.rows[key] = row
+            self.extras.update(record.extras)
             self.scalars.update(record.scalars)
             self.step = record.step
             self.records += 1
             self.lag = time.time() - record.time
+
+    def put(self, samples: Iterable[Sample]) -> None:
+        """Latest values of derived or user-served series (replacing those with the same name and labels)."""
+        with self.lock:
+            for sample in samples:
+                self.derived[(sample.name, tuple(sorted(sample.labels.items())))] = sample
 
     def samples(self) -> list[Sample]:
         with self.lock:
             keys = list(self.rows)
             table = np.array([self.rows[k] for k in keys]) if keys else np.empty((0, len(COLUMNS)))
             scalars = dict(self.scalars)
+            extras = dict(self.extras)
+            derived = list(self.derived.values())
             step = self.step
         out: list[Sample] = []
         stats = {name: table[:, i] for i, name in enumerate(COLUMNS)} | derive(table)
@@ -139,6 +145,18 @@ class _Latest(Sink):
                 value = float(values[i])
                 if not math.isnan(value):  # absent, never a NaN placeholder
                     out.append(Sample("streamwatch_tensor", {**labels, "stat": stat}, value))
+        for (key, stat), vector in extras.items():
+            labels = {**key.labels(), "stat": stat}
+            if stat == "histogram":  # bucket counts, in streamwatch.metrics.Buckets order
+                for bucket, count in enumerate(vector):
+                    out.append(
+                        Sample(
+                            "streamwatch_tensor_histogram", {**labels, "bucket": str(bucket)}, float(count)
+                        )
+                    )
+            elif not math.isnan(value := float(vector[0])):
+                out.append(Sample("streamwatch_tensor", labels, value))
+        out.extend(derived)
         for name, value in scalars.items():
             out.append(_scalar_sample(name, value))
         if step is not None:
@@ -147,6 +165,8 @@ class _Latest(Sink):
 
 
 def _scalar_sample(name: str, value: float) -> Sample:
+    if name.startswith("eval/"):
+        return Sample(f"streamwatch_{name[5:]}", {"phase": "eval"}, value)
     if name.startswith("lr/"):
         return Sample("streamwatch_learning_rate", {"group": name[3:]}, value)
     if name in ("loss", "accuracy", "correct", "total"):
@@ -186,6 +206,7 @@ class Watch:
         overflow: OverflowPolicy,
         capacity: int,
         sinks: Iterable[Sink],
+        metrics: Iterable[str | Metric] = (),
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}")
@@ -211,6 +232,7 @@ class Watch:
         for sink in sinks:
             if not isinstance(sink, Sink):
                 raise TypeError(f"Expected every entry of `sinks` to be a Sink, got {sink!r}")
+        derived, objects = _split_metrics(metrics, frozenset(taps))
         with _OBSERVED_LOCK:
             if model in _OBSERVED:
                 raise RuntimeError(
@@ -227,6 +249,7 @@ class Watch:
             # Sampling periods of the tapped kinds; kinds not tapped stay False in the flags.
             self._periods = [(kind, every * merged[kind]) for kind in KINDS if kind in taps_on]
             self._all_off = dict.fromkeys(KINDS, False)
+            self._step_metrics: tuple[Any, ...] = ()
             self._overflow: OverflowPolicy = overflow
             self._optimizer = optimizer
             self._state = TapState(
@@ -249,15 +272,23 @@ class Watch:
             self._pool: SlotPool | None = None
             self._latest = _Latest()
             self._tx, rx = channel(capacity, on_drop=_release_dropped)
+            derived_pipelines = [source() | ops.map(DERIVED[name]) | _Put(self._latest) for name in derived]
             self._worker = Worker(
                 rx,
-                [source() | self._latest, *(source() | sink for sink in sinks)],
+                [source() | self._latest, *derived_pipelines, *(source() | sink for sink in sinks)],
                 name="streamwatch-worker",
                 prepare=PendingRecord.resolve,
             ).start()
             self._taps = TapSet(model, modules, params, optimizer, self._state)
+            self._metrics: tuple[Metric, ...] = ()
+            binding = Binding(model, tuple(params), optimizer, self._paused)
+            for metric in objects:
+                metric.bind(binding)
+                self._metrics += (metric,)
             self._set_sampling(0)
         except BaseException:
+            for metric in getattr(self, "_metrics", ()):
+                metric.unbind()
             with _OBSERVED_LOCK:
                 _OBSERVED.discard(model)
             raise
@@ -285,10 +316,13 @@ class Watch:
         now = time.perf_counter()
         seconds, self._last = now - self._last, now
         state = self._state
-        if any(state.on.values()) or len(state.buffer):
+        device: dict[str, torch.Tensor] = {}
+        if self._step_metrics:
+            self._run_step_metrics(device)
+        if any(state.on.values()) or len(state.buffer) or state.buffer.extras or device:
             if state.on.get("param") and not self._taps.has_optimizer:
                 self._taps.summarize_params()
-            self._send(seconds, loss, outputs, targets, batch_size)
+            self._send(seconds, loss, outputs, targets, batch_size, device)
         self._step += 1
         self._set_sampling(self._step)
         self._surface_errors()
@@ -300,9 +334,9 @@ class Watch:
         outputs: torch.Tensor | None,
         targets: torch.Tensor | None,
         batch_size: int | None,
+        device: dict[str, torch.Tensor],
     ) -> None:
         host: dict[str, float] = {"step_seconds": seconds}
-        device: dict[str, torch.Tensor] = {}
         if batch_size is not None:
             host["batch_size"] = float(batch_size)
             if seconds > 0:
@@ -348,11 +382,54 @@ class Watch:
 
     def _set_sampling(self, step: int) -> None:
         state = self._state
+        if self._metrics:
+            self._set_metrics(step)
         if step % self._every:  # most steps with every > 1: nothing samples, reuse the all-off flags
             state.on, state.forward = self._all_off, False
             return
         state.on = dict.fromkeys(KINDS, False) | {kind: step % period == 0 for kind, period in self._periods}
         state.forward = any(state.on[kind] for kind in _FORWARD_KINDS)
+
+    def _set_metrics(self, step: int) -> None:
+        """Which opt-in metrics run on ``step``: those it samples, and the preparation of those that
+        sample the next step (a metric's period is ``every`` × its own ``every``)."""
+        state = self._state
+        sampled = [m for m in self._metrics if step % (self._every * m.every) == 0]
+        preparing = [
+            _Preparing(m)
+            for m in self._metrics
+            if m.needs_prepare and (step + 1) % (self._every * m.every) == 0
+        ]
+        kinds: dict[str, list[Any]] = {}
+        for metric in sampled:
+            for kind in metric.kinds:
+                kinds.setdefault(kind, []).append(metric.on_tensor)
+        state.kind_metrics = kinds
+        state.step_metrics = (*sampled, *preparing)
+        self._step_metrics = state.step_metrics
+
+    def _run_step_metrics(self, device: dict[str, torch.Tensor]) -> None:
+        """In ``step()``: parameter metrics when no optimizer hook ran them, then the step-level ones."""
+        state = self._state
+        buffer = state.buffer
+        if not self._taps.has_optimizer:
+            for metric in self._step_metrics:
+                state.call(metric.before_optimizer_step, buffer)
+            for metric in self._step_metrics:
+                state.call(metric.after_optimizer_step, buffer)
+        for metric in self._step_metrics:
+            if not isinstance(metric, _Preparing):
+                state.call(metric.on_step, buffer, device)
+
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
+        """streamwatch's own taps do nothing inside (a metric runs the model itself)."""
+        state = self._state
+        was, state.paused = state.paused, True
+        try:
+            yield
+        finally:
+            state.paused = was
 
     def _surface_errors(self) -> None:
         """Warn (once each) about new hook and pipeline errors; they are raised again at close()."""
@@ -396,6 +473,27 @@ class Watch:
         """
         return self._worker.add(pipeline)
 
+    def serve(self, name: str, labels: Mapping[str, str] | None = None) -> Sink:
+        """A sink that publishes what a pipeline computes as the series ``streamwatch_<name>{labels}``, served
+        with every other latest value by :meth:`snapshot` (and ``/metrics``).
+
+        The pipeline's items are numbers (one series), or mappings ``{label value: number}`` (one series
+        per value, under the label ``series``).
+
+        Example:
+            >>> import torch, streamwatch as sw
+            >>> from streamwatch import ops
+            >>> model = torch.nn.Linear(2, 1)
+            >>> with sw.observe(model) as watch:
+            ...     _ = watch.pipe(sw.source() | ops.map(lambda r: r.step * 10.0) | watch.serve("tenfold"))
+            ...     watch.step(); watch.step()
+            >>> [s.value for s in watch.snapshot() if s.name == "streamwatch_tenfold"]
+            [10.0]
+        """
+        if not isinstance(name, str) or not name.replace("_", "a").isalnum() or name[:1].isdigit():
+            raise ValueError(f"Expected `name` to be a metric name of letters, digits and _, got {name!r}")
+        return _Served(self._latest, f"streamwatch_{name}", dict(labels or {}))
+
     def snapshot(self) -> list[Sample]:
         """The latest value of every series (the data ``/metrics`` serves). Thread-safe.
 
@@ -435,6 +533,10 @@ class Watch:
             return
         self._closed = True
         self._taps.remove()
+        for metric in self._metrics:
+            metric.unbind()
+        self._metrics, self._step_metrics = (), ()
+        self._state.kind_metrics, self._state.step_metrics = {}, ()
         release_scratch()
         self._state.buffer.clear()  # an unfinished step is not a completed step
         model = self._model_ref()
@@ -478,6 +580,86 @@ class Watch:
         return f"<Watch {state} every={self._every} taps={sorted(self._state.taps)}>"
 
 
+class _Preparing:
+    """A metric on the step before one it samples: its ``prepare`` calls, under the optimizer hooks'
+    names (so the Watch and the taps call every step metric alike)."""
+
+    __slots__ = ("metric",)
+
+    def __init__(self, metric: Metric) -> None:
+        self.metric = metric
+
+    def before_optimizer_step(self, buffer: Any) -> None:
+        self.metric.prepare(buffer)
+
+    def after_optimizer_step(self, buffer: Any) -> None:
+        self.metric.prepare_after(buffer)
+
+
+class _Served(Sink):
+    """The sink :meth:`Watch.serve` returns."""
+
+    def __init__(self, latest: _Latest, name: str, labels: dict[str, str]) -> None:
+        self.latest, self.name, self.labels = latest, name, labels
+
+    def send(self, item: Any) -> None:
+        if isinstance(item, Mapping):
+            samples = [
+                Sample(self.name, {**self.labels, "series": str(k)}, float(v)) for k, v in item.items()
+            ]
+        else:
+            samples = [Sample(self.name, self.labels, float(item))]
+        self.latest.put(samples)
+
+
+class _Put(Sink):
+    """The sink of a derived metric's pipeline: its samples become latest values."""
+
+    def __init__(self, latest: _Latest) -> None:
+        self.latest = latest
+
+    def send(self, item: Any) -> None:
+        self.latest.put(item)
+
+
+DEFAULT_METRICS = ("update_ratio", "layer_mean")
+"""Worker-side metrics on by default (numpy over each record's table: no training-thread cost)."""
+
+
+def _split_metrics(metrics: Iterable[str | Metric], taps: frozenset[str]) -> tuple[list[str], list[Metric]]:
+    """Names of worker-side metrics and opt-in metric objects, validated before anything is attached."""
+    if isinstance(metrics, str):
+        raise TypeError(f"Expected `metrics` to be a collection of names and metric objects, got {metrics!r}")
+    names: list[str] = []
+    objects: list[Metric] = []
+    for metric in metrics:
+        if isinstance(metric, str):
+            if metric not in DERIVED:
+                raise ValueError(
+                    f"Unknown metric {metric!r}: the names are {sorted(DERIVED)}; opt-in metrics are objects "
+                    "from streamwatch.metrics (e.g. streamwatch.metrics.SpectralNorm())"
+                )
+            if metric not in names:
+                names.append(metric)
+        elif isinstance(metric, Metric):
+            if metric.binding is not None or metric in objects:
+                raise RuntimeError(
+                    f"{metric!r} is already bound to an observed model; create a new one per observe()"
+                )
+            missing = [kind for kind in metric.kinds if kind not in taps]
+            if missing:
+                raise ValueError(
+                    f"{metric!r} reads {missing} tensors, which are not tapped; add them to `taps=` "
+                    f"(now {sorted(taps)})"
+                )
+            objects.append(metric)
+        else:
+            raise TypeError(
+                f"Expected a metric name or a streamwatch.metrics object in `metrics`, got {metric!r}"
+            )
+    return names, objects
+
+
 def _release_dropped(item: Any, reason: str) -> None:
     """A dropped record gives its pinned slot back (the drop itself is counted by the channel)."""
     if isinstance(item, PendingRecord) and item.release is not None:
@@ -512,6 +694,7 @@ def observe(
     overflow: OverflowPolicy = "drop_oldest",
     capacity: int = 64,
     sinks: Iterable[Sink] = (),
+    metrics: Iterable[str | Metric] = DEFAULT_METRICS,
 ) -> Watch:
     """Observe ``model``: summarise every selected layer's tensors on the device, one record per step.
 
@@ -532,6 +715,12 @@ def observe(
             (default, never stalls training), ``"drop_newest"``, ``"block"`` (lossless) or ``"error"``.
         capacity: records in flight between the training thread and the worker.
         sinks: extra sinks that receive every :class:`streamwatch.StepRecord`.
+        metrics: worker-side metrics by name (default ``("update_ratio", "layer_mean")``: numpy over each
+            record, nothing on the training thread) and opt-in metric objects from
+            :mod:`streamwatch.metrics` (``GradientCosine``, ``SpectralNorm``, ``ConditionNumber``,
+            ``Histogram``, ``PNorm``, ``ActivationSimilarity``, ``HessianMaxEig``, ``TestAccuracy``), each
+            with its own ``every`` (a multiple of ``every`` above). Keep the defaults when adding one:
+            ``metrics=[*streamwatch.DEFAULT_METRICS, streamwatch.metrics.SpectralNorm()]``.
 
     Raises:
         RuntimeError: the model is already observed.
@@ -548,4 +737,5 @@ def observe(
         overflow=overflow,
         capacity=capacity,
         sinks=sinks,
+        metrics=metrics,
     )

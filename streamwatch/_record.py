@@ -30,7 +30,7 @@ from streamwatch._summary import COLUMNS, Raw, Row, derive, finalize
 
 _ROW_BYTES = NSTATS * 8  # one float64 row of the host table
 
-__all__ = ["PendingRecord", "SeriesKey", "SlotPool", "StepBuffer", "StepRecord"]
+__all__ = ["PendingRecord", "Sample", "SeriesKey", "SlotPool", "StepBuffer", "StepRecord"]
 
 
 class SeriesKey(NamedTuple):
@@ -82,7 +82,10 @@ class StepRecord:
         table: ``(len(keys), len(COLUMNS))`` float64: count, sum, sumsq, min, max, zeros, nonfinite,
             units, dead. Read-only.
         scalars: step-level values: ``loss``, ``lr/<group>``, ``batch_size``, ``step_seconds``,
-            ``samples_per_second``, ``correct``, ``total``, ``accuracy`` — whichever were given.
+            ``samples_per_second``, ``correct``, ``total``, ``accuracy`` — whichever were given — and
+            those of opt-in metrics (``eval/accuracy``, ``eval/loss``, ``hessian_max_eig``).
+        extras: values of opt-in tensor metrics, by ``(key, stat)``: a float64 vector (length 1 for a
+            scalar such as ``spectral_norm`` or ``cosine``; the bucket counts for ``histogram``).
 
     Example:
         >>> import numpy as np
@@ -98,6 +101,7 @@ class StepRecord:
     keys: tuple[SeriesKey, ...]
     table: np.ndarray
     scalars: Mapping[str, float] = field(default_factory=dict)
+    extras: Mapping[tuple[SeriesKey, str], np.ndarray] = field(default_factory=dict)
 
     def column(self, name: str) -> np.ndarray:
         """One column of :attr:`table` by name (see ``streamwatch._summary.COLUMNS``)."""
@@ -116,6 +120,19 @@ class StepRecord:
             for i, key in enumerate(self.keys)
             if (kind is None or key.kind == kind) and (phase is None or key.phase == phase)
         ]
+
+
+class Sample(NamedTuple):
+    """One series' latest value: what ``/metrics`` serves for it (identity labels such as rank aside).
+
+    Example:
+        >>> Sample("streamwatch_loss", {"phase": "train"}, 0.25)
+        Sample(name='streamwatch_loss', labels={'phase': 'train'}, value=0.25)
+    """
+
+    name: str
+    labels: Mapping[str, str]
+    value: float
 
 
 class SlotPool:
@@ -165,6 +182,7 @@ class PendingRecord:
     arena: np.ndarray  # active samples per unit of fused unit-rows, ``units[row]`` values from offset
     device_rows: list[int]  # rows whose device scalars are in ``data``, in order
     unit_rows: list[int]  # device rows (first occurrence of a key) whose per-unit counts follow in ``data``
+    extra_layout: list[tuple[tuple[Any, str], int]]  # opt-in metric values at the end of ``data``, in order
     scalar_names: tuple[str, ...]  # device step scalars after the device rows (loss, correct)
     host_scalars: dict[str, float]
     data: torch.Tensor  # flat: device rows x 5 (6) stats, step scalars, then per-unit counts per unit-row
@@ -199,11 +217,12 @@ class PendingRecord:
             zero = (vectors == 0).astype(np.float64)
             dead[rows] = np.add.reduceat(zero, offsets)
             active[rows] = np.add.reduceat(vectors, offsets)
+        start = nd * nstats + len(self.scalar_names)
         if self.unit_rows:  # each device unit-row's activity counts follow the scalars, in row order
             rows = np.asarray(self.unit_rows, dtype=np.intp)
             lengths = units[rows].astype(np.intp)  # >= 1: a unit-row has units
-            start = nd * nstats + len(self.scalar_names)
             vectors = flat[start : start + int(lengths.sum())]
+            start += int(lengths.sum())
             offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
             dead[rows] = np.add.reduceat((vectors == 0).astype(np.float64), offsets)
             active[rows] = np.add.reduceat(vectors, offsets)
@@ -224,7 +243,13 @@ class PendingRecord:
             scalars[name] = float(flat[nd * nstats + i])
         if "correct" in scalars and scalars.get("total"):
             scalars["accuracy"] = scalars["correct"] / scalars["total"]
-        return StepRecord(self.step, self.time, self.rank, keys, table, scalars)  # type: ignore[arg-type]
+        extras: dict[tuple[Any, str], np.ndarray] = {}
+        for extra, length in self.extra_layout:  # opt-in metric values, after everything else
+            value = flat[start : start + length]
+            value.setflags(write=False)
+            extras[extra] = value
+            start += length
+        return StepRecord(self.step, self.time, self.rank, keys, table, scalars, extras)  # type: ignore[arg-type]
 
 
 class StepBuffer:
@@ -245,6 +270,7 @@ class StepBuffer:
         "counts",
         "device",
         "device_rows",
+        "extras",
         "host",
         "host_units",
         "keys",
@@ -259,6 +285,7 @@ class StepBuffer:
     units: list[int]
     samples: list[int]
     device_rows: dict[int, list[torch.Tensor]]  # row -> its device scalars, in row order
+    extras: dict[tuple[Hashable, str], torch.Tensor]  # opt-in metric values by (key, stat); last one wins
     # key -> (first row, its per-unit counts: a device tensor, or an offset into the fused rows' arena)
     unit_counts: dict[Hashable, tuple[int, torch.Tensor | int]]
     latest: dict[Hashable, int]  # row index of replaceable keys
@@ -399,6 +426,11 @@ class StepBuffer:
         self.units[index] = n_units
         self.samples[index] = layout[0]
 
+    def add_extra(self, key: Hashable, stat: str, value: torch.Tensor) -> None:
+        """An opt-in metric's value for ``key`` (a 0-d or 1-d tensor on any device; read at the worker,
+        never here). A later value of the same ``(key, stat)`` in a step replaces the earlier one."""
+        self.extras[(key, stat)] = value.detach()
+
     def __len__(self) -> int:
         return len(self.keys)
 
@@ -432,9 +464,9 @@ class StepBuffer:
                 names.append(name)
         parts = [scalar for scalars in self.device_rows.values() for scalar in scalars] + extra
         vectors = [counts for _, counts in self.unit_counts.values() if isinstance(counts, torch.Tensor)]
-        device = (
-            self.device if self.device is not None else (extra[0].device if extra else torch.device("cpu"))
-        )
+        device = self.device if self.device is not None else (extra[0].device if extra else None)
+        if device is None:
+            device = next(iter(self.extras.values())).device if self.extras else torch.device("cpu")
         if parts:
             # One stack for all device rows (it promotes float16/int64 scalars to float32/float64),
             # one cat for the unit vectors.
@@ -445,7 +477,15 @@ class StepBuffer:
             if vectors:  # convert the small vectors, never the sums (float64 models keep float64)
                 flat = torch.cat([flat, *(v if v.dtype == flat.dtype else v.to(flat.dtype) for v in vectors)])
         else:
-            flat = torch.empty(0, dtype=torch.float64)
+            flat = torch.empty(0, dtype=torch.float64, device=device if self.extras else "cpu")
+        extra_layout: list[tuple[tuple[Any, str], int]] = []
+        if self.extras:  # opt-in metric values: float64 (histogram counts stay exact), after the rest
+            values = [
+                v.reshape(-1).to(device=device, dtype=torch.float64, non_blocking=True)
+                for v in self.extras.values()
+            ]
+            extra_layout = [(name, v.numel()) for name, v in zip(self.extras, values, strict=True)]
+            flat = torch.cat([flat.to(device=device, dtype=torch.float64), *values])
         event = None
         release: Callable[[], None] | None = None
         if flat.device.type == "cuda" and pool is not None:
@@ -481,6 +521,7 @@ class StepBuffer:
             arena=self.arena,
             device_rows=list(self.device_rows),
             unit_rows=[first for first, v in self.unit_counts.values() if isinstance(v, torch.Tensor)],
+            extra_layout=extra_layout,
             scalar_names=tuple(names),
             host_scalars=host_scalars,
             data=data,
@@ -503,6 +544,7 @@ class StepBuffer:
         self.units = []
         self.samples = []
         self.device_rows = {}
+        self.extras = {}
         self.unit_counts = {}
         self.latest = {}
         self.device = None

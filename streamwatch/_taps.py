@@ -161,9 +161,28 @@ class TapState:
     skipped: dict[str, int] = field(default_factory=dict)
     errors: list[BaseException] = field(default_factory=list)
     hook_errors: int = 0
+    paused: bool = False  # an opt-in metric runs the model itself (probe batch, Hessian): no taps
+    # this step's opt-in metrics: tensor metrics by the kind they read, and parameter-level ones
+    kind_metrics: dict[str, list[Callable[[StepBuffer, SeriesKey, torch.Tensor], None]]] = field(
+        default_factory=dict
+    )
+    step_metrics: tuple[Any, ...] = ()
 
     def skip(self, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+    def fail(self, exc: BaseException) -> None:
+        """Count (and keep the first few of) an exception caught on the training thread."""
+        self.hook_errors += 1
+        if len(self.errors) < 16:
+            self.errors.append(exc)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)``, an exception counted and kept, never raised (one metric cannot stop another)."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            self.fail(exc)
 
 
 def _leaves(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -224,9 +243,12 @@ def summarize_into(
     kernel = state.kernel
     if kernel is not None and kernel.accepts(prepared) and not torch.compiler.is_compiling():
         state.buffer.add_host(kernel, key, prepared, unit_dim=unit_dim, bounds=bounds, replace=replace)
-        return
-    row = summarize(prepared, unit_dim=unit_dim, count_nonfinite=state.count_nonfinite, bounds=bounds)
-    state.buffer.add(key, prepared.numel(), row, replace=replace)
+    else:
+        row = summarize(prepared, unit_dim=unit_dim, count_nonfinite=state.count_nonfinite, bounds=bounds)
+        state.buffer.add(key, prepared.numel(), row, replace=replace)
+    if state.kind_metrics:  # opt-in tensor metrics (histograms, p-norms) on this step's tensors
+        for metric in state.kind_metrics.get(key.kind, ()):
+            state.call(metric, state.buffer, key, prepared)
 
 
 def _guarded(state: TapState, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -236,9 +258,7 @@ def _guarded(state: TapState, fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             fn(*args)
         except Exception as exc:
-            state.hook_errors += 1
-            if len(state.errors) < 16:
-                state.errors.append(exc)
+            state.fail(exc)
 
     return hook
 
@@ -299,6 +319,8 @@ class TapSet:
         state = self.state
 
         def tap(module: nn.Module, leaves: Iterable[tuple[str, Any]]) -> None:
+            if state.paused:
+                return
             train = module.training and torch.is_grad_enabled()
             if train and not state.forward:
                 return
@@ -367,6 +389,8 @@ class TapSet:
             summarize_into(self.state, SeriesKey("train", layer, "param", pname), param, None, replace=True)
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        for metric in self.state.step_metrics:
+            self.state.call(metric.before_optimizer_step, self.state.buffer)
         if self.state.on.get("update") and self.params:
             # Costs one copy of the parameters, only on steps that sample updates (see README).
             with torch.no_grad():
@@ -374,6 +398,8 @@ class TapSet:
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         state = self.state
+        for metric in state.step_metrics:
+            state.call(metric.after_optimizer_step, state.buffer)
         if state.on.get("param"):
             self.summarize_params()
         before, self._before = self._before, None

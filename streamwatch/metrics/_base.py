@@ -1,0 +1,125 @@
+"""What an opt-in metric is: an object ``observe(metrics=[...])`` binds to the model and calls on the steps
+it samples.
+
+A metric runs on the training thread, so it follows the taps' rules: device tensors only (no ``.item()``,
+no ``.cpu()``), values written into the step's buffer with :meth:`StepBuffer.add_extra` (read on the
+worker, after the step's copy), exceptions caught and counted like a hook's. It samples one step in
+``every`` *sampled* steps (``observe(every=N)`` × the metric's ``every``), like a tap kind's cadence.
+
+Four call sites, each optional:
+
+* :meth:`Metric.on_tensor` — a tap's tensor of one of :attr:`Metric.kinds` (activation, param_grad, ...),
+  right after its summary, on the steps the metric samples (histograms, p-norms);
+* :meth:`Metric.before_optimizer_step` / :meth:`Metric.after_optimizer_step` — around ``optimizer.step()``
+  (gradients complete / weights updated: cosines, spectral norms);
+* :meth:`Metric.on_step` — in ``watch.step()`` before the record is sealed (probe batches, the Hessian, an
+  evaluation function); without an optimizer, parameter metrics run here too.
+
+:meth:`Metric.prepare` lets a metric that compares consecutive steps (cosines) take its copy on the step
+just before the one it samples, so "consecutive" means consecutive even with ``every`` > 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from streamwatch._record import StepBuffer
+
+__all__ = ["Binding", "Metric"]
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What a metric may use of the observed run (given to :meth:`Metric.bind`).
+
+    Attributes:
+        model: the observed module.
+        params: ``(layer, name, parameter)`` of every selected module's parameters, in module order.
+        optimizer: the observed optimizer, or None.
+        pause: a context manager under which streamwatch's own taps do nothing (for metrics that run
+            the model on a probe batch or differentiate the loss again).
+    """
+
+    model: nn.Module
+    params: Sequence[tuple[str, str, nn.Parameter]]
+    optimizer: torch.optim.Optimizer | None
+    pause: Callable[[], AbstractContextManager[None]]
+
+    def named_params(self, *, min_dim: int = 0) -> Iterator[tuple[str, str, nn.Parameter]]:
+        """The parameters with at least ``min_dim`` dimensions (``2`` for weight matrices and kernels)."""
+        for layer, name, param in self.params:
+            if param.dim() >= min_dim:
+                yield layer, name, param
+
+
+class Metric:
+    """Base of the opt-in metrics. Subclasses set :attr:`name` and override the call sites they need.
+
+    Attributes:
+        name: the metric's name (the ``stat`` label of the values it writes, unless it writes several).
+        every: sample one in ``every`` sampled steps.
+        kinds: tap kinds whose tensors :meth:`on_tensor` receives.
+    """
+
+    name: str = "metric"
+    kinds: tuple[str, ...] = ()
+
+    def __init__(self, every: int = 1) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"Expected `every` to be an int >= 1, got {every!r}")
+        self.every = every
+        self.binding: Binding | None = None
+
+    # -- lifecycle (the Watch calls these) ------------------------------------------------------------------
+
+    def bind(self, binding: Binding) -> None:
+        """Attach to an observed run; a metric object serves one run at a time."""
+        if self.binding is not None:
+            raise RuntimeError(
+                f"{self!r} is already bound to an observed model; create a new one per observe()"
+            )
+        self.binding = binding
+
+    def unbind(self) -> None:
+        """Detach, dropping every tensor kept between steps (copies, warm-start vectors)."""
+        self.binding = None
+
+    def prepare(self, buffer: StepBuffer) -> None:
+        """Before ``optimizer.step()`` (or in ``watch.step()``) of the step *before* a sampled one."""
+
+    def prepare_after(self, buffer: StepBuffer) -> None:
+        """After ``optimizer.step()`` (or in ``watch.step()``) of the step *before* a sampled one."""
+
+    # -- call sites, on the steps the metric samples ------------------------------------------------------
+
+    def on_tensor(self, buffer: StepBuffer, key: Any, x: torch.Tensor) -> None:
+        """A tapped tensor of one of :attr:`kinds` (detached, dense, floating)."""
+
+    def before_optimizer_step(self, buffer: StepBuffer) -> None:
+        """Gradients are complete; the weights are not updated yet."""
+
+    def after_optimizer_step(self, buffer: StepBuffer) -> None:
+        """The weights were just updated."""
+
+    def on_step(self, buffer: StepBuffer, device_scalars: dict[str, torch.Tensor]) -> None:
+        """In ``watch.step()``, before the record is sealed; step-level values go into ``device_scalars``
+        (0-d tensors, read on the worker)."""
+
+    @property
+    def needs_prepare(self) -> bool:
+        """Whether :meth:`prepare` does anything (the Watch skips the call otherwise)."""
+        return type(self).prepare is not Metric.prepare
+
+    def _bound(self) -> Binding:
+        if self.binding is None:
+            raise RuntimeError(f"{self!r} is not bound: pass it to streamwatch.observe(metrics=[...])")
+        return self.binding
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(every={self.every})"
