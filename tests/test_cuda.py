@@ -88,3 +88,36 @@ def test_slots_are_reused_only_after_the_worker_released_them() -> None:
     # capacity 1 + 2 spare pinned slots: later steps are dropped and counted, never overwrite a slot in use
     assert stats.slots_exhausted + stats.dropped_newest > 0
     assert len(seen.items) + watch.statistics().dropped_newest + watch.statistics().slots_exhausted == 8
+
+
+def test_opt_in_tensor_metrics_make_no_host_sync_and_reach_the_worker() -> None:
+    model, opt = make()
+    x = torch.randn(32, 64, device="cuda")
+    y = torch.randint(0, 10, (32,), device="cuda")
+    records = sw.sinks.collect()
+    metrics = [
+        sw.metrics.GradientCosine(),
+        sw.metrics.GradientCosine(of="update"),
+        sw.metrics.SpectralNorm(),
+        sw.metrics.Histogram(kinds=("activation", "param_grad")),
+        sw.metrics.PNorm(p=1, kinds=("param_grad",)),
+    ]
+    watch = sw.observe(model, opt, sinks=[records], metrics=[*sw.DEFAULT_METRICS, *metrics])
+    train_step(model, opt, watch, x, y)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            train_step(model, opt, watch, x, y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    watch.close()
+    assert watch.statistics().hook_errors == 0
+    last = records.items[-1]
+    stats = {stat for _, stat in last.extras}
+    assert stats == {"cosine", "spectral_norm", "histogram", "norm_p1"}
+    weight = model[2].weight.detach()
+    spectral = last.extras[(sw.SeriesKey("train", "2", "param", "weight"), "spectral_norm")][0]
+    assert spectral == pytest.approx(float(torch.linalg.matrix_norm(weight, ord=2)), rel=1e-2)
+    histogram = last.extras[(sw.SeriesKey("train", "1", "activation", ""), "histogram")]
+    assert histogram.sum() == 32 * 128

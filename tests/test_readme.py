@@ -24,3 +24,12 @@ def test_readme_examples_run_in_order(capsys: pytest.CaptureFixture[str]) -> Non
     assert expected in printed
     assert "100 smoothed values" in printed
     assert "50 records; 0 dropped" in printed
+    # the metric catalogue's examples: every opt-in metric produced a value, the served z-score exists
+    assert (
+        "['cca_similarity', 'condition_number', 'cosine', 'norm_p1', 'spectral_norm', 'update_ratio']"
+        in printed
+    )
+    assert (
+        "['streamwatch_hessian_max_eig', 'streamwatch_layer_mean', 'streamwatch_tensor_histogram']" in printed
+    )
+    assert "['streamwatch_grad_zscore']" in printed
