@@ -19,17 +19,34 @@
  * streamwatch_summarize_diff_f32/_f64(a, b, n, out): the same 6 values for a - b (n elements each,
  * contiguous), computed without materialising the difference.
  *
+ * streamwatch_histogram_f32/_f64(x, n, bounds, nb, lo, pd, k, counts, zeros): log-spaced histogram
+ * counts (see _fused_body.h and metrics/_histogram.py).
+ *
  * Vectorisation: accumulators are arrays of LANES independent lanes, so the compiler vectorises the
  * loops without reassociating floating-point sums (-ffast-math is never used: it would break the
  * NaN/inf handling). On x86-64 every entry point is compiled twice (AVX2+FMA and baseline) and the
  * loader picks the one the CPU runs.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #define LANES 16
 #define CHUNK 1024 /* elements per float64 flush: 64 per lane, so float32 counts stay exact */
 #define BLOCK 32   /* elements per early-exit block of a unit's run in the activity scan */
+#define HIST_MAX 4096 /* histogram buckets counted in one call */
+
+/* log2|v| to within 0.09 from the bits of a finite nonzero v: exponent + mantissa fraction */
+static inline float log2_abs_f32(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    return (float)((int32_t)((bits >> 23) & 0xff) - 127) + (float)(bits & 0x7fffff) * (1.0f / 8388608.0f);
+}
+static inline float log2_abs_f64(double v) {
+    uint64_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    return (float)((int64_t)((bits >> 52) & 0x7ff) - 1023) + (float)(bits >> 29 & 0x7fffff) * (1.0f / 8388608.0f);
+}
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 
@@ -53,17 +70,21 @@ typedef struct {
 #define T float
 #define CNT int32_t
 #define SUFFIX f32
+#define LOG2_ABS log2_abs_f32
 #include "_fused_body.h"
 #undef T
 #undef CNT
 #undef SUFFIX
+#undef LOG2_ABS
 
 #define T double
 #define CNT int64_t
 #define SUFFIX f64
+#define LOG2_ABS log2_abs_f64
 #include "_fused_body.h"
 #undef T
 #undef CNT
 #undef SUFFIX
+#undef LOG2_ABS
 
-int streamwatch_abi_version(void) { return 3; }
+int streamwatch_abi_version(void) { return 4; }

@@ -200,3 +200,37 @@ CLONES int CAT(streamwatch_summarize_diff_, SUFFIX)(const T *a, const T *b, int6
     CAT(store_, SUFFIX)(&s, out);
     return 0;
 }
+
+/* Histogram counts in one pass: counts[j] += the finite elements v with bounds[j-1] < v <= bounds[j]
+ * (j = 0 .. nb; bounds[-1] = -inf, bounds[nb] = +inf), counts[0] += the non-finite ones, *zeros += the
+ * exact zeros: torch.bucketize(x, bounds) with non-finite elements sent to bucket 0, then bincount.
+ * bounds are log-spaced magnitudes 10**(lo + i/pd), i = 0 .. k, mirrored around 0 (the layout of
+ * metrics/_histogram.py): a guess from the exponent bits (log2 to within 0.09) lands within a bucket
+ * or two of the answer, and comparisons against the exact bounds settle it, so the result never depends
+ * on the guess. Returns -1 (nothing counted) if nb is too large for the local counters. */
+/* -funroll-loops makes this branchy loop 2.4x slower (measured): not here */
+CLONES __attribute__((optimize("no-unroll-loops"))) int CAT(streamwatch_histogram_, SUFFIX)(const T *x, int64_t n, const T *bounds, int64_t nb, double lo,
+                                                double pd, int64_t k, double *counts, double *zeros) {
+    int64_t local[HIST_MAX];
+    if (nb + 1 > HIST_MAX || nb != 2 * k + 4) return -1;
+    memset(local, 0, sizeof(int64_t) * (size_t)(nb + 1));
+    int64_t nz = 0;
+    /* the guess in float: it only has to land near the answer (and float keeps the loop fast) */
+    const float scale = (float)(0.30102999566398120 * pd), shift = (float)(lo * pd), top = (float)k + 1.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const T v = x[i];
+        if (!(v - v == 0)) { local[0]++; continue; }
+        if (v == 0) { nz++; local[k + 2]++; continue; }
+        float g = LOG2_ABS(v) * scale - shift; /* ~ (log10|v| - lo) * pd */
+        g = g < -1.0f ? -1.0f : g > top ? top : g;
+        const int64_t idx = (int64_t)floorf(g);
+        int64_t j = v > 0 ? k + 4 + idx : 1 + k - idx;
+        j = j < 0 ? 0 : j > nb ? nb : j;
+        while (j > 0 && bounds[j - 1] >= v) j--;
+        while (j < nb && bounds[j] < v) j++;
+        local[j]++;
+    }
+    for (int64_t j = 0; j <= nb; j++) counts[j] += (double)local[j];
+    *zeros += (double)nz;
+    return 0;
+}

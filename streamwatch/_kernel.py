@@ -50,7 +50,7 @@ __all__ = ["NSTATS", "Activity", "FusedKernel", "load", "status"]
 _LOG = logging.getLogger("streamwatch")
 _SOURCES = ("_fused.c", "_fused_body.h")
 _FLAGS = ("-O3", "-funroll-loops", "-std=gnu11", "-shared", "-fPIC", "-fno-math-errno")
-_ABI = 3
+_ABI = 4
 NSTATS = 6
 """Values the kernel writes per tensor: sum, sumsq, min, max, nonzero, nonfinite."""
 _RTOL, _ATOL = 1e-5, 1e-8  # torch.isclose's defaults, as in _summary._inside
@@ -141,6 +141,25 @@ class FusedKernel:
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
             fn.restype = ctypes.c_int
             self._diffs[dtype] = fn
+        self._histograms: dict[torch.dtype, Any] = {}
+        for dtype, name in (
+            (torch.float32, "streamwatch_histogram_f32"),
+            (torch.float64, "streamwatch_histogram_f64"),
+        ):
+            fn = getattr(lib, name)
+            fn.argtypes = [
+                ctypes.c_void_p,  # x
+                ctypes.c_int64,  # n
+                ctypes.c_void_p,  # bounds
+                ctypes.c_int64,  # nb
+                ctypes.c_double,  # lo
+                ctypes.c_double,  # per decade
+                ctypes.c_int64,  # k
+                ctypes.c_void_p,  # counts (nb + 1 float64, added to)
+                ctypes.c_void_p,  # zeros (1 float64, added to)
+            ]
+            fn.restype = ctypes.c_int
+            self._histograms[dtype] = fn
         self._flags = _Flags()
         self._layouts: dict[tuple[torch.Size, int], tuple[int, int, int, int]] = {}
         self._activities: dict[tuple[float, float], Activity] = {}
@@ -192,6 +211,34 @@ class FusedKernel:
                 f"{b.dtype}[{b.numel()}]"
             )
         self._diffs[a.dtype](a.data_ptr(), b.data_ptr(), a.numel(), out)
+
+    def histogram(
+        self,
+        x: torch.Tensor,
+        bounds: torch.Tensor,
+        lo: int,
+        per_decade: int,
+        counts: torch.Tensor,
+        zeros: torch.Tensor,
+    ) -> bool:
+        """Add ``x``'s log-spaced histogram counts (``torch.bucketize(x, bounds)``, non-finite elements in
+        bucket 0) into ``counts`` (``len(bounds) + 1`` float64) and its exact zeros into ``zeros``; False
+        (nothing added) if the layout is not the one the kernel knows. ``x`` must pass :meth:`accepts`,
+        ``bounds`` be contiguous in ``x``'s dtype (see ``metrics/_histogram.py``)."""
+        nb = bounds.numel()
+        k = (nb - 4) // 2
+        rc = self._histograms[x.dtype](
+            x.data_ptr(),
+            x.numel(),
+            bounds.data_ptr(),
+            nb,
+            lo,
+            per_decade,
+            k,
+            counts.data_ptr(),
+            zeros.data_ptr(),
+        )
+        return bool(rc == 0)
 
     def _activity(self, bounds: tuple[float, float]) -> Activity:
         found = self._activities.get(bounds)

@@ -231,3 +231,35 @@ def test_on_cuda_without_a_host_sync() -> None:
         assert got.device.type == "cuda"
         expected = reference(values.to(dtype).double().numpy(), buckets)
         np.testing.assert_array_equal(got.cpu().numpy(), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "buckets", [Buckets(), Buckets(lo=-3, hi=1, per_decade=1), Buckets(lo=-20, hi=20, per_decade=10)]
+)
+def test_the_fused_cpu_kernel_counts_exactly_what_the_torch_path_counts(
+    dtype: torch.dtype, buckets: Buckets
+) -> None:
+    """On the CPU the fused kernel guesses each bucket from the exponent bits, then settles it against the
+    exact bounds: the counts must equal torch.bucketize's, on edges, next to edges and across decades."""
+    from streamwatch import _kernel
+    from streamwatch.metrics._histogram import _histogram_torch
+
+    assert _kernel.load() is not None  # the suite builds the kernel (README, Development)
+    g = torch.Generator().manual_seed(len(buckets))
+    wide = torch.randn(20_000, generator=g, dtype=dtype) * torch.exp(
+        torch.randn(20_000, generator=g, dtype=dtype) * 8
+    )
+    wide[::7] = 0
+    edges = torch.tensor(buckets.magnitudes, dtype=torch.float64).to(dtype)
+    near = torch.cat(
+        [edges, torch.nextafter(edges, torch.zeros_like(edges)), torch.nextafter(edges, 2 * edges)]
+    )
+    special = torch.tensor(
+        [float("nan"), float("inf"), -float("inf"), -0.0, 1e-300, -1e-300], dtype=torch.float64
+    )
+    x = torch.cat([wide, near, -near, special.to(dtype)])
+    fused = histogram(x, buckets)
+    torch_counts = _histogram_torch(x.reshape(-1), buckets)
+    assert torch.equal(fused, torch_counts)
+    assert fused.sum() == x.numel()
