@@ -232,7 +232,7 @@ class Watch:
         for sink in sinks:
             if not isinstance(sink, Sink):
                 raise TypeError(f"Expected every entry of `sinks` to be a Sink, got {sink!r}")
-        derived, objects = _split_metrics(metrics, frozenset(taps))
+        derived, objects = _split_metrics(metrics, frozenset(taps), has_optimizer=optimizer is not None)
         with _OBSERVED_LOCK:
             if model in _OBSERVED:
                 raise RuntimeError(
@@ -626,7 +626,9 @@ DEFAULT_METRICS = ("update_ratio", "layer_mean")
 """Worker-side metrics on by default (numpy over each record's table: no training-thread cost)."""
 
 
-def _split_metrics(metrics: Iterable[str | Metric], taps: frozenset[str]) -> tuple[list[str], list[Metric]]:
+def _split_metrics(
+    metrics: Iterable[str | Metric], taps: frozenset[str], *, has_optimizer: bool
+) -> tuple[list[str], list[Metric]]:
     """Names of worker-side metrics and opt-in metric objects, validated before anything is attached."""
     if isinstance(metrics, str):
         raise TypeError(f"Expected `metrics` to be a collection of names and metric objects, got {metrics!r}")
@@ -645,6 +647,11 @@ def _split_metrics(metrics: Iterable[str | Metric], taps: frozenset[str]) -> tup
             if metric.binding is not None or metric in objects:
                 raise RuntimeError(
                     f"{metric!r} is already bound to an observed model; create a new one per observe()"
+                )
+            if metric.requires_optimizer and not has_optimizer:
+                raise ValueError(
+                    f"{metric!r} measures what optimizer.step() does: pass the optimizer, "
+                    "streamwatch.observe(model, optimizer, metrics=[...])"
                 )
             missing = [kind for kind in metric.kinds if kind not in taps]
             if missing:

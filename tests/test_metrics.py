@@ -131,6 +131,8 @@ def test_worker_metrics_can_be_switched_off_and_unknown_names_are_refused() -> N
         ValueError, match=r"reads \['input'\] tensors, which are not tapped; add them to `taps=`"
     ):
         sw.observe(model, metrics=[sw.metrics.Histogram(kinds=("input",))])
+    with pytest.raises(ValueError, match=r"what optimizer.step\(\) does: pass the optimizer"):
+        sw.observe(model, metrics=[sw.metrics.GradientCosine(of="update")])
     sw.observe(model).close()  # a refused observe attached nothing: observing again works
 
 

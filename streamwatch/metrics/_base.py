@@ -112,6 +112,11 @@ class Metric:
         (0-d tensors, read on the worker)."""
 
     @property
+    def requires_optimizer(self) -> bool:
+        """Whether it needs ``observe(model, optimizer)`` (it reads what ``optimizer.step()`` does)."""
+        return False
+
+    @property
     def needs_prepare(self) -> bool:
         """Whether :meth:`prepare` does anything (the Watch skips the call otherwise)."""
         return type(self).prepare is not Metric.prepare

@@ -11,13 +11,28 @@ nothing on the training thread. Each is a function ``StepRecord -> list[Sample]`
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
 
-from streamwatch._record import Sample, StepRecord
+from streamwatch._record import Sample, SeriesKey, StepRecord
 
 __all__ = ["DERIVED", "layer_mean", "update_ratio"]
+
+
+@functools.lru_cache(maxsize=16)
+def _ratio_rows(keys: tuple[SeriesKey, ...]) -> tuple[np.ndarray, np.ndarray, list[dict[str, str]]]:
+    """(update rows, their weight rows, the update rows' labels) of a record layout (cached)."""
+    weights = {(k.layer, k.name): i for i, k in enumerate(keys) if k.kind == "param"}
+    pairs = [
+        (i, weights[(k.layer, k.name)])
+        for i, k in enumerate(keys)
+        if k.kind == "update" and (k.layer, k.name) in weights
+    ]
+    updates = np.array([i for i, _ in pairs], dtype=np.intp)
+    params = np.array([j for _, j in pairs], dtype=np.intp)
+    return updates, params, [{**keys[i].labels(), "stat": "update_ratio"} for i, _ in pairs]
 
 
 def update_ratio(record: StepRecord) -> list[Sample]:
@@ -32,27 +47,32 @@ def update_ratio(record: StepRecord) -> list[Sample]:
         >>> [(s.labels["kind"], s.labels["stat"], round(s.value, 6)) for s in samples]
         [('update', 'update_ratio', 0.001)]
     """
-    weights = {(k.layer, k.name): i for i, k in enumerate(record.keys) if k.kind == "param"}
+    updates, params, labels = _ratio_rows(record.keys)
+    if not updates.size:
+        return []
     sumsq = record.column("sumsq")
-    out: list[Sample] = []
-    for i, key in enumerate(record.keys):
-        if key.kind != "update":
-            continue
-        j = weights.get((key.layer, key.name))
-        if j is None:
-            continue
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = float(np.sqrt(sumsq[i]) / np.sqrt(sumsq[j]))
-        if not np.isnan(ratio):  # 0/0 (an empty or all-zero weight): absent, never NaN
-            out.append(Sample("streamwatch_tensor", {**key.labels(), "stat": "update_ratio"}, ratio))
-    return out
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = np.sqrt(sumsq[updates] / sumsq[params])
+    # 0/0 (an empty or all-zero weight): absent, never NaN
+    return [
+        Sample("streamwatch_tensor", lab, float(r)) for lab, r in zip(labels, ratios, strict=True) if r == r
+    ]
 
 
 _LAYER_MEAN_STATS = ("mean", "l2", "rms")
 
 
+@functools.lru_cache(maxsize=16)
+def _layer_groups(keys: tuple[SeriesKey, ...]) -> tuple[np.ndarray, list[tuple[str, str]]]:
+    """Each row's (phase, kind) group index, and the groups in order (cached: layouts repeat)."""
+    groups: dict[tuple[str, str], int] = {}
+    index = np.array([groups.setdefault((k.phase, k.kind), len(groups)) for k in keys], dtype=np.intp)
+    return index, list(groups)
+
+
 def layer_mean(record: StepRecord) -> list[Sample]:
-    """The mean over layers of each layer's mean, L2 norm and RMS, per phase and kind.
+    """The mean over layers of each layer's mean, L2 norm and RMS, per phase and kind (layers whose
+    value is unknown — NaN — left out).
 
     Example:
         >>> import numpy as np
@@ -62,22 +82,26 @@ def layer_mean(record: StepRecord) -> list[Sample]:
         >>> [(s.labels["stat"], s.value) for s in layer_mean(StepRecord(0, 0.0, 0, keys, table))][:1]
         [('mean', 1.5)]
     """
-    groups: dict[tuple[str, str], list[int]] = {}
-    for i, key in enumerate(record.keys):
-        groups.setdefault((key.phase, key.kind), []).append(i)
-    stats = {name: record.stat(name) for name in _LAYER_MEAN_STATS}
+    index, groups = _layer_groups(record.keys)
+    if not groups:
+        return []
+    table = record.table
+    count, total, sumsq = table[:, 0], table[:, 1], table[:, 2]
     out: list[Sample] = []
-    for (phase, kind), rows in groups.items():
-        for name, values in stats.items():
-            selected = values[rows]
-            selected = selected[~np.isnan(selected)]
-            if not selected.size:
-                continue
-            with np.errstate(invalid="ignore", over="ignore"):  # +inf and -inf layers: NaN, absent
-                value = float(selected.mean())
-            if not np.isnan(value):
-                labels = {"phase": phase, "kind": kind, "stat": name}
-                out.append(Sample("streamwatch_layer_mean", labels, value))
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        values = {"mean": total / count, "l2": np.sqrt(sumsq), "rms": np.sqrt(sumsq / count)}
+        for name in _LAYER_MEAN_STATS:
+            v = values[name]
+            known = ~np.isnan(v)
+            n = np.bincount(index, weights=known, minlength=len(groups))
+            means = np.bincount(index, weights=np.where(known, v, 0.0), minlength=len(groups)) / n
+            for (phase, kind), m in zip(groups, means, strict=True):
+                if m == m:  # no known layer, or +inf and -inf: absent
+                    out.append(
+                        Sample(
+                            "streamwatch_layer_mean", {"phase": phase, "kind": kind, "stat": name}, float(m)
+                        )
+                    )
     return out
 
 

@@ -36,6 +36,8 @@ class ActivationSimilarity(Metric):
         probe: a fixed input batch (a tensor, or a tuple of positional inputs) on the model's device;
             use many more samples than the layer widths you compare (≥ 10×), or CCA is trivially 1.
         layers: qualified names of the modules to compare (default: every leaf module with parameters).
+            A layer applied straight to the probe without a nonlinearity (the first Linear) is a linear
+            map of the probe, so its similarity is 1 whatever it learns: compare nonlinear outputs.
         every: sample one in ``every`` sampled steps (a forward pass of the probe each time).
         keep: the fraction of variance the SVD reduction keeps (0.99 in the SVCCA paper).
 

@@ -134,6 +134,10 @@ class GradientCosine(Metric):
     def needs_prepare(self) -> bool:
         return True
 
+    @property
+    def requires_optimizer(self) -> bool:
+        return self.of == "update"  # an update is what optimizer.step() did
+
 
 class SpectralNorm(Metric):
     """The largest singular value σmax of every weight matrix (parameters of 2+ dimensions, viewed as
