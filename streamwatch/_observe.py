@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from prometheus_client import CollectorRegistry
 from torch import nn
 
 from streamwatch import _kernel, ops
@@ -51,6 +52,7 @@ from streamwatch._taps import (
 from streamwatch._worker import Worker
 from streamwatch.metrics._base import Binding, Metric
 from streamwatch.metrics._derived import DERIVED
+from streamwatch.sinks._prometheus import DEFAULT_PORT, Exporter
 
 __all__ = ["STATS", "Sample", "Watch", "WatchStatistics", "observe"]
 
@@ -82,6 +84,9 @@ class WatchStatistics:
         pipeline_failures: pipelines stopped by an exception.
         kernel: how CPU tensors are summarised: ``"fused: <library>"`` (one pass, exact non-finite
             counts) or ``"torch: <why the fused kernel is not used>"``.
+        overhead_seconds: streamwatch's own time on the training thread in the last step (its hooks and
+            ``watch.step()``; torch's dispatch of the hooks is not included): an in-process estimate.
+        overhead_seconds_total: the same, summed over every step.
     """
 
     steps: int
@@ -97,6 +102,8 @@ class WatchStatistics:
     hook_errors: int
     pipeline_failures: int
     kernel: str = ""
+    overhead_seconds: float = 0.0
+    overhead_seconds_total: float = 0.0
 
 
 class _Latest(Sink):
@@ -122,6 +129,13 @@ class _Latest(Sink):
             self.step = record.step
             self.records += 1
             self.lag = time.time() - record.time
+
+    def table(self) -> tuple[np.ndarray, list[SeriesKey]]:
+        """The latest row of every series as one table (``COLUMNS``), and the series' keys."""
+        with self.lock:
+            keys = list(self.rows)
+            table = np.array([self.rows[k] for k in keys]) if keys else np.empty((0, len(COLUMNS)))
+        return table, keys
 
     def put(self, samples: Iterable[Sample]) -> None:
         """Latest values of derived or user-served series (replacing those with the same name and labels)."""
@@ -250,6 +264,9 @@ class Watch:
             self._periods = [(kind, every * merged[kind]) for kind in KINDS if kind in taps_on]
             self._all_off = dict.fromkeys(KINDS, False)
             self._step_metrics: tuple[Any, ...] = ()
+            self._exporters: list[Exporter] = []
+            self._overhead = 0.0  # streamwatch's own seconds on the training thread, last step
+            self._overhead_total = 0.0
             self._overflow: OverflowPolicy = overflow
             self._optimizer = optimizer
             self._state = TapState(
@@ -314,6 +331,22 @@ class Watch:
         if self._closed:
             raise RuntimeError("this Watch is closed; create a new one with streamwatch.observe()")
         now = time.perf_counter()
+        try:
+            self._step_boundary(now, loss, outputs, targets, batch_size)
+        finally:
+            state = self._state
+            self._overhead = state.busy + (time.perf_counter() - now)
+            self._overhead_total += self._overhead
+            state.busy = 0.0
+
+    def _step_boundary(
+        self,
+        now: float,
+        loss: torch.Tensor | float | None,
+        outputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        batch_size: int | None,
+    ) -> None:
         seconds, self._last = now - self._last, now
         state = self._state
         device: dict[str, torch.Tensor] = {}
@@ -449,10 +482,65 @@ class Watch:
             warnings.warn(
                 f"streamwatch: {PipelineError(new)} — training continues; these are raised again at close()",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,  # the user's watch.step() call
             )
 
     # -- users' side ------------------------------------------------------------------------------------
+
+    def expose(
+        self,
+        port: int = DEFAULT_PORT,
+        *,
+        host: str = "127.0.0.1",
+        registry: CollectorRegistry | None = None,
+        run: str | None = None,
+        series_budget: int = 5000,
+    ) -> Exporter:
+        """Serve this watch's latest values on ``http://host:(port + LOCAL_RANK)/metrics`` for Prometheus.
+
+        One endpoint per process; under torchrun each local rank takes the next port. The collector
+        builds the metric families at scrape time (no per-series objects, nothing on the training
+        thread). ``close()`` stops the server.
+
+        Args:
+            port: the base port (``0``: any free port, see :attr:`Exporter.url`).
+            host: the interface to bind: loopback by default; ``"0.0.0.0"`` to let other machines
+                scrape, explicitly.
+            registry: a ``prometheus_client.CollectorRegistry`` to register in (default: a new one).
+            run: the ``run`` label (default ``$STREAMWATCH_RUN``, else the script's name).
+            series_budget: the most ``streamwatch_tensor`` series to export (see README).
+
+        Raises:
+            OSError: the port is taken (the message names it and the fix).
+
+        Example:
+            >>> import torch, urllib.request, streamwatch as sw
+            >>> model = torch.nn.Linear(2, 1)
+            >>> with sw.observe(model) as watch:
+            ...     exporter = watch.expose(port=0)
+            ...     _ = model(torch.ones(1, 2)); watch.step()
+            ...     _ = watch.flush()
+            ...     body = urllib.request.urlopen(exporter.url, timeout=10).read().decode()
+            >>> 'streamwatch_info{host=' in body and 'stat="l2"' in body and 'run="' in body
+            True
+        """
+        exporter = Exporter(
+            self, port=port, host=host, registry=registry, run=run, series_budget=series_budget
+        )
+        self._exporters.append(exporter)
+        return exporter
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until the worker has handled every record sent so far (for tests and scripts that read
+        :meth:`snapshot` right after a step); True if it did within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.statistics()
+            if stats.records_received + stats.dropped_oldest + stats.dropped_newest >= stats.sampled:
+                return True
+            if time.monotonic() > deadline or self._worker.has_errors:
+                return False
+            time.sleep(0.001)
 
     def pipe(self, pipeline: Pipeline) -> Pipeline:
         """Attach a user pipeline (``source | ops... | sink``); it receives every :class:`StepRecord`.
@@ -521,6 +609,8 @@ class Watch:
             hook_errors=self._state.hook_errors,
             pipeline_failures=worker_stats.failed,
             kernel=self._kernel_status,
+            overhead_seconds=self._overhead,
+            overhead_seconds_total=self._overhead_total,
         )
 
     def close(self) -> None:
@@ -533,6 +623,8 @@ class Watch:
             return
         self._closed = True
         self._taps.remove()
+        for exporter in self._exporters:  # the final values stay readable through snapshot()
+            exporter.close()
         for metric in self._metrics:
             metric.unbind()
         self._metrics, self._step_metrics = (), ()

@@ -32,6 +32,7 @@ import fnmatch
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -162,6 +163,7 @@ class TapState:
     errors: list[BaseException] = field(default_factory=list)
     hook_errors: int = 0
     paused: bool = False  # an opt-in metric runs the model itself (probe batch, Hessian): no taps
+    busy: float = 0.0  # seconds spent inside streamwatch's hooks since the last step boundary
     # this step's opt-in metrics: tensor metrics by the kind they read, and parameter-level ones
     kind_metrics: dict[str, list[Callable[[StepBuffer, SeriesKey, torch.Tensor], None]]] = field(
         default_factory=dict
@@ -255,10 +257,14 @@ def _guarded(state: TapState, fn: Callable[..., Any]) -> Callable[..., Any]:
     """Run a hook body so that nothing it raises reaches the training step (counted, kept)."""
 
     def hook(*args: Any) -> None:
+        compiling = torch.compiler.is_compiling()  # a constant to dynamo: no wall clock inside a graph
+        start = 0.0 if compiling else perf_counter()
         try:
             fn(*args)
         except Exception as exc:
             state.fail(exc)
+        if not compiling:
+            state.busy += perf_counter() - start  # streamwatch's own time on the training thread
 
     return hook
 

@@ -1,0 +1,386 @@
+"""The Prometheus exporter: a custom ``Collector`` over a Watch's latest values, served per process.
+
+Nothing here runs on the training thread or keeps a ``Gauge`` per series: at each scrape, the collector
+reads ``watch.snapshot()`` (the worker's latest values, under one lock) and ``watch.statistics()`` and
+builds the metric families then, so the hot path pays nothing for Prometheus and a scrape costs one pass
+over the series.
+
+Naming (README, "Prometheus and Grafana", has the full table): namespace ``streamwatch_``, base units,
+counters end in ``_total``; every series carries the process identity ``run``, ``rank``, ``local_rank``,
+``world_size`` and ``host`` (Prometheus adds ``job`` and ``instance`` from the scrape config), and
+``streamwatch_info`` holds the same identity with value 1 for dashboard variables. Sums of squares and
+counts are exported beside norms (``stat="sumsq"``, ``stat="count"``), so a global norm across layers,
+shards or ranks is exact in PromQL: ``sqrt(sum by (run) (streamwatch_tensor{kind="param_grad",
+stat="sumsq"}))``.
+
+**Series budget**: past ``series_budget`` (default 5 000) ``streamwatch_tensor`` series per process, the
+per-layer statistics are reduced to :data:`CORE_STATS` (norms, sums of squares, counts, mean, extremes,
+non-finite counts, dead fraction); if that is still too many, the per-layer series are replaced by one
+aggregate per (phase, kind) with ``layer="__all__"`` (sums of the additive columns, min of minima, max of
+maxima, statistics derived from those). A warning is logged once and ``streamwatch_series_reduced_total``
+counts the scrapes that had to reduce.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import socket
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+from streamwatch._record import Sample
+from streamwatch._summary import COLUMNS, derive
+
+if TYPE_CHECKING:
+    from streamwatch._observe import Watch
+
+__all__ = ["CORE_STATS", "DEFAULT_PORT", "Exporter", "identity"]
+
+log = logging.getLogger("streamwatch")
+
+DEFAULT_PORT = 9400
+"""The default base port: rank ``LOCAL_RANK`` serves on ``DEFAULT_PORT + LOCAL_RANK``."""
+
+CORE_STATS = ("count", "sumsq", "l2", "mean", "min", "max", "nonfinite", "dead_fraction")
+"""The statistics kept per layer when the series budget is exceeded."""
+
+_IDENTITY = ("run", "rank", "local_rank", "world_size", "host")
+
+_HELP = {
+    "streamwatch_tensor": "Statistics of a tapped tensor (stat: count, sum, sumsq, min, max, l2, ...)",
+    "streamwatch_layer_mean": "Mean over layers of a per-layer statistic, per phase and kind",
+    "streamwatch_loss": "The step's loss",
+    "streamwatch_accuracy": "Accuracy (ratio): train from the step's outputs, eval from the evaluation",
+    "streamwatch_learning_rate": "Learning rate of a parameter group",
+    "streamwatch_step_seconds": "Wall time of the last step (seconds)",
+    "streamwatch_samples_per_second": "Training throughput of the last step (samples per second)",
+    "streamwatch_batch_size": "Samples in the last step",
+    "streamwatch_step": "Index of the last step processed by the worker",
+    "streamwatch_correct": "Correct predictions in the last step",
+    "streamwatch_total": "Predictions in the last step",
+    "streamwatch_hessian_max_eig": "Largest-magnitude eigenvalue of the loss Hessian",
+}
+
+
+def identity(run: str | None = None) -> dict[str, str]:
+    """The process identity every series carries: run (``run``, else ``$STREAMWATCH_RUN``, else the
+    script's name), torchrun's ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` (0/0/1 without them), the host.
+
+    Example:
+        >>> sorted(identity("demo"))
+        ['host', 'local_rank', 'rank', 'run', 'world_size']
+    """
+    if run is None:
+        script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-", "-c") else ""
+        run = os.environ.get("STREAMWATCH_RUN") or script or "python"
+    return {
+        "run": run,
+        "rank": os.environ.get("RANK", "0"),
+        "local_rank": os.environ.get("LOCAL_RANK", "0"),
+        "world_size": os.environ.get("WORLD_SIZE", "1"),
+        "host": socket.gethostname(),
+    }
+
+
+class _Collector(Collector):
+    """Builds every family at scrape time from the Watch's latest values and statistics."""
+
+    def __init__(self, watch: Watch, labels: dict[str, str], series_budget: int) -> None:
+        self.watch = watch
+        self.identity = labels
+        self.series_budget = series_budget
+        self.reductions = 0
+        self._warned = False
+        self._lock = threading.Lock()
+
+    def collect(self) -> Iterator[Any]:
+        with self._lock:  # concurrent scrapes: one at a time (the reduction counter)
+            yield from self._collect()
+
+    def _collect(self) -> Iterator[Any]:
+        ident_names, ident_values = list(self.identity), list(self.identity.values())
+        info = InfoMetricFamily(
+            "streamwatch", "Process identity of a streamwatch exporter", labels=ident_names
+        )
+        info.add_metric(ident_values, {"version": _version()})
+        yield info
+        samples = self.watch.snapshot()
+        tensors = [s for s in samples if s.name == "streamwatch_tensor"]
+        wanted = len(tensors)
+        tensors = self._budget(tensors)
+        families: dict[str, list[Sample]] = {"streamwatch_tensor": tensors}
+        histograms: list[Sample] = []
+        for sample in samples:
+            if sample.name == "streamwatch_tensor":
+                continue
+            if sample.name == "streamwatch_tensor_histogram":
+                histograms.append(sample)
+            else:
+                families.setdefault(sample.name, []).append(sample)
+        for name, members in families.items():
+            if not members:
+                continue
+            label_names = sorted({k for s in members for k in s.labels} - set(ident_names))
+            family = GaugeMetricFamily(
+                name,
+                _HELP.get(name, f"{name} (served by a streamwatch pipeline)"),
+                labels=[*ident_names, *label_names],
+            )
+            for s in members:
+                family.add_metric([*ident_values, *(s.labels.get(k, "") for k in label_names)], s.value)
+            yield family
+        if histograms:
+            yield self._histograms(histograms, ident_names, ident_values)
+        yield from self._self_metrics(ident_names, ident_values, wanted, len(tensors))
+
+    def _budget(self, tensors: list[Sample]) -> list[Sample]:
+        if len(tensors) <= self.series_budget:
+            return tensors
+        self.reductions += 1
+        core = [s for s in tensors if s.labels["stat"] in CORE_STATS]
+        level = "core statistics per layer"
+        if len(core) > self.series_budget:
+            core = _aggregate(self.watch)
+            level = 'one aggregate per phase and kind (layer="__all__")'
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "streamwatch: %d tensor series exceed the series budget of %d per process; exporting %s "
+                "(%d series). Select fewer modules (observe(select=...)) or raise expose(series_budget=...).",
+                len(tensors),
+                self.series_budget,
+                level,
+                len(core),
+            )
+        return core
+
+    def _histograms(
+        self, samples: list[Sample], names: list[str], values: list[str]
+    ) -> HistogramMetricFamily:
+        """Bucket counts (streamwatch.metrics.Buckets order) as cumulative ``le`` buckets."""
+        bounds = _histogram_bounds(self.watch)
+        series: dict[tuple[tuple[str, str], ...], dict[int, float]] = {}
+        for s in samples:
+            labels = {k: v for k, v in s.labels.items() if k not in ("bucket", "stat")}
+            series.setdefault(tuple(sorted(labels.items())), {})[int(s.labels["bucket"])] = s.value
+        label_names = ["phase", "layer", "kind", "param", "index"]
+        family = HistogramMetricFamily(
+            "streamwatch_tensor_values",
+            "Values of a tapped tensor in fixed log-spaced buckets (non-finite values excluded: see "
+            'streamwatch_tensor{stat="nonfinite"})',
+            labels=[*names, *label_names],
+        )
+        for key, counts in series.items():
+            labels = dict(key)
+            upper = bounds.get(labels.get("kind", ""))
+            if upper is None:
+                continue
+            vector = np.array([counts.get(i, 0.0) for i in range(len(upper) + 1)])
+            cumulative = np.cumsum(vector[1:])  # bucket 0 (non-finite) is not a value; the last bound is +inf
+            buckets = [(_le(b), float(c)) for b, c in zip(upper, cumulative, strict=True)]
+            # negative buckets: no _sum/_count (the Prometheus convention); the +Inf bucket is the count
+            family.add_metric([*values, *(labels.get(k, "") for k in label_names)], buckets, None)
+        return family
+
+    def _self_metrics(self, names: list[str], values: list[str], wanted: int, exported: int) -> Iterator[Any]:
+        stats = self.watch.statistics()
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=names)
+            family.add_metric(values, value)
+            return family
+
+        def counter(
+            name: str, doc: str, value: float, extra: Mapping[str, float] | None = None, label: str = ""
+        ) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=[*names, label] if label else names)
+            if extra is None:
+                family.add_metric(values, value)
+            else:
+                for key, v in extra.items():
+                    family.add_metric([*values, key], v)
+            return family
+
+        yield counter("streamwatch_steps", "Steps seen (watch.step() calls)", stats.steps)
+        yield counter("streamwatch_steps_sampled", "Steps whose record was sent to the worker", stats.sampled)
+        yield counter(
+            "streamwatch_records", "Records the worker turned into step records", stats.records_received
+        )
+        dropped = {
+            "drop_oldest": float(stats.dropped_oldest),
+            "drop_newest": float(stats.dropped_newest),
+            "slots_exhausted": float(stats.slots_exhausted),
+        }
+        yield counter("streamwatch_records_dropped", "Records dropped, by reason", 0, dropped, "reason")
+        yield gauge("streamwatch_queue_length", "Records waiting for the worker", stats.queue_len)
+        yield gauge(
+            "streamwatch_queue_high_water", "Most records ever waiting for the worker", stats.queue_high_water
+        )
+        if not math.isnan(stats.worker_lag_seconds):
+            yield gauge(
+                "streamwatch_worker_lag_seconds",
+                "From the step boundary to the worker having processed its record (latest)",
+                stats.worker_lag_seconds,
+            )
+        yield counter(
+            "streamwatch_hook_errors", "Exceptions caught inside hooks and metrics", stats.hook_errors
+        )
+        yield counter(
+            "streamwatch_sink_errors", "Pipelines and sinks stopped by an exception", stats.pipeline_failures
+        )
+        skipped = {reason: float(n) for reason, n in stats.skipped.items()}
+        yield counter(
+            "streamwatch_tensors_skipped", "Tensors not summarised, by reason", 0, skipped, "reason"
+        )
+        yield gauge(
+            "streamwatch_series", "streamwatch_tensor series exported (after the series budget)", exported
+        )
+        yield gauge("streamwatch_series_wanted", "streamwatch_tensor series before the series budget", wanted)
+        yield counter(
+            "streamwatch_series_reduced", "Scrapes that reduced series to fit the budget", self.reductions
+        )
+        yield gauge(
+            "streamwatch_overhead_last_step_seconds",
+            "streamwatch's own time on the training thread in the last step (in-process estimate)",
+            stats.overhead_seconds,
+        )
+        yield counter(
+            "streamwatch_overhead_seconds",
+            "streamwatch's own time on the training thread, all steps (in-process estimate)",
+            stats.overhead_seconds_total,
+        )
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if math.isinf(bound) and bound > 0 else repr(float(bound))
+
+
+def _histogram_bounds(watch: Watch) -> dict[str, list[float]]:
+    """``kind -> upper bounds`` of the Histogram metrics the watch runs."""
+    from streamwatch.metrics._tensor import Histogram
+
+    out: dict[str, list[float]] = {}
+    for metric in getattr(watch, "_metrics", ()):
+        if isinstance(metric, Histogram):
+            for kind in metric.kinds:
+                out[kind] = list(metric.buckets.upper_bounds())
+    return out
+
+
+def _aggregate(watch: Watch) -> list[Sample]:
+    """One row per (phase, kind): additive columns summed, extremes combined, statistics re-derived."""
+    table, keys = watch._latest.table()
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault((key.phase, key.kind), []).append(i)
+    out: list[Sample] = []
+    col = {name: i for i, name in enumerate(COLUMNS)}
+    for (phase, kind), rows in groups.items():
+        part = table[rows]
+        row = np.nansum(part, axis=0)
+        row[col["min"]] = np.min(part[:, col["min"]])
+        row[col["max"]] = np.max(part[:, col["max"]])
+        row = row.reshape(1, -1)
+        stats = {name: row[:, i] for i, name in enumerate(COLUMNS)} | derive(row)
+        labels = {"phase": phase, "layer": "__all__", "kind": kind, "param": "", "index": ""}
+        for stat in CORE_STATS:
+            value = float(stats[stat][0])
+            if not math.isnan(value):
+                out.append(Sample("streamwatch_tensor", {**labels, "stat": stat}, value))
+    return out
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("streamwatch")
+    except Exception:  # not installed (a source checkout on sys.path)
+        return "unknown"
+
+
+class Exporter:
+    """A running ``/metrics`` endpoint for one Watch. Create it with :meth:`streamwatch.Watch.expose`.
+
+    Attributes:
+        url: ``http://host:port/metrics``.
+        registry: the registry the collector is in (yours if you passed one).
+        labels: the identity labels on every series.
+    """
+
+    def __init__(
+        self,
+        watch: Watch,
+        *,
+        port: int = DEFAULT_PORT,
+        host: str = "127.0.0.1",
+        registry: CollectorRegistry | None = None,
+        run: str | None = None,
+        series_budget: int = 5000,
+        serve: bool = True,
+    ) -> None:
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+            raise ValueError(f"Expected `port` to be an int in [0, 65535], got {port!r}")
+        if isinstance(series_budget, bool) or not isinstance(series_budget, int) or series_budget < 1:
+            raise ValueError(f"Expected `series_budget` to be a positive int, got {series_budget!r}")
+        self.labels = identity(run)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.collector = _Collector(watch, self.labels, series_budget)
+        self.registry.register(self.collector)
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self.port = port
+        self.host = host
+        if serve:
+            self._serve(port + int(self.labels["local_rank"]) if port else 0, host)
+        self.url = f"http://{host}:{self.port}/metrics"
+
+    def _serve(self, port: int, host: str) -> None:
+        from prometheus_client import start_http_server
+
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as err:
+            self.registry.unregister(self.collector)
+            if err.errno == errno.EADDRINUSE:
+                raise OSError(
+                    errno.EADDRINUSE,
+                    f"streamwatch: port {port} on {host} is already in use (this process's /metrics port is "
+                    f"the base port + LOCAL_RANK = {port}); pass expose(port=...) another base port, or stop "
+                    "the process that holds it",
+                ) from err
+            raise
+        self.port = self._server.server_address[1]
+
+    def close(self) -> None:
+        """Stop serving and unregister the collector. Idempotent."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        try:
+            self.registry.unregister(self.collector)
+        except KeyError:
+            pass
+
+    def __repr__(self) -> str:
+        return f"<Exporter {self.url}>"

@@ -1,0 +1,246 @@
+"""The Prometheus exporter over real HTTP: what /metrics serves equals ``watch.snapshot()`` and
+``watch.statistics()``; identity labels, ports per local rank, a taken port, the series budget and
+histograms. The end-to-end scrape by a real Prometheus server is in ``test_prometheus_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import socket
+import urllib.request
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from torch import nn
+
+import streamwatch as sw
+from streamwatch import SeriesKey
+
+IDENTITY = ("run", "rank", "local_rank", "world_size", "host")
+
+
+def _train(watch: sw.Watch, model: nn.Module, opt: torch.optim.Optimizer, steps: int = 3) -> None:
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+        out = model(x)
+        loss = F.cross_entropy(out, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        watch.step(loss=loss, outputs=out, targets=y, batch_size=16)
+    assert watch.flush()
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _scrape(url: str) -> dict[str, list[Any]]:
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    families: dict[str, list[Any]] = {}
+    for family in text_string_to_metric_families(body):
+        families.setdefault(family.name, []).extend(family.samples)
+    return families
+
+
+def test_metrics_served_equal_the_snapshot_and_statistics() -> None:
+    model, opt = _model()
+    with sw.observe(model, opt, cadence={"param": 1, "update": 1}) as watch:
+        exporter = watch.expose(port=0, run="unit")
+        _train(watch, model, opt)
+        families = _scrape(exporter.url)
+        snapshot = watch.snapshot()
+        stats = watch.statistics()
+    ident = {"run": "unit", "rank": "0", "local_rank": "0", "world_size": "1", "host": socket.gethostname()}
+    want = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for s in snapshot
+        if s.name != "streamwatch_tensor_histogram"
+    }
+    got: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for name in {n for n, _ in want}:
+        for sample in families[name]:
+            labels = dict(sample.labels)
+            assert {k: labels.pop(k) for k in IDENTITY} == ident  # every series carries the identity
+            got[(sample.name, tuple(sorted(labels.items())))] = sample.value
+    assert got == want
+    info = families["streamwatch_info"]
+    assert info[0].name == "streamwatch_info"
+    assert info[0].value == 1.0
+    assert {k: info[0].labels[k] for k in IDENTITY} == ident
+
+    def one(name: str, **labels: str) -> float:
+        matches = [
+            s.value
+            for s in families[name.removesuffix("_total")]
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        ]
+        assert len(matches) == 1, (name, labels, families.get(name))
+        return float(matches[0])
+
+    assert one("streamwatch_steps_total") == stats.steps == 3
+    assert one("streamwatch_steps_sampled_total") == stats.sampled == 3
+    assert one("streamwatch_records_total") == 3
+    assert one("streamwatch_records_dropped_total", reason="drop_oldest") == 0
+    assert one("streamwatch_queue_length") == 0
+    assert one("streamwatch_hook_errors_total") == 0
+    assert one("streamwatch_series") == sum(1 for s in snapshot if s.name == "streamwatch_tensor")
+    assert one("streamwatch_overhead_seconds_total") > 0
+    assert one("streamwatch_overhead_last_step_seconds") > 0
+    assert not [s for f in families.values() for s in f if math.isnan(s.value)]  # absent, never NaN
+
+
+def test_global_norm_from_exported_sums_of_squares_is_exact() -> None:
+    """README's PromQL sqrt(sum(sumsq)) over the exported rows equals the norm of all gradients."""
+    model, opt = _model()
+    records = sw.sinks.collect()
+    with sw.observe(model, opt, sinks=[records]) as watch:
+        exporter = watch.expose(port=0)
+        _train(watch, model, opt, steps=1)
+        families = _scrape(exporter.url)
+    sumsq = [
+        s.value
+        for s in families["streamwatch_tensor"]
+        if s.labels["kind"] == "param_grad" and s.labels["stat"] == "sumsq"
+    ]
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    assert math.sqrt(sum(sumsq)) == pytest.approx(float(grads.norm()), rel=1e-5)
+
+
+def test_each_local_rank_serves_on_its_own_port_with_torchrun_identity(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("STREAMWATCH_RUN", "from-env")
+    with socket.socket() as probe:  # two free consecutive ports are likely above a free one; retry a few
+        probe.bind(("127.0.0.1", 0))
+        base = probe.getsockname()[1]
+    model, opt = _model()
+    with sw.observe(model, opt) as watch:
+        try:
+            exporter = watch.expose(port=base)
+        except OSError as err:  # base + 1 was taken by chance
+            pytest.skip(f"port {base + 1} busy: {err}")
+        assert exporter.port == base + 1
+        _train(watch, model, opt, steps=1)
+        families = _scrape(exporter.url)
+    labels = families["streamwatch_loss"][0].labels
+    assert (labels["rank"], labels["local_rank"], labels["world_size"], labels["run"]) == (
+        "5",
+        "1",
+        "8",
+        "from-env",
+    )
+
+
+def test_a_taken_port_is_a_clear_error_naming_the_port_and_the_fix() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        model, _ = _model()
+        with sw.observe(model) as watch:
+            with pytest.raises(
+                OSError, match=rf"port {port} on 127.0.0.1 is already in use.*expose\(port="
+            ) as info:
+                watch.expose(port=port)
+            assert info.value.errno == errno.EADDRINUSE
+            exporter = watch.expose(port=0)  # the failed one left nothing registered behind
+            assert exporter.port != port
+    with sw.observe(_model()[0]) as watch, pytest.raises(ValueError, match="`port` to be an int"):
+        watch.expose(port=70000)
+
+
+def test_a_caller_supplied_registry_and_no_values_before_the_first_step() -> None:
+    registry = CollectorRegistry()
+    model, opt = _model()
+    with sw.observe(model, opt) as watch:
+        watch.expose(port=0, registry=registry)
+        before = generate_latest(registry).decode()
+        assert "streamwatch_tensor{" not in before  # absent before the first step, never a placeholder
+        assert "streamwatch_steps_total" in before
+        _train(watch, model, opt, steps=1)
+        after = generate_latest(registry).decode()
+    assert "streamwatch_tensor{" in after
+    assert "streamwatch_info{" in after
+    assert "streamwatch_tensor" not in generate_latest(registry).decode()  # close() unregistered it
+
+
+def test_the_series_budget_reduces_to_core_statistics_then_to_aggregates(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model, opt = _model()
+    with sw.observe(model, opt, cadence={"param": 1, "update": 1}) as watch:
+        _train(watch, model, opt, steps=1)
+        snapshot = [s for s in watch.snapshot() if s.name == "streamwatch_tensor"]
+        rows = {tuple(sorted((k, v) for k, v in s.labels.items() if k != "stat")) for s in snapshot}
+        core = sw.sinks.Exporter(
+            watch, serve=False, series_budget=len(rows) * len(sw.sinks._prometheus.CORE_STATS)
+        )
+        tight = sw.sinks.Exporter(watch, serve=False, series_budget=20)
+        with caplog.at_level(logging.WARNING, logger="streamwatch"):
+            core_text = generate_latest(core.registry).decode()
+            tight_text = generate_latest(tight.registry).decode()
+            generate_latest(tight.registry)
+        table, keys = watch._latest.table()
+    core_stats = {
+        s.labels["stat"]
+        for f in text_string_to_metric_families(core_text)
+        if f.name == "streamwatch_tensor"
+        for s in f.samples
+    }
+    assert core_stats <= set(sw.sinks._prometheus.CORE_STATS)
+    assert len(core_stats) >= 6
+    tight_samples = [
+        s
+        for f in text_string_to_metric_families(tight_text)
+        if f.name == "streamwatch_tensor"
+        for s in f.samples
+    ]
+    assert {s.labels["layer"] for s in tight_samples} == {"__all__"}
+    # the aggregate of param_grad: sum of the rows' sums of squares, max of maxima
+    grads = [i for i, k in enumerate(keys) if k.kind == "param_grad"]
+    got = {s.labels["stat"]: s.value for s in tight_samples if s.labels["kind"] == "param_grad"}
+    assert got["sumsq"] == pytest.approx(float(table[grads, 2].sum()), rel=1e-12)
+    assert got["max"] == float(table[grads, 4].max())
+    assert got["l2"] == pytest.approx(math.sqrt(float(table[grads, 2].sum())), rel=1e-12)
+    reduced = [
+        f
+        for f in text_string_to_metric_families(generate_latest(tight.registry).decode())
+        if f.name == "streamwatch_series_reduced"
+    ]
+    assert reduced[0].samples[0].value == 3  # every scrape of the tight exporter reduced
+    warnings = [r for r in caplog.records if "series budget" in r.getMessage()]
+    assert len(warnings) == 2  # once per exporter
+    assert "observe(select=...)" in warnings[0].getMessage()
+
+
+def test_histograms_are_prometheus_histograms_with_the_fixed_buckets() -> None:
+    model, opt = _model()
+    buckets = sw.metrics.Buckets(lo=-4, hi=2, per_decade=2)
+    metric = sw.metrics.Histogram(kinds=("activation",), buckets=buckets)
+    records = sw.sinks.collect()
+    with sw.observe(model, opt, metrics=[metric], sinks=[records]) as watch:
+        exporter = watch.expose(port=0)
+        _train(watch, model, opt, steps=1)
+        families = _scrape(exporter.url)
+    counts = records.items[-1].extras[(SeriesKey("train", "1", "activation", ""), "histogram")]
+    series = [s for s in families["streamwatch_tensor_values"] if s.labels["layer"] == "1"]
+    bucket_samples = [s for s in series if s.name == "streamwatch_tensor_values_bucket"]
+    upper = buckets.upper_bounds()
+    assert [float(s.labels["le"]) for s in bucket_samples] == upper  # ascending, ending at +Inf
+    cumulative = np.cumsum(counts[1:])  # the non-finite bucket is not a value
+    assert [s.value for s in bucket_samples] == cumulative.tolist()
+    assert bucket_samples[-1].value == 16 * 8 - counts[0]  # +Inf: every finite value

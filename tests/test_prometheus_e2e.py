@@ -1,0 +1,85 @@
+"""End to end against a real Prometheus server (Debian's ``prometheus``, started by the test on
+127.0.0.1 with its own config and data dir, 1 s scrapes): a real training run exposes /metrics, Prometheus
+scrapes it, and what PromQL returns equals ``watch.snapshot()`` — including the global gradient norm
+computed in PromQL from the exported sums of squares.
+
+Skipped when the ``prometheus`` binary is missing, except under ``STREAMWATCH_REQUIRE_PROMETHEUS=1``
+(``.ci/run`` sets it), where a missing server fails the run.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import streamwatch as sw
+from tests.promserver import PrometheusServer, require_prometheus
+
+
+def test_a_real_prometheus_scrapes_a_real_training_run(tmp_path: Path) -> None:
+    require_prometheus()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    with sw.observe(model, opt) as watch:
+        exporter = watch.expose(port=0, run="e2e")
+        target = f"127.0.0.1:{exporter.port}"
+        with PrometheusServer(tmp_path, [target]) as prom:
+            for _ in range(20):
+                x, y = torch.randn(32, 10, generator=g), torch.randint(0, 4, (32,), generator=g)
+                out = model(x)
+                loss = F.cross_entropy(out, y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                watch.step(loss=loss, outputs=out, targets=y, batch_size=32)
+            assert watch.flush()
+            last = watch.statistics().steps - 1
+            prom.wait_for('up{job="streamwatch"}', lambda r: bool(r) and r[0]["value"][1] == "1")
+            prom.wait_for(f'streamwatch_step{{run="e2e"}} == {last}', bool)
+            # one more scrape after the last step was served, so every series holds its final value
+            prom.wait_for('timestamp(streamwatch_step{run="e2e"}) > time() - 1', bool)
+            snapshot = {  # (Prometheus drops empty labels: param="" on activations, index="" on params)
+                (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if v))): s.value
+                for s in watch.snapshot()
+                if s.name in ("streamwatch_tensor", "streamwatch_loss", "streamwatch_accuracy")
+            }
+            served: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+            for name in ("streamwatch_tensor", "streamwatch_loss", "streamwatch_accuracy"):
+                for series in prom.query(f'{name}{{run="e2e"}}'):
+                    labels = {
+                        k: v
+                        for k, v in series["metric"].items()
+                        if k
+                        not in (
+                            "__name__",
+                            "job",
+                            "instance",
+                            "run",
+                            "rank",
+                            "local_rank",
+                            "world_size",
+                            "host",
+                        )
+                    }
+                    served[(name, tuple(sorted(labels.items())))] = float(series["value"][1])
+            assert served.keys() == snapshot.keys()
+            for key, value in snapshot.items():
+                assert served[key] == value, key  # the text format carries floats exactly
+            norm = prom.query(
+                'sqrt(sum by (run) (streamwatch_tensor{run="e2e", kind="param_grad", stat="sumsq"}))'
+            )
+            grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            assert float(norm[0]["value"][1]) == pytest.approx(float(grads.norm()), rel=1e-5)
+            identity = prom.query('streamwatch_info{run="e2e"}')
+            assert identity[0]["metric"]["rank"] == "0"
+            assert identity[0]["metric"]["world_size"] == "1"
+            assert not math.isnan(
+                float(prom.query('streamwatch_overhead_seconds_total{run="e2e"}')[0]["value"][1])
+            )
