@@ -143,9 +143,11 @@ class _Latest(Sink):
             for sample in samples:
                 self.derived[(sample.name, tuple(sorted(sample.labels.items())))] = sample
 
-    def samples(self) -> list[Sample]:
+    def samples(self, table_rows: bool = True) -> list[Sample]:
+        """Every latest value as a Sample; without ``table_rows``, all but the per-tensor statistics of
+        the summary table (the exporter formats those itself)."""
         with self.lock:
-            keys = list(self.rows)
+            keys = list(self.rows) if table_rows else []
             table = np.array([self.rows[k] for k in keys]) if keys else np.empty((0, len(COLUMNS)))
             scalars = dict(self.scalars)
             extras = dict(self.extras)
@@ -179,6 +181,8 @@ class _Latest(Sink):
 
 
 def _scalar_sample(name: str, value: float) -> Sample:
+    if name.startswith("part/"):
+        return Sample("streamwatch_step_phase_seconds", {"part": name[5:]}, value)
     if name.startswith("eval/"):
         return Sample(f"streamwatch_{name[5:]}", {"phase": "eval"}, value)
     if name.startswith("lr/"):
@@ -335,9 +339,11 @@ class Watch:
             self._step_boundary(now, loss, outputs, targets, batch_size)
         finally:
             state = self._state
-            self._overhead = state.busy + (time.perf_counter() - now)
+            end = time.perf_counter()
+            self._overhead = state.busy + (end - now)
             self._overhead_total += self._overhead
             state.busy = 0.0
+            state.times.reset(state.times.clock())  # the next step's data wait starts after our own work
 
     def _step_boundary(
         self,
@@ -370,6 +376,9 @@ class Watch:
         device: dict[str, torch.Tensor],
     ) -> None:
         host: dict[str, float] = {"step_seconds": seconds}
+        times = self._state.times
+        for part, value in times.parts(times.clock()).items():
+            host[f"part/{part}"] = value
         if batch_size is not None:
             host["batch_size"] = float(batch_size)
             if seconds > 0:

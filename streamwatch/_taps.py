@@ -148,6 +148,52 @@ def resolve_select(select: object) -> Select:
 
 
 @dataclass(slots=True)
+class StepTimes:
+    """Host wall-clock boundaries of the current training step (``perf_counter`` seconds; 0: not seen).
+
+    Set by the root module's forward hooks and the optimizer's step hooks, read at ``watch.step()``:
+    reading the clock never waits for the device. On CUDA the host runs ahead of the device, so a part
+    is when the host got through it — a rank that waits (the gradient all-reduce, a data loader) shows it.
+
+    Example:
+        >>> t = StepTimes(step_end=1.0, forward_start=1.5, forward_end=2.0)
+        >>> t.optimizer_start, t.optimizer_end = 3.0, 3.25
+        >>> t.parts(now=3.5)
+        {'data_wait': 0.5, 'forward': 0.5, 'backward': 1.0, 'optimizer': 0.25}
+    """
+
+    step_end: float = 0.0
+    forward_start: float = 0.0
+    forward_end: float = 0.0
+    optimizer_start: float = 0.0
+    optimizer_end: float = 0.0
+
+    def parts(self, now: float) -> dict[str, float]:
+        """Seconds in each part of the step seen so far: data wait (previous step's end → first training
+        forward), forward, backward (forward end → optimizer step, or → now without one), optimizer."""
+        out: dict[str, float] = {}
+        if self.step_end and self.forward_start:
+            out["data_wait"] = self.forward_start - self.step_end
+        if self.forward_start and self.forward_end:
+            out["forward"] = self.forward_end - self.forward_start
+        if self.forward_end:
+            out["backward"] = (self.optimizer_start or now) - self.forward_end
+        if self.optimizer_start and self.optimizer_end:
+            out["optimizer"] = self.optimizer_end - self.optimizer_start
+        return out
+
+    @staticmethod
+    def clock() -> float:
+        """The clock every boundary is read from (``time.perf_counter``; tests may fake it)."""
+        return perf_counter()
+
+    def reset(self, now: float) -> None:
+        """A step ended at ``now``."""
+        self.step_end = now
+        self.forward_start = self.forward_end = self.optimizer_start = self.optimizer_end = 0.0
+
+
+@dataclass(slots=True)
 class TapState:
     """What hooks read on every call; written by the Watch at each step boundary (one thread)."""
 
@@ -164,6 +210,7 @@ class TapState:
     hook_errors: int = 0
     paused: bool = False  # an opt-in metric runs the model itself (probe batch, Hessian): no taps
     busy: float = 0.0  # seconds spent inside streamwatch's hooks since the last step boundary
+    times: StepTimes = field(default_factory=StepTimes)
     # this step's opt-in metrics: tensor metrics by the kind they read, and parameter-level ones
     kind_metrics: dict[str, list[Callable[[StepBuffer, SeriesKey, torch.Tensor], None]]] = field(
         default_factory=dict
@@ -296,6 +343,9 @@ class TapSet:
             if taps & {"input", "input_grad"}:
                 hook = self._forward_pre_hook(name)
                 self.handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+        # the step's parts (data wait, forward, backward, optimizer): the root module's forward bounds
+        self.handles.append(model.register_forward_pre_hook(self._root_forward_start))
+        self.handles.append(model.register_forward_hook(self._root_forward_end))
         if "param_grad" in taps:
             for layer, pname, param in params:
                 if param.requires_grad:
@@ -394,7 +444,20 @@ class TapSet:
         for layer, pname, param in self.params:
             summarize_into(self.state, SeriesKey("train", layer, "param", pname), param, None, replace=True)
 
+    def _root_forward_start(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling() or not (module.training and torch.is_grad_enabled()):
+            return  # (no wall clock inside a compiled graph; evaluation passes are not the step's forward)
+        times = self.state.times
+        if not times.forward_start:
+            times.forward_start = times.clock()
+
+    def _root_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling() or not (module.training and torch.is_grad_enabled()):
+            return
+        self.state.times.forward_end = self.state.times.clock()
+
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.state.times.optimizer_start = self.state.times.clock()
         for metric in self.state.step_metrics:
             self.state.call(metric.before_optimizer_step, self.state.buffer)
         if self.state.on.get("update") and self.params:
@@ -404,6 +467,7 @@ class TapSet:
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         state = self.state
+        state.times.optimizer_end = state.times.clock()
         for metric in state.step_metrics:
             state.call(metric.after_optimizer_step, state.buffer)
         if state.on.get("param"):

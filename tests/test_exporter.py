@@ -244,3 +244,68 @@ def test_histograms_are_prometheus_histograms_with_the_fixed_buckets() -> None:
     cumulative = np.cumsum(counts[1:])  # the non-finite bucket is not a value
     assert [s.value for s in bucket_samples] == cumulative.tolist()
     assert bucket_samples[-1].value == 16 * 8 - counts[0]  # +Inf: every finite value
+
+
+def test_step_phase_times_are_read_at_the_step_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake clock (advanced by the model, the test and a user optimizer hook) gives exact parts:
+    data wait, forward, backward and optimizer, served as streamwatch_step_phase_seconds{part}."""
+    from streamwatch import _taps
+
+    clock = [100.0]
+    monkeypatch.setattr(_taps, "perf_counter", lambda: clock[0])
+
+    class Tick(nn.Module):
+        def __init__(self, seconds: float) -> None:
+            super().__init__()
+            self.seconds = seconds
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            clock[0] += self.seconds
+            return x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Tick(0.25), nn.Linear(4, 2), Tick(0.25))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sw.observe(model, opt) as watch:
+        opt.register_step_pre_hook(lambda *_: clock.__setitem__(0, clock[0] + 0.0625))  # after ours
+        for _ in range(2):
+            clock[0] += 0.125  # waiting for data
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            loss.backward()
+            clock[0] += 0.375  # the rest of backward
+            opt.step()
+            opt.zero_grad()
+            watch.step(loss=loss)
+        exporter = watch.expose(port=0)
+        assert watch.flush()
+        families = _scrape(exporter.url)
+    parts = {s.labels["part"]: s.value for s in families["streamwatch_step_phase_seconds"]}
+    assert parts == {"data_wait": 0.125, "forward": 0.5, "backward": 0.375, "optimizer": 0.0625}
+    assert all(s.labels["rank"] == "0" for s in families["streamwatch_step_phase_seconds"])
+
+
+def test_the_fast_formatter_serves_exactly_what_prometheus_client_would() -> None:
+    """expose() formats the per-tensor statistics itself (cached label strings); a caller-supplied
+    registry goes through prometheus_client's generate_latest. Both must carry the same samples."""
+    model, opt = _model()
+    metrics = [*sw.DEFAULT_METRICS, sw.metrics.GradientCosine(), sw.metrics.Histogram(kinds=("param_grad",))]
+    registry = CollectorRegistry()
+    with sw.observe(model, opt, metrics=metrics, cadence={"param": 1, "update": 1}) as watch:
+        fast = watch.expose(port=0)
+        watch.expose(port=0, registry=registry)
+        _train(watch, model, opt)
+        fast_body = urllib.request.urlopen(fast.url, timeout=10).read().decode()
+        reference_body = generate_latest(registry).decode()
+
+    def samples(body: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        out = {}
+        for family in text_string_to_metric_families(body):
+            for s in family.samples:
+                if not s.name.startswith(("streamwatch_overhead", "streamwatch_worker_lag")):  # time-varying
+                    out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    fast_samples, reference_samples = samples(fast_body), samples(reference_body)
+    assert fast_samples == reference_samples
+    assert sum(1 for name, _ in fast_samples if name == "streamwatch_tensor") > 100
+    assert fast_body.count("# TYPE streamwatch_tensor gauge") == 1  # one contiguous family

@@ -1,0 +1,130 @@
+"""A real 2-rank ``torchrun`` DDP run on gloo, each rank on its own port, scraped by a real Prometheus.
+
+Checks: both ranks up with their identity (``rank``, ``local_rank``, ``world_size``); every value
+Prometheus holds for a rank equals that rank's final ``watch.snapshot()``; the weights (identical
+across DDP ranks after every step) export identical sums of squares from both ranks; per-rank step
+phase times are there; and streamwatch never issued a collective of its own (the run would deadlock or
+diverge otherwise — the ranks only all-reduce inside DDP).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.promserver import PrometheusServer, free_port, require_prometheus
+
+SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
+IDENTITY = ("run", "rank", "local_rank", "world_size", "host", "job", "instance", "__name__")
+
+
+def _two_free_ports() -> int:
+    for _ in range(50):
+        base = free_port()
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", base))
+                b.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _torchrun(out: Path, base: int, *extra: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "--master_addr=127.0.0.1",
+        str(SCRIPT),
+        "--port",
+        str(base),
+        "--out",
+        str(out),
+        *extra,
+    ]
+    log = (out / "torchrun.log").open("wb")
+    try:
+        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    finally:
+        log.close()
+
+
+def _finish(proc: subprocess.Popen[bytes], out: Path) -> None:
+    (out / "done").touch()
+    try:
+        rc = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    log = (out / "torchrun.log").read_text(errors="replace")
+    assert rc == 0, log[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_on_their_own_ports_scraped_by_prometheus(tmp_path: Path) -> None:
+    require_prometheus()
+    base = _two_free_ports()
+    out = tmp_path / "run"
+    out.mkdir()
+    proc = _torchrun(out, base)
+    try:
+        targets = [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]
+        with PrometheusServer(tmp_path / "prom", targets) as prom:
+            prom.wait_for('count(up{job="streamwatch"} == 1) == 2', bool, timeout=90)
+            snapshots = {}
+            for rank in (0, 1):
+                path = out / f"snapshot-{rank}.json"
+                prom.wait_for(f'streamwatch_step{{rank="{rank}"}} == 29', bool, timeout=90)
+                assert path.exists(), (out / "torchrun.log").read_text(errors="replace")[-3000:]
+                snapshots[rank] = json.loads(path.read_text())
+            info = prom.query('streamwatch_info{run="ddp"}')
+            assert sorted((s["metric"]["rank"], s["metric"]["local_rank"]) for s in info) == [
+                ("0", "0"),
+                ("1", "1"),
+            ]
+            assert {s["metric"]["world_size"] for s in info} == {"2"}
+            assert {s["metric"]["instance"] for s in info} == set(targets)  # rank r on base + local_rank
+            for rank, snapshot in snapshots.items():
+                assert snapshot["port"] == base + rank
+                _assert_served_equals_snapshot(prom, rank, snapshot["samples"])
+            weights = prom.query('streamwatch_tensor{run="ddp", kind="param", stat="sumsq"}')
+            by_rank: dict[str, dict[tuple[str, str], str]] = {}
+            for series in weights:
+                m = series["metric"]
+                by_rank.setdefault(m["rank"], {})[(m["layer"], m["param"])] = series["value"][1]
+            assert by_rank["0"] == by_rank["1"]  # DDP keeps the replicas identical
+            parts = prom.query('streamwatch_step_phase_seconds{run="ddp"}')
+            assert {(s["metric"]["rank"], s["metric"]["part"]) for s in parts} == {
+                (r, p) for r in ("0", "1") for p in ("data_wait", "forward", "backward", "optimizer")
+            }
+    finally:
+        _finish(proc, out)
+
+
+def _assert_served_equals_snapshot(prom: PrometheusServer, rank: int, samples: list[dict[str, Any]]) -> None:
+    want = {
+        (s["name"], tuple(sorted((k, v) for k, v in s["labels"].items() if v))): s["value"]
+        for s in samples
+        if s["name"] in ("streamwatch_tensor", "streamwatch_loss", "streamwatch_accuracy")
+    }
+    got = {}
+    for name in ("streamwatch_tensor", "streamwatch_loss", "streamwatch_accuracy"):
+        for series in prom.query(f'{name}{{run="ddp", rank="{rank}"}}'):
+            labels = tuple(sorted((k, v) for k, v in series["metric"].items() if k not in IDENTITY))
+            got[(name, labels)] = float(series["value"][1])
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key] == value, (rank, key)
