@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: env test lint format bench clean
+.PHONY: env test lint format bench dashboards clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ lint: env
 format: env
 	$(PY) -m ruff check --fix streamwatch tests benchmarks
 	$(PY) -m ruff format streamwatch tests benchmarks
+
+# Regenerate the Grafana dashboards (dashboards/*.json) from dashboards/generate.py; commit the result.
+dashboards: env
+	$(PY) dashboards/generate.py
 
 bench: env
 	$(PY) -m pytest benchmarks -o python_files='bench_*.py' -p no:cacheprovider --benchmark-only \

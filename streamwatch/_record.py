@@ -83,7 +83,9 @@ class StepRecord:
             units, dead. Read-only.
         scalars: step-level values: ``loss``, ``lr/<group>``, ``batch_size``, ``step_seconds``,
             ``samples_per_second``, ``correct``, ``total``, ``accuracy`` — whichever were given — and
-            those of opt-in metrics (``eval/accuracy``, ``eval/loss``, ``hessian_max_eig``).
+            those of opt-in metrics (``eval/accuracy``, ``eval/loss``, ``hessian_max_eig``), and the
+            host wall time of the step's parts (``part/data_wait``, ``part/forward``, ``part/backward``,
+            ``part/optimizer``).
         extras: values of opt-in tensor metrics, by ``(key, stat)``: a float64 vector (length 1 for a
             scalar such as ``spectral_norm`` or ``cosine``; the bucket counts for ``histogram``).
 

@@ -935,6 +935,10 @@ def test_snapshot_equals_the_last_record_and_never_holds_nan() -> None:
         ("streamwatch_step_seconds", ()): last.scalars["step_seconds"],
         ("streamwatch_samples_per_second", ()): last.scalars["samples_per_second"],
         ("streamwatch_step", ()): 2.0,
+        **{
+            ("streamwatch_step_phase_seconds", (("part", part),)): last.scalars[f"part/{part}"]
+            for part in ("data_wait", "forward", "backward", "optimizer")
+        },
     }
 
 

@@ -128,3 +128,41 @@ def _assert_served_equals_snapshot(prom: PrometheusServer, rank: int, samples: l
     assert got.keys() == want.keys()
     for key, value in want.items():
         assert got[key] == value, (rank, key)
+
+
+@pytest.mark.timeout(180)
+def test_injected_faults_on_one_rank_fire_the_non_finite_and_straggler_alerts(tmp_path: Path) -> None:
+    """NaN in rank 0's loss from the middle of the run on, and a 50 ms sleep before every forward of rank
+    1: the shipped alert rules (only their ``for:`` shortened) fire for exactly those ranks."""
+    from tests.test_rules import RULES, rules_with_short_for
+
+    require_prometheus()
+    rules = RULES.read_text()
+    for alert in ("StreamwatchNonFiniteValues", "StreamwatchStragglerRank"):
+        rules = rules_with_short_for(rules, alert, "1s")
+    rule_file = tmp_path / "rules.yml"
+    rule_file.write_text(rules)
+    base = _two_free_ports()
+    out = tmp_path / "run"
+    out.mkdir()
+    proc = _torchrun(out, base, "--nan-rank", "0", "--slow-rank", "1", "--steps", "20")
+    try:
+        targets = [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]
+        with PrometheusServer(tmp_path / "prom", targets, rule_files=[rule_file]) as prom:
+            prom.wait_for('count(streamwatch_step{run="ddp"} == 19) == 2', bool, timeout=90)
+
+            def firing(alertname: str) -> set[str]:
+                return {
+                    a["labels"]["rank"]
+                    for a in prom.alerts()
+                    if a["labels"].get("alertname") == alertname and a["state"] == "firing"
+                }
+
+            for alertname, rank in (("StreamwatchNonFiniteValues", "0"), ("StreamwatchStragglerRank", "1")):
+                prom.wait_for(
+                    f'ALERTS{{alertname="{alertname}", alertstate="firing", rank="{rank}"}}', bool, timeout=60
+                )
+            assert firing("StreamwatchStragglerRank") == {"1"}  # only the slow rank
+            assert "0" in firing("StreamwatchNonFiniteValues")
+    finally:
+        _finish(proc, out)

@@ -1,0 +1,824 @@
+"""Generate streamwatch's Grafana dashboards with grafana-foundation-sdk (pinned to 0.0.21).
+
+``python dashboards/generate.py`` writes one JSON file per dashboard next to this script;
+``python dashboards/generate.py --check`` writes nothing and exits 1, naming every file whose committed
+content differs from what this script generates (a drift check for CI and for ``tests/test_dashboards.py``).
+
+Conventions every panel follows (``tests/test_dashboards.py`` lints them):
+
+* a unit on every panel, ``{{rank}}`` in every legend unless the query aggregates across ranks on purpose;
+* every query selects ``job=~"$job"`` and ``run=~"$run"`` (and ``rank=~"$rank"`` where it is per rank);
+* every ``rate``/``increase`` window is ``$__rate_interval``;
+* the variables chain ``job`` → ``run`` → ``rank`` → ``layer``, all fed from ``streamwatch_info`` except
+  ``layer`` (from ``streamwatch_tensor``);
+* fixed UIDs, so links and provisioning survive regeneration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+with warnings.catch_warnings():
+    # The SDK warns on import that the v1 dashboard model is superseded by dashboardv2; v1 is what Grafana
+    # file provisioning, the JSON schema and every Grafana 10/11 import expect, so it is the one we use.
+    warnings.filterwarnings("ignore", "Prefer using dashboardv2", DeprecationWarning)
+    from grafana_foundation_sdk.builders import common as common_builder
+    from grafana_foundation_sdk.builders import dashboard as dash
+    from grafana_foundation_sdk.builders import heatmap, prometheus, stat, timeseries
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models import common
+    from grafana_foundation_sdk.models import dashboard as dash_model
+    from grafana_foundation_sdk.models import heatmap as heatmap_model
+    from grafana_foundation_sdk.models.prometheus import PromQueryFormat
+
+HERE = Path(__file__).resolve().parent
+TAG = "streamwatch"
+DATASOURCE = common.DataSourceRef(type_val="prometheus", uid="${datasource}")
+
+# label selectors: per run (every rank) and per rank
+RUN = 'job=~"$job",run=~"$run"'
+RANK = f'{RUN},rank=~"$rank"'
+RATE = "$__rate_interval"
+BY_RANK = "job, run, rank"
+GRAD_SUMSQ = f'streamwatch_tensor{{{RANK},kind="param_grad",stat="sumsq"}}'
+
+
+def _rate(counter: str) -> str:
+    """``rate(counter{<rank selector>}[$__rate_interval])``."""
+    return f"rate({counter}{{{RANK}}}[{RATE}])"
+
+
+@dataclass(frozen=True)
+class Q:
+    """One query of a panel: PromQL and its legend."""
+
+    expr: str
+    legend: str
+    fmt: PromQueryFormat = PromQueryFormat.TIME_SERIES
+
+
+def _targets(queries: Sequence[Q]) -> list[prometheus.Dataquery]:
+    """Prometheus targets with refIds A, B, C, ..."""
+    out = []
+    for i, q in enumerate(queries):
+        target = (
+            prometheus.Dataquery()
+            .ref_id(chr(ord("A") + i))
+            .expr(q.expr)
+            .legend_format(q.legend)
+            .range()
+            .format(q.fmt)
+            .datasource(DATASOURCE)
+        )
+        out.append(target)
+    return out
+
+
+def ts(
+    title: str,
+    unit: str,
+    queries: Sequence[Q],
+    *,
+    w: int = 12,
+    h: int = 8,
+    description: str = "",
+    stack: bool = False,
+    log: bool = False,
+) -> timeseries.Panel:
+    """A time-series panel."""
+    panel = (
+        timeseries.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .unit(unit)
+        .grid_pos(dash_model.GridPos(h=h, w=w))
+        .targets(_targets(queries))
+        .line_width(1)
+        .fill_opacity(10)
+        .legend(
+            common_builder.VizLegendOptions()
+            .display_mode(common.LegendDisplayMode.LIST)
+            .placement(common.LegendPlacement.BOTTOM)
+            .show_legend(True)
+        )
+        .tooltip(
+            common_builder.VizTooltipOptions()
+            .mode(common.TooltipDisplayMode.MULTI)
+            .sort(common.SortOrder.DESCENDING)
+        )
+    )
+    if stack:
+        panel = panel.stacking(common_builder.StackingConfig().mode(common.StackingMode.NORMAL)).fill_opacity(
+            60
+        )
+    if log:
+        panel = panel.scale_distribution(
+            common_builder.ScaleDistributionConfig().type(common.ScaleDistribution.LOG).log(10)
+        )
+    return panel
+
+
+def single(
+    title: str, unit: str, queries: Sequence[Q], *, w: int = 4, h: int = 4, description: str = ""
+) -> stat.Panel:
+    """A stat panel showing the last value of each series."""
+    return (
+        stat.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .unit(unit)
+        .grid_pos(dash_model.GridPos(h=h, w=w))
+        .targets(_targets(queries))
+        .reduce_options(common_builder.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+        .graph_mode(common.BigValueGraphMode.AREA)
+        .color_mode(common.BigValueColorMode.VALUE)
+    )
+
+
+def heat(
+    title: str, unit: str, queries: Sequence[Q], *, w: int = 12, h: int = 9, description: str = ""
+) -> heatmap.Panel:
+    """A heatmap of pre-bucketed series (one row per series or per ``le`` bucket), nothing calculated."""
+    return (
+        heatmap.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .unit(unit)
+        .grid_pos(dash_model.GridPos(h=h, w=w))
+        .targets(_targets(queries))
+        .calculate(False)
+        .color(
+            heatmap.HeatmapColorOptions()
+            .mode(heatmap_model.HeatmapColorMode.SCHEME)
+            .scheme("Spectral")
+            .scale(heatmap_model.HeatmapColorScale.EXPONENTIAL)
+            .exponent(0.5)
+            .steps(64)
+            .reverse(False)
+        )
+        .y_axis(heatmap.YAxisConfig().unit(unit).axis_placement(common.AxisPlacement.LEFT))
+        .rows_frame(heatmap.RowsHeatmapOptions().layout(common.HeatmapCellLayout.AUTO))
+        .cell_gap(1)
+        .show_value(common.VisibilityMode.AUTO)
+        .tooltip(heatmap.HeatmapTooltip().mode(common.TooltipDisplayMode.SINGLE).y_histogram(False))
+        .show_legend()
+    )
+
+
+def _variables() -> list[Any]:
+    """Datasource, then job → run → rank → layer, each fed from the previous ones."""
+    ds_ref = DATASOURCE
+
+    def query_var(name: str, label: str, query: str, *, include_all: bool = True) -> dash.QueryVariable:
+        return (
+            dash.QueryVariable(name)
+            .label(label)
+            .datasource(ds_ref)
+            .query(query)
+            .definition(query)
+            .refresh(dash_model.VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .sort(dash_model.VariableSort.NATURAL_ASC)
+            .multi(True)
+            .include_all(include_all)
+        )
+
+    return [
+        dash.DatasourceVariable("datasource").label("Prometheus").type("prometheus"),
+        query_var("job", "job", "label_values(streamwatch_info, job)"),
+        query_var("run", "run", 'label_values(streamwatch_info{job=~"$job"}, run)'),
+        query_var("rank", "rank", 'label_values(streamwatch_info{job=~"$job",run=~"$run"}, rank)'),
+        query_var("layer", "layer", 'label_values(streamwatch_tensor{job=~"$job",run=~"$run"}, layer)'),
+    ]
+
+
+def _base(uid: str, title: str, description: str) -> dash.Dashboard:
+    """A dashboard with the shared settings, variables and links to its siblings."""
+    return (
+        dash.Dashboard(title)
+        .uid(uid)
+        .description(description)
+        .tags([TAG])
+        .editable()
+        .refresh("10s")
+        .time("now-30m", "now")
+        .timezone("browser")
+        .tooltip(dash_model.DashboardCursorSync.CROSSHAIR)
+        .variables(_variables())
+        .link(
+            dash.DashboardLink("streamwatch")
+            .type(dash_model.DashboardLinkType.DASHBOARDS)
+            .tags([TAG])
+            .as_dropdown(True)
+            .include_vars(True)
+            .keep_time(True)
+        )
+    )
+
+
+# -- the dashboards ---------------------------------------------------------------------------------------
+
+
+def overview() -> dash.Dashboard:
+    """Training overview: loss, accuracy, throughput, step time, global grad norm, non-finite, drops."""
+    grad_norm = f'sqrt(sum by (job, run) (streamwatch_tensor{{{RUN},kind="param_grad",stat="sumsq"}}))'
+    nonfinite = f'sum by ({BY_RANK}) (streamwatch_tensor{{{RANK},stat="nonfinite"}} > bool 0)'
+    return (
+        _base(
+            "streamwatch-overview",
+            "streamwatch / Training overview",
+            "Loss, accuracy, throughput, step time and gradient health of a training run, per rank.",
+        )
+        .with_row(dash.Row("Now"))
+        .with_panel(single("Step", "none", [Q(f"streamwatch_step{{{RANK}}}", "rank {{rank}}")]))
+        .with_panel(
+            single("Loss (train)", "none", [Q(f'streamwatch_loss{{{RANK},phase="train"}}', "rank {{rank}}")])
+        )
+        .with_panel(
+            single(
+                "Accuracy (train)",
+                "percentunit",
+                [Q(f'streamwatch_accuracy{{{RANK},phase="train"}}', "rank {{rank}}")],
+            )
+        )
+        .with_panel(
+            single(
+                "Throughput",
+                "suffix: samples/s",
+                [Q(f"streamwatch_samples_per_second{{{RANK}}}", "rank {{rank}}")],
+            )
+        )
+        .with_panel(
+            single(
+                "Global grad norm",
+                "none",
+                [Q(grad_norm, "{{run}}")],
+                description="√Σ sumsq of every parameter gradient over all layers and ranks (exact).",
+            )
+        )
+        .with_panel(
+            single(
+                "Tensors with non-finite values",
+                "none",
+                [Q(nonfinite, "rank {{rank}}")],
+                description="Tapped tensors whose last summary counted NaN or Inf values (0 when healthy).",
+            )
+        )
+        .with_row(dash.Row("Training"))
+        .with_panel(
+            ts(
+                "Loss",
+                "none",
+                [Q(f"streamwatch_loss{{{RANK}}}", "{{phase}} rank {{rank}}")],
+                description="train from watch.step(), eval from metrics.TestAccuracy",
+            )
+        )
+        .with_panel(
+            ts("Accuracy", "percentunit", [Q(f"streamwatch_accuracy{{{RANK}}}", "{{phase}} rank {{rank}}")])
+        )
+        .with_panel(
+            ts(
+                "Throughput",
+                "suffix: samples/s",
+                [Q(f"streamwatch_samples_per_second{{{RANK}}}", "rank {{rank}}")],
+                w=8,
+            )
+        )
+        .with_panel(
+            ts(
+                "Step time",
+                "s",
+                [Q(f"streamwatch_step_seconds{{{RANK}}}", "rank {{rank}}")],
+                w=8,
+                description="Wall time of the last step",
+            )
+        )
+        .with_panel(
+            ts(
+                "Steps per second",
+                "suffix: steps/s",
+                [Q(f"rate(streamwatch_steps_total{{{RANK}}}[{RATE}])", "rank {{rank}}")],
+                w=8,
+            )
+        )
+        .with_row(dash.Row("Gradients and health"))
+        .with_panel(
+            ts(
+                "Global gradient norm",
+                "none",
+                [Q(grad_norm, "{{run}}")],
+                w=8,
+                log=True,
+                description="sqrt(Σ sumsq) over every param_grad of every layer and rank: exact, not a mean.",
+            )
+        )
+        .with_panel(
+            ts(
+                "Learning rate",
+                "none",
+                [Q(f"streamwatch_learning_rate{{{RANK}}}", "group {{group}} rank {{rank}}")],
+                w=8,
+            )
+        )
+        .with_panel(
+            ts(
+                "Non-finite events",
+                "none",
+                [Q(nonfinite, "rank {{rank}}")],
+                w=8,
+                description="Number of tapped tensors with NaN/Inf in their last summary (0 when healthy).",
+            )
+        )
+        .with_panel(
+            ts(
+                "Records dropped",
+                "suffix: records/s",
+                [
+                    Q(
+                        f"sum by ({BY_RANK}) (rate(streamwatch_records_dropped_total{{{RANK}}}[{RATE}]))",
+                        "rank {{rank}}",
+                    )
+                ],
+                w=24,
+                h=6,
+                description="Step records lost to backpressure (0 when healthy); see the health dashboard.",
+            )
+        )
+    )
+
+
+def _kind_panel(
+    title: str, unit: str, kind: str, stats: Sequence[str], legend: str, **kw: Any
+) -> timeseries.Panel:
+    """A per-layer panel with one query per statistic of one kind of tensor."""
+    queries = [
+        Q(
+            f'streamwatch_tensor{{{RANK},layer=~"$layer",kind="{kind}",stat="{s}"}}',
+            f"{s} {legend} rank {{{{rank}}}}",
+        )
+        for s in stats
+    ]
+    return ts(title, unit, queries, **kw)
+
+
+def layers() -> dash.Dashboard:
+    """Per-layer activations, gradients, weights and updates; a row per selected layer."""
+    grad_by_layer = (
+        f"sqrt(sum by ({BY_RANK}, layer) "
+        f'(streamwatch_tensor{{{RANK},layer=~"$layer",kind="param_grad",stat="sumsq"}}))'
+    )
+    per_layer = (
+        dash.Row("Layer $layer")
+        .repeat("layer")
+        .with_panel(
+            _kind_panel(
+                "Activations $layer", "none", "activation", ("rms", "std", "absmax"), "{{phase}}", w=8
+            )
+        )
+        .with_panel(
+            _kind_panel(
+                "Output gradients $layer", "none", "output_grad", ("l2", "rms"), "{{phase}}", w=8, log=True
+            )
+        )
+        .with_panel(
+            _kind_panel(
+                "Parameter gradients $layer",
+                "none",
+                "param_grad",
+                ("l2", "absmax"),
+                "{{param}}",
+                w=8,
+                log=True,
+            )
+        )
+        .with_panel(_kind_panel("Weights $layer", "none", "param", ("l2", "rms"), "{{param}}", w=8))
+        .with_panel(_kind_panel("Updates $layer", "none", "update", ("l2",), "{{param}}", w=8, log=True))
+        .with_panel(
+            _kind_panel(
+                "Update/weight ratio $layer",
+                "none",
+                "update",
+                ("update_ratio",),
+                "{{param}}",
+                w=8,
+                log=True,
+                description="‖Δw‖/‖w‖ of the last step; ~1e-3 is the usual healthy range.",
+            )
+        )
+        .with_panel(
+            _kind_panel(
+                "Dead units $layer",
+                "percentunit",
+                "activation",
+                ("dead_fraction", "zero_fraction"),
+                "{{phase}}",
+                w=12,
+                description="Share of units that never activated in the last sampled step's batch.",
+            )
+        )
+        .with_panel(
+            _kind_panel(
+                "Activation rate $layer", "percentunit", "activation", ("activation_rate",), "{{phase}}", w=12
+            )
+        )
+        # Row.with_panel() marks the row collapsed (Grafana's format for nested panels); we want it open and
+        # _flatten_rows() moves its panels after it.
+        .collapsed(False)
+    )
+    return (
+        _base(
+            "streamwatch-layers",
+            "streamwatch / Layers",
+            "Per-layer statistics of activations, gradients, weights and updates; a repeated row per layer.",
+        )
+        .with_row(dash.Row("All layers"))
+        .with_panel(
+            heat(
+                "Gradient norm by layer",
+                "none",
+                [Q(grad_by_layer, "{{layer}} rank {{rank}}")],
+                description="‖∇‖ of each layer's parameters (√Σ sumsq), one row per layer and rank.",
+            )
+        )
+        .with_panel(
+            heat(
+                "Parameter-gradient values (histogram)",
+                "none",
+                [
+                    Q(
+                        'sum by (le) (streamwatch_tensor_values_bucket{job=~"$job",run=~"$run",'
+                        'rank=~"$rank",layer=~"$layer",kind="param_grad"})',
+                        "{{le}}",
+                        PromQueryFormat.HEATMAP,
+                    )
+                ],
+                description="metrics.Histogram buckets of the last sampled step (opt-in: empty without it), "
+                "summed over the selected layers and ranks.",
+            )
+        )
+        .with_panel(
+            ts(
+                "Mean over layers (rms)",
+                "none",
+                [Q(f'streamwatch_layer_mean{{{RANK},stat="rms"}}', "{{kind}} rank {{rank}}")],
+                w=8,
+                log=True,
+            )
+        )
+        .with_panel(
+            ts(
+                "Dead-unit rate by layer",
+                "percentunit",
+                [
+                    Q(
+                        f'streamwatch_tensor{{{RANK},layer=~"$layer",kind="activation",stat="dead_fraction"}}',
+                        "{{layer}} rank {{rank}}",
+                    )
+                ],
+                w=8,
+            )
+        )
+        .with_panel(
+            ts(
+                "Update/weight ratio, worst 5",
+                "none",
+                [
+                    Q(
+                        f'topk(5, streamwatch_tensor{{{RANK},layer=~"$layer",stat="update_ratio"}})',
+                        "{{layer}}.{{param}} rank {{rank}}",
+                    )
+                ],
+                w=8,
+                log=True,
+            )
+        )
+        .with_row(per_layer)
+    )
+
+
+def cluster() -> dash.Dashboard:
+    """Per-rank view of a distributed run: stragglers, ranks up, per-rank phase times and non-finite."""
+    step = f"streamwatch_step_seconds{{{RANK}}}"
+    return (
+        _base(
+            "streamwatch-cluster",
+            "streamwatch / Cluster",
+            "Ranks of a distributed run side by side: stragglers, missing ranks, phase times.",
+        )
+        .with_row(dash.Row("Ranks"))
+        .with_panel(
+            single(
+                "Ranks reporting",
+                "none",
+                [
+                    Q(
+                        f"count by (job, run, world_size) (streamwatch_info{{{RUN}}})",
+                        "{{run}} of {{world_size}}",
+                    )
+                ],
+                w=6,
+                description="Processes exporting streamwatch_info, against the world size they report.",
+            )
+        )
+        .with_panel(
+            single(
+                "Slowest / median step time",
+                "none",
+                [
+                    Q(
+                        f"max by (job, run) ({step}) / quantile by (job, run) (0.5, {step})",
+                        "{{run}}",
+                    )
+                ],
+                w=6,
+                description="1.0 means balanced; above ~1.2 one rank holds the others back.",
+            )
+        )
+        .with_panel(
+            single(
+                "Slowest rank",
+                "s",
+                [Q(f"topk by (job, run) (1, {step})", "rank {{rank}}")],
+                w=6,
+            )
+        )
+        .with_panel(
+            single(
+                "Targets up",
+                "none",
+                [
+                    Q(
+                        f'up{{job=~"$job"}} * on (job, instance) group_left (run, rank) '
+                        f"max by (job, instance, run, rank) (last_over_time(streamwatch_info{{{RANK}}}[1h]))",
+                        "rank {{rank}}",
+                    )
+                ],
+                w=6,
+                description="Prometheus' up of each rank's endpoint (0: down, kept for an hour after the "
+                "rank was last seen).",
+            )
+        )
+        .with_row(dash.Row("Step time"))
+        .with_panel(ts("Step time per rank", "s", [Q(step, "rank {{rank}}")]))
+        .with_panel(
+            ts(
+                "Slowest rank vs median",
+                "none",
+                [Q(f"max by (job, run) ({step}) / quantile by (job, run) (0.5, {step})", "{{run}}")],
+                description="max / median of the ranks' last step time.",
+            )
+        )
+        .with_panel(
+            ts(
+                "Step phases per rank",
+                "s",
+                [Q(f"streamwatch_step_phase_seconds{{{RANK}}}", "rank {{rank}} {{part}}")],
+                w=24,
+                h=9,
+                stack=True,
+                description="Host wall time of data_wait, forward, backward and optimizer in the last "
+                "sampled step.",
+            )
+        )
+        .with_row(dash.Row("Health per rank"))
+        .with_panel(
+            ts(
+                "Non-finite tensors per rank",
+                "none",
+                [
+                    Q(
+                        f'sum by ({BY_RANK}) (streamwatch_tensor{{{RANK},stat="nonfinite"}} > bool 0)',
+                        "rank {{rank}}",
+                    )
+                ],
+                w=8,
+            )
+        )
+        .with_panel(
+            ts(
+                "Gradient norm per rank",
+                "none",
+                [
+                    Q(
+                        f"sqrt(sum by ({BY_RANK}) ({GRAD_SUMSQ}))",
+                        "rank {{rank}}",
+                    )
+                ],
+                w=8,
+                log=True,
+            )
+        )
+        .with_panel(
+            ts(
+                "Loss per rank",
+                "none",
+                [Q(f'streamwatch_loss{{{RANK},phase="train"}}', "rank {{rank}}")],
+                w=8,
+            )
+        )
+    )
+
+
+def health() -> dash.Dashboard:
+    """streamwatch's own health: channel, drops, worker lag, overhead, errors, series."""
+    return (
+        _base(
+            "streamwatch-health",
+            "streamwatch / Health",
+            "Is streamwatch itself keeping up? Queue, drops, worker lag, overhead, errors, series budget.",
+        )
+        .with_row(dash.Row("Channel and worker"))
+        .with_panel(
+            ts(
+                "Queue length",
+                "suffix: records",
+                [
+                    Q(f"streamwatch_queue_length{{{RANK}}}", "length rank {{rank}}"),
+                    Q(f"streamwatch_queue_high_water{{{RANK}}}", "high water rank {{rank}}"),
+                ],
+                w=8,
+            )
+        )
+        .with_panel(
+            ts(
+                "Records dropped by reason",
+                "suffix: records/s",
+                [
+                    Q(
+                        f"sum by ({BY_RANK}, reason) ({_rate('streamwatch_records_dropped_total')})",
+                        "{{reason}} rank {{rank}}",
+                    )
+                ],
+                w=8,
+            )
+        )
+        .with_panel(
+            ts(
+                "Worker lag",
+                "s",
+                [Q(f"streamwatch_worker_lag_seconds{{{RANK}}}", "rank {{rank}}")],
+                w=8,
+                description="From a step boundary to the worker having processed its record.",
+            )
+        )
+        .with_panel(
+            ts(
+                "Steps, samples, records",
+                "suffix: /s",
+                [
+                    Q(f"rate(streamwatch_steps_total{{{RANK}}}[{RATE}])", "steps rank {{rank}}"),
+                    Q(f"rate(streamwatch_steps_sampled_total{{{RANK}}}[{RATE}])", "sampled rank {{rank}}"),
+                    Q(f"rate(streamwatch_records_total{{{RANK}}}[{RATE}])", "processed rank {{rank}}"),
+                ],
+                w=24,
+                h=7,
+            )
+        )
+        .with_row(dash.Row("Overhead"))
+        .with_panel(
+            ts(
+                "Overhead of the last step",
+                "percentunit",
+                [
+                    Q(
+                        f"streamwatch_overhead_last_step_seconds{{{RANK}}}"
+                        f" / streamwatch_step_seconds{{{RANK}}}",
+                        "rank {{rank}}",
+                    )
+                ],
+                description="streamwatch's time on the training thread / the step's wall time.",
+            )
+        )
+        .with_panel(
+            ts(
+                "Overhead, averaged",
+                "percentunit",
+                [Q(f"rate(streamwatch_overhead_seconds_total{{{RANK}}}[{RATE}])", "rank {{rank}}")],
+                description="Seconds of streamwatch per second of wall time.",
+            )
+        )
+        .with_row(dash.Row("Errors and series"))
+        .with_panel(
+            ts(
+                "Hook and sink errors",
+                "none",
+                [
+                    Q(f"increase(streamwatch_hook_errors_total{{{RANK}}}[{RATE}])", "hook rank {{rank}}"),
+                    Q(f"increase(streamwatch_sink_errors_total{{{RANK}}}[{RATE}])", "sink rank {{rank}}"),
+                ],
+                w=8,
+            )
+        )
+        .with_panel(
+            ts(
+                "Tensors skipped by reason",
+                "suffix: tensors/s",
+                [
+                    Q(
+                        f"sum by ({BY_RANK}, reason) ({_rate('streamwatch_tensors_skipped_total')})",
+                        "{{reason}} rank {{rank}}",
+                    )
+                ],
+                w=8,
+                description="Tensors not summarised (non-tensor, complex, sparse, empty, ...); "
+                "no series until the first skip.",
+            )
+        )
+        .with_panel(
+            ts(
+                "Series exported",
+                "none",
+                [
+                    Q(f"streamwatch_series{{{RANK}}}", "exported rank {{rank}}"),
+                    Q(f"streamwatch_series_wanted{{{RANK}}}", "wanted rank {{rank}}"),
+                ],
+                w=8,
+                description="streamwatch_tensor series per process against the series budget's demand.",
+            )
+        )
+    )
+
+
+DASHBOARDS = {
+    "streamwatch-overview.json": overview,
+    "streamwatch-layers.json": layers,
+    "streamwatch-cluster.json": cluster,
+    "streamwatch-health.json": health,
+}
+
+
+def _flatten_rows(model: dict[str, Any]) -> dict[str, Any]:
+    """Lay out expanded rows as Grafana stores them (panels after the row, ``row.panels`` empty); number ids.
+
+    The SDK nests a row's panels inside the row, which is Grafana's format for *collapsed* rows only: Grafana
+    strips the nested panels of an expanded row. ``Row.with_panel`` therefore forces ``collapsed=True``; rows
+    reset to ``collapsed(False)`` are flattened here. Panel ids are assigned in order (the SDK sets none).
+    """
+    flat: list[dict[str, Any]] = []
+    for panel in model.get("panels", []):
+        flat.append(panel)
+        if panel.get("type") == "row" and not panel.get("collapsed", False):
+            flat.extend(panel.get("panels", []))
+            panel["panels"] = []
+    for i, panel in enumerate(flat, start=1):
+        panel["id"] = i
+    model["panels"] = flat
+    return model
+
+
+def build(name: str) -> dict[str, Any]:
+    """The JSON model (a dict) of one dashboard, by file name."""
+    model = json.loads(json.dumps(DASHBOARDS[name]().build(), cls=JSONEncoder))
+    return _flatten_rows(model)
+
+
+def render() -> dict[str, str]:
+    """Every dashboard's file name → its JSON text, exactly as committed."""
+    return {
+        name: json.dumps(build(name), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+        for name in DASHBOARDS
+    }
+
+
+def check(directory: Path = HERE) -> list[str]:
+    """File names whose committed content differs from the generated one (missing files included)."""
+    stale = []
+    for name, text in render().items():
+        path = directory / name
+        if not path.exists() or path.read_text(encoding="utf-8") != text:
+            stale.append(name)
+    return stale
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Write the dashboards, or with ``--check`` report the ones that drifted (exit 1)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file differs")
+    args = parser.parse_args(argv)
+    if args.check:
+        stale = check()
+        for name in stale:
+            print(f"dashboards/{name} differs from what dashboards/generate.py generates", file=sys.stderr)
+        if stale:
+            print(
+                "run `make dashboards` (python dashboards/generate.py) and commit the result", file=sys.stderr
+            )
+            return 1
+        return 0
+    for name, text in render().items():
+        (HERE / name).write_text(text, encoding="utf-8")
+        print(f"wrote dashboards/{name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
