@@ -9,7 +9,7 @@ import pytest
 import streamwatch
 from streamwatch import metrics, ops, sinks
 
-SUBMODULES = {"metrics", "ops", "sinks", "testing"}
+SUBMODULES = {"cli", "metrics", "ops", "sinks", "testing"}
 
 
 @pytest.mark.parametrize("module", [streamwatch, metrics, ops, sinks], ids=lambda m: m.__name__)

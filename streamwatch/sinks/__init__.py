@@ -1,7 +1,9 @@
-"""Sinks: where pipeline outputs go (callbacks, lists, async subscribers, the Prometheus exporter)."""
+"""Sinks: where pipeline outputs go (callbacks, lists, async subscribers, the Prometheus exporter, run
+files)."""
 
 from streamwatch.sinks._callback import Callback, Collect, callback, collect
 from streamwatch.sinks._prometheus import DEFAULT_PORT, Exporter
+from streamwatch.sinks._runfile import RunData, RunFile, RunFileError, read_run, report
 from streamwatch.sinks._subscription import Subscription, subscribe
 
 __all__ = [
@@ -9,8 +11,13 @@ __all__ = [
     "Callback",
     "Collect",
     "Exporter",
+    "RunData",
+    "RunFile",
+    "RunFileError",
     "Subscription",
     "callback",
     "collect",
+    "read_run",
+    "report",
     "subscribe",
 ]

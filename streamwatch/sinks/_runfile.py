@@ -1,0 +1,602 @@
+"""Run files: every step record appended to one JSON Lines file, read back exactly after a crash.
+
+Format (``"streamwatch-run"``, version 1)
+-----------------------------------------
+
+A run file is UTF-8 `JSON Lines <https://jsonlines.org>`_: one compact JSON object per line, each line
+ending with ``\\n``. Three kinds of line exist:
+
+1. The **header**, the first line and only there::
+
+       {"format": "streamwatch-run", "version": 1, "columns": ["count", "sum", ...], "created": 1700000000.5}
+
+   ``columns`` names the columns of every row (``streamwatch._summary.COLUMNS`` of the writer);
+   ``created`` is the ``time.time()`` at which the file was started.
+
+2. A **keys** line, written the first time a step uses series the file has not named yet (just before
+   that step's line)::
+
+       {"keys": [[0, "train", "fc", "activation", ""], [1, "train", "fc", "param_grad", "weight"]]}
+
+   Each entry is ``[id, phase, layer, kind, name]`` (a :class:`streamwatch.SeriesKey`). Ids are small
+   ints, 0, 1, 2, … in order of first use, defined once and stable within the file.
+
+3. A **step** line per :class:`streamwatch.StepRecord`::
+
+       {"step": 3, "time": 1700000001.25, "rank": 0,
+        "rows": [[0, 256, 12.5, 40.25, 0.0, 3.5, 128, 0, 16, 2, 16, 100], ...],
+        "scalars": {"loss": 0.6931, "accuracy": 0.5},
+        "extras": [[1, "spectral_norm", [2.75]]]}
+
+   (on one line). ``rows`` holds the record's table in row order, each row its key id followed by one
+   value per header column; ``extras`` holds opt-in metric vectors as ``[key_id, stat, [v, ...]]``.
+
+Numbers: floats are written with ``repr`` (shortest exact round trip); floats that are whole numbers
+below 2**53 in magnitude are written as JSON integers (``256`` rather than ``256.0``; ``-0.0`` keeps its
+sign as a float). JSON has no NaN or infinity, so non-finite floats are written as the **strings**
+``"nan"``, ``"inf"`` and ``"-inf"``; no other string appears where a number is expected.
+
+Durability: every step (with its keys line, if any) is written with one ``write()`` of complete lines
+and flushed, so a killed process leaves every completed step readable; at worst the last line is cut
+short, which :func:`read_run` reports as ``truncated`` and skips. ``RunFile(..., fsync=True)`` also
+``os.fsync``-s after each step, which survives power loss as well, at the cost of a disk sync per step.
+Memory is bounded: the sink keeps only the key-id map.
+
+Appending: a ``RunFile`` on an existing, non-empty run file continues it — the header is checked (another
+format or version is a :class:`ValueError`), the key ids in use are read, and new steps follow the old
+ones. A truncated last line left by a crash is cut off first.
+
+Example:
+    >>> import tempfile, pathlib, numpy as np
+    >>> from streamwatch import SeriesKey, StepRecord
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "run.jsonl"
+    >>> key = SeriesKey("train", "fc", "param_grad", "weight")
+    >>> row = [[8, 2.0, 6.0, -1.0, 2.0, 1, float("nan"), 0, 0, 0, 0]]
+    >>> sink = RunFile(path)
+    >>> sink.send(StepRecord(0, 1.5, 0, (key,), np.array(row), {"loss": 0.25}))
+    >>> sink.close()
+    >>> run = read_run(path)
+    >>> run.last_good_step, run.records[0].keys == (key,), run.records[0].scalars
+    (0, True, {'loss': 0.25})
+    >>> path.read_text().splitlines()[1:]  # doctest: +NORMALIZE_WHITESPACE
+    ['{"keys":[[0,"train","fc","param_grad","weight"]]}',
+     '{"step":0,"time":1.5,"rank":0,"rows":[[0,8,2,6,-1,2,1,"nan",0,0,0,0]],"scalars":{"loss":0.25},"extras":[]}']
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, TypeGuard
+
+import numpy as np
+
+from streamwatch._pipeline import Sink
+from streamwatch._record import SeriesKey, StepRecord
+from streamwatch._summary import COLUMNS, derive
+
+__all__ = ["FORMAT", "VERSION", "RunData", "RunFile", "RunFileError", "read_run", "report"]
+
+FORMAT = "streamwatch-run"
+"""The ``format`` field of a run file's header."""
+
+VERSION = 1
+"""The run file format version this module writes and reads."""
+
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_EXACT_INT = 2.0**53
+
+
+class RunFileError(ValueError):
+    """A file that is not a run file, or a run file with a corrupt line before its last one.
+
+    Example:
+        >>> issubclass(RunFileError, ValueError)
+        True
+    """
+
+
+def _encode(value: float) -> float | int | str:
+    """A float as JSON: whole numbers as ints, non-finite as ``"nan"``/``"inf"``/``"-inf"``, else itself."""
+    if value != value:
+        return "nan"
+    if value == math.inf:
+        return "inf"
+    if value == -math.inf:
+        return "-inf"
+    if value.is_integer() and abs(value) < _EXACT_INT and (value != 0 or math.copysign(1.0, value) > 0):
+        return int(value)
+    return value
+
+
+def _decode(value: Any) -> float:
+    """The inverse of :func:`_encode`; a ValueError for anything else."""
+    if isinstance(value, float):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str) and value in _NONFINITE:
+        return _NONFINITE[value]
+    raise ValueError(f"expected a number or 'nan'/'inf'/'-inf', got {value!r}")
+
+
+def _dumps(obj: object) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"bare {name} is not valid in a run file (non-finite floats are strings)")
+
+
+def _loads(text: str) -> Any:
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+def _check_header(obj: Any) -> list[str]:
+    """The header's columns; a ValueError naming what is wrong otherwise."""
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        found = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
+        raise ValueError(f"not a streamwatch run file (header format {found!r}, expected {FORMAT!r})")
+    if obj.get("version") != VERSION:
+        raise ValueError(f"unsupported run file version {obj.get('version')!r} (this reader reads {VERSION})")
+    columns = obj.get("columns")
+    if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns):
+        raise ValueError(f"header 'columns' must be a list of strings, got {columns!r}")
+    return columns
+
+
+def _parse_keys(obj: dict[str, Any], keys: dict[int, SeriesKey]) -> None:
+    entries = obj["keys"]
+    if not isinstance(entries, list):
+        raise ValueError("'keys' must be a list")
+    for entry in entries:
+        if (
+            not isinstance(entry, list)
+            or len(entry) != 5
+            or not isinstance(entry[0], int)
+            or isinstance(entry[0], bool)
+            or not all(isinstance(part, str) for part in entry[1:])
+        ):
+            raise ValueError(f"a key must be [id, phase, layer, kind, name], got {entry!r}")
+        if entry[0] in keys:
+            raise ValueError(f"key id {entry[0]} is defined twice")
+        keys[entry[0]] = SeriesKey(*entry[1:])
+
+
+@dataclass(frozen=True, slots=True)
+class _Scan:
+    """What an existing file holds: its key ids, where its complete lines end, its size."""
+
+    keys: dict[int, SeriesKey]
+    good_end: int
+    size: int
+
+
+def _scan_for_append(path: Path) -> _Scan:
+    """Check an existing run file's header and collect its keys, for :class:`RunFile` to continue it."""
+    keys: dict[int, SeriesKey] = {}
+    good_end = 0
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return _Scan(keys, 0, 0)
+        for lineno, raw in enumerate(f, 1):
+            complete = raw.endswith(b"\n")
+            try:
+                obj = _loads(raw.decode("utf-8"))
+                if lineno == 1:
+                    columns = _check_header(obj)
+                    if columns != list(COLUMNS):
+                        raise ValueError(
+                            f"the file's columns {columns} differ from this version's {list(COLUMNS)}"
+                        )
+                elif isinstance(obj, dict) and "keys" in obj:
+                    _parse_keys(obj, keys)
+            except ValueError as error:
+                if lineno == 1:
+                    raise ValueError(
+                        f"cannot append to {path}: not a streamwatch run file: {error}"
+                    ) from None
+                if complete and good_end + len(raw) < size:
+                    raise ValueError(f"cannot append to {path}: line {lineno}: {error}") from None
+                break  # a cut-off last line: cut it off before appending
+            if not complete:
+                break
+            good_end += len(raw)
+    return _Scan(keys, good_end, size)
+
+
+class RunFile(Sink):
+    """A sink appending every :class:`streamwatch.StepRecord` to a JSON Lines run file (see the module
+    documentation for the format). Read it back with :func:`read_run`, summarise it with :func:`report`.
+
+    Args:
+        path: the run file; created if missing, continued if it is a run file already.
+        fsync: also ``os.fsync`` after every step (survives power loss; costs a disk sync per step).
+            Without it, each step is flushed to the operating system, which survives a killed process.
+
+    Raises:
+        ValueError: ``path`` exists, is not empty and is not a version-1 run file with these columns.
+
+    Example:
+        >>> import tempfile, pathlib, torch, streamwatch as sw
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "run.jsonl"
+        >>> model = torch.nn.Linear(3, 2)
+        >>> with sw.observe(model, sinks=[RunFile(path)]) as watch:
+        ...     for _ in range(2):
+        ...         model(torch.randn(4, 3)).sum().backward()
+        ...         watch.step(loss=1.0)
+        >>> [r.step for r in read_run(path).records]
+        [0, 1]
+    """
+
+    __slots__ = ("_file", "_fsync", "_ids", "_path", "_scan", "closed")
+
+    def __init__(self, path: str | Path, *, fsync: bool = False) -> None:
+        self._path = Path(path)
+        self._fsync = bool(fsync)
+        self._file: IO[bytes] | None = None
+        self.closed = False
+        self._scan = _scan_for_append(self._path) if self._path.exists() else _Scan({}, 0, 0)
+        self._ids: dict[SeriesKey, int] = {key: i for i, key in self._scan.keys.items()}
+
+    @property
+    def path(self) -> Path:
+        """Where the run is written."""
+        return self._path
+
+    def _open(self) -> IO[bytes]:
+        if self._file is not None:
+            return self._file
+        if self.closed:
+            raise RuntimeError(f"RunFile({str(self._path)!r}) is closed")
+        f = open(self._path, "ab")  # noqa: SIM115 - held open until close()
+        try:
+            size = f.seek(0, os.SEEK_END)
+            if size != self._scan.size:  # written to since __init__: look again
+                self._scan = _scan_for_append(self._path)
+                self._ids = {key: i for i, key in self._scan.keys.items()}
+            if self._scan.good_end < size:  # a line cut short by a crash
+                f.truncate(self._scan.good_end)
+                size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                header = {
+                    "format": FORMAT,
+                    "version": VERSION,
+                    "columns": list(COLUMNS),
+                    "created": time.time(),
+                }
+                self._write(f, _dumps(header) + "\n")
+        except BaseException:
+            f.close()
+            raise
+        self._file = f
+        return f
+
+    def _write(self, f: IO[bytes], text: str) -> None:
+        f.write(text.encode("utf-8"))
+        f.flush()
+        if self._fsync:
+            os.fsync(f.fileno())
+
+    def _id(self, key: SeriesKey, new: list[list[object]]) -> int:
+        i = self._ids.get(key)
+        if i is None:
+            i = self._ids[key] = len(self._ids)
+            new.append([i, key.phase, key.layer, key.kind, key.name])
+        return i
+
+    def send(self, item: Any) -> None:
+        """Append one step record (with a keys line first if it uses new series), flushed."""
+        if not isinstance(item, StepRecord):
+            raise TypeError(f"RunFile expects StepRecord items, got {type(item).__name__}")
+        f = self._open()
+        new: list[list[object]] = []
+        ids = [self._id(SeriesKey(*key), new) for key in item.keys]
+        rows = [[i, *map(_encode, values)] for i, values in zip(ids, item.table.tolist(), strict=True)]
+        extras = [
+            [
+                self._id(SeriesKey(*key), new),
+                stat,
+                [_encode(v) for v in np.asarray(value, np.float64).tolist()],
+            ]
+            for (key, stat), value in item.extras.items()
+        ]
+        line = {
+            "step": int(item.step),
+            "time": _encode(float(item.time)),
+            "rank": int(item.rank),
+            "rows": rows,
+            "scalars": {name: _encode(float(v)) for name, v in item.scalars.items()},
+            "extras": extras,
+        }
+        text = _dumps(line) + "\n"
+        if new:
+            text = _dumps({"keys": new}) + "\n" + text
+        self._write(f, text)
+
+    def close(self) -> None:
+        """Close the file (creating it with just a header if no step came)."""
+        if self.closed:
+            return
+        try:
+            self._open()
+        finally:
+            self.closed = True
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    def fail(self, error: BaseException) -> None:
+        """The pipeline failed: keep what was written and close the file."""
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<run file {str(self._path)!r}>"
+
+
+@dataclass(slots=True)
+class RunData:
+    """A run file read back by :func:`read_run`.
+
+    Attributes:
+        path: the file.
+        header: its header line (format, version, columns, created).
+        records: every complete step, rebuilt exactly (keys, table, scalars, extras).
+        last_good_step: the step of the last complete record (None if there is none).
+        truncated: the last line was cut short (no newline) or does not parse; it was skipped.
+        problems: what was wrong but tolerated (the truncated line, other columns than this version's).
+
+    Example:
+        >>> RunData(Path("run.jsonl"), {}).last_good_step is None
+        True
+    """
+
+    path: Path
+    header: dict[str, Any]
+    records: list[StepRecord] = field(default_factory=list)
+    last_good_step: int | None = None
+    truncated: bool = False
+    problems: list[str] = field(default_factory=list)
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _values(values: Any, width: int, what: str) -> list[float]:
+    if not isinstance(values, list) or len(values) != width:
+        raise ValueError(f"{what} must have {width} values, got {values!r}")
+    return [_decode(v) for v in values]
+
+
+def _parse_step(
+    obj: dict[str, Any], keys: Mapping[int, SeriesKey], columns: Sequence[str], remap: np.ndarray | None
+) -> StepRecord:
+    step, rank, stamp = obj.get("step"), obj.get("rank"), obj.get("time")
+    if not (_is_int(step) and _is_int(rank)):
+        raise ValueError(f"'step' and 'rank' must be integers, got {step!r} and {rank!r}")
+
+    def key_of(i: Any) -> SeriesKey:
+        if not _is_int(i) or i not in keys:
+            raise ValueError(f"unknown key id {i!r}")
+        return keys[i]
+
+    rows, scalars, extras = obj.get("rows"), obj.get("scalars"), obj.get("extras", [])
+    if not isinstance(rows, list) or not isinstance(scalars, dict) or not isinstance(extras, list):
+        raise ValueError("'rows' must be a list, 'scalars' an object and 'extras' a list")
+    width = len(columns)
+    row_keys: list[SeriesKey] = []
+    table = np.empty((len(rows), width), dtype=np.float64)
+    for r, row in enumerate(rows):
+        if not isinstance(row, list) or not row:
+            raise ValueError(f"a row must be [key_id, value, ...], got {row!r}")
+        row_keys.append(key_of(row[0]))
+        table[r] = _values(row[1:], width, f"row {r}")
+    if remap is not None:  # another version's columns: this version's order, NaN where missing
+        table = np.concatenate([table, np.full((len(rows), 1), np.nan)], axis=1)[:, remap]
+    table.setflags(write=False)
+    extra: dict[tuple[SeriesKey, str], np.ndarray] = {}
+    for entry in extras:
+        if not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[1], str):
+            raise ValueError(f"an extra must be [key_id, stat, [values]], got {entry!r}")
+        if not isinstance(entry[2], list):
+            raise ValueError(f"an extra's values must be a list, got {entry[2]!r}")
+        vector = np.array(_values(entry[2], len(entry[2]), "an extra"), dtype=np.float64)
+        vector.setflags(write=False)
+        extra[(key_of(entry[0]), entry[1])] = vector
+    return StepRecord(
+        step=step,
+        time=_decode(stamp),
+        rank=rank,
+        keys=tuple(row_keys),
+        table=table,
+        scalars={str(name): _decode(v) for name, v in scalars.items()},
+        extras=extra,
+    )
+
+
+def read_run(path: str | Path) -> RunData:
+    """Read a run file written by :class:`RunFile`.
+
+    A last line without its newline, or one that does not parse, is a step cut short by a crash: the run
+    is read up to the last complete step, ``truncated`` is set and the reason is in ``problems``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        RunFileError: the file is not a run file (bad header), or a line before the last one is corrupt;
+            the message names the file, the line, what was wrong and the last good step.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "run.jsonl"
+        >>> RunFile(path).close()
+        >>> with open(path, "a") as f:
+        ...     _ = f.write('{"step": 0, "time": 0.0, "rank": 0, "ro')  # killed mid-write
+        >>> run = read_run(path)
+        >>> run.records, run.truncated, run.last_good_step
+        ([], True, None)
+    """
+    path = Path(path)
+    if not path.is_file():
+        if path.exists():
+            raise RunFileError(f"{path}: not a regular file")
+        raise FileNotFoundError(f"run file not found: {path}")
+    run = RunData(path, {})
+    keys: dict[int, SeriesKey] = {}
+    columns: list[str] = list(COLUMNS)
+    remap: np.ndarray | None = None
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise RunFileError(f"{path}: empty file, not a streamwatch run file (no header)")
+        position = 0
+        for lineno, raw in enumerate(f, 1):
+            position += len(raw)
+            last = position >= size
+            try:
+                if not raw.endswith(b"\n"):
+                    raise ValueError("the line has no newline (cut short)")
+                obj = _loads(raw.decode("utf-8"))
+                if lineno == 1:
+                    columns = _check_header(obj)
+                    run.header = obj
+                    if columns != list(COLUMNS):
+                        index = {name: i for i, name in enumerate(columns)}
+                        remap = np.array([index.get(name, len(columns)) for name in COLUMNS], dtype=np.intp)
+                        run.problems.append(
+                            f"columns {columns} differ from this version's {list(COLUMNS)}: "
+                            "tables were rearranged (NaN where a column is missing)"
+                        )
+                    continue
+                if not isinstance(obj, dict):
+                    raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+                if "keys" in obj:
+                    _parse_keys(obj, keys)
+                elif "step" in obj:
+                    record = _parse_step(obj, keys, columns, remap)
+                    run.records.append(record)
+                    run.last_good_step = record.step
+                else:
+                    raise ValueError(f"neither a keys nor a step line (fields {sorted(obj)})")
+            except (ValueError, UnicodeDecodeError) as error:
+                if lineno == 1:
+                    raise RunFileError(f"{path}: line 1: not a streamwatch run file: {error}") from None
+                where = f"{path}: line {lineno}: {error} (last good step: {run.last_good_step})"
+                if not last:
+                    raise RunFileError(where) from None
+                run.truncated = True
+                run.problems.append(f"truncated record at {where}")
+    return run
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.6g}" if math.isfinite(value) else str(value)
+
+
+def _last_with(records: Sequence[StepRecord], kind: str) -> StepRecord | None:
+    return next((r for r in reversed(records) if r.rows(kind)), None)
+
+
+def _worst(values: Mapping[str, float], top: int) -> list[tuple[str, float]]:
+    """The ``top`` largest values, non-finite ones (the worst) first."""
+
+    def order(item: tuple[str, float]) -> tuple[bool, float]:
+        finite = math.isfinite(item[1])
+        return finite, -item[1] if finite else 0.0
+
+    return sorted(values.items(), key=order)[:top]
+
+
+def report(run: RunData, *, top: int = 5) -> str:
+    """A plain-text summary of a run: steps, last loss and accuracy, the ``top`` worst layers by gradient
+    norm and by dead activations, and the first non-finite value.
+
+    * gradient norm: per layer, the L2 norm of all its parameter gradients together
+      (``√Σ sumsq`` over the layer's ``param_grad`` rows) in the last record that has gradients;
+      non-finite norms rank first;
+    * dead fraction: ``dead_fraction`` of each ``activation`` row in the last record that has
+      activations (rows without units are left out);
+    * first non-finite: the first record with a row whose ``nonfinite`` column is > 0, and the first such
+      row (step, layer, kind, name).
+
+    Example:
+        >>> import tempfile, pathlib, numpy as np
+        >>> from streamwatch import SeriesKey, StepRecord
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "run.jsonl"
+        >>> sink = RunFile(path)
+        >>> key = SeriesKey("train", "fc", "param_grad", "weight")
+        >>> sink.send(StepRecord(7, 0.0, 0, (key,), np.array([[4, 2, 9, -1, 2, 0, 1, 0, 0, 0, 0.0]])))
+        >>> sink.close()
+        >>> print(report(read_run(path)).splitlines()[-1])
+        first non-finite: step 7, layer 'fc', kind param_grad, name 'weight'
+    """
+    records = run.records
+    lines = [f"streamwatch run: {run.path}"]
+    if records:
+        ranks = sorted({r.rank for r in records})
+        lines.append(
+            f"steps recorded: {len(records)} (steps {records[0].step}..{records[-1].step}, "
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+        )
+    else:
+        lines.append("steps recorded: 0")
+    if run.truncated:
+        lines.append(f"truncated: yes (read up to step {run.last_good_step})")
+    lines.extend(f"problem: {problem}" for problem in run.problems)
+    for name in ("loss", "accuracy"):
+        found = next(((r.step, r.scalars[name]) for r in reversed(records) if name in r.scalars), None)
+        lines.append(f"last {name}: " + (f"{_fmt(found[1])} (step {found[0]})" if found else "n/a"))
+
+    grads = _last_with(records, "param_grad")
+    lines.append("")
+    if grads is None:
+        lines.append("worst layers by gradient norm: n/a (no param_grad rows)")
+    else:
+        sumsq: dict[str, float] = {}
+        column = grads.column("sumsq")
+        for i in grads.rows("param_grad"):
+            layer = grads.keys[i].layer
+            sumsq[layer] = sumsq.get(layer, 0.0) + float(column[i])
+        norms = {layer: math.sqrt(v) if v >= 0 else math.nan for layer, v in sumsq.items()}
+        lines.append(f"worst layers by gradient norm (param_grad l2, step {grads.step}):")
+        width = max(len(layer or "<root>") for layer in norms)
+        for rank, (layer, norm) in enumerate(_worst(norms, top), 1):
+            lines.append(f"  {rank:>2}. {layer or '<root>':<{width}}  {_fmt(norm)}")
+
+    acts = _last_with(records, "activation")
+    lines.append("")
+    dead: dict[str, float] = {}
+    if acts is not None:
+        fraction = derive(acts.table)["dead_fraction"]
+        for i in acts.rows("activation"):
+            if not math.isnan(fraction[i]):
+                key = acts.keys[i]
+                dead[key.layer + (f"[{key.name}]" if key.name else "")] = float(fraction[i])
+    if acts is None or not dead:
+        lines.append("worst layers by dead fraction: n/a (no activation rows with units)")
+    else:
+        lines.append(f"worst layers by dead fraction (activation, step {acts.step}):")
+        width = max(len(layer or "<root>") for layer in dead)
+        for rank, (layer, value) in enumerate(_worst(dead, top), 1):
+            lines.append(f"  {rank:>2}. {layer or '<root>':<{width}}  {value:.2%}")
+
+    lines.append("")
+    for record in records:
+        bad = np.flatnonzero(record.column("nonfinite") > 0)
+        if len(bad):
+            key = record.keys[int(bad[0])]
+            more = f" (+{len(bad) - 1} more rows)" if len(bad) > 1 else ""
+            lines.append(
+                f"first non-finite: step {record.step}, layer {key.layer!r}, kind {key.kind}, "
+                f"name {key.name!r}{more}"
+            )
+            break
+    else:
+        lines.append("first non-finite: none")
+    return "\n".join(lines) + "\n"

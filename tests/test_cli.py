@@ -1,0 +1,130 @@
+"""The command line in a subprocess, as a user runs it: ``python -m streamwatch demo`` trains, serves
+/metrics (scraped here while it runs) and writes a run file that reads back; ``report`` summarises it;
+bad input gives one clear error line and exit status 2, never a traceback."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from streamwatch.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _streamwatch(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "streamwatch", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.timeout(120)
+def test_demo_serves_metrics_while_it_trains_and_writes_a_run_file(tmp_path: Path) -> None:
+    from streamwatch.sinks._runfile import read_run
+
+    run_dir = tmp_path / "run"
+    args = ["demo", "--no-live", "--steps", "120", "--port", "0", "--run-dir", str(run_dir), "--linger", "30"]
+    proc = _streamwatch(*args, cwd=tmp_path)
+    try:
+        assert proc.stdout is not None
+        lines = []
+        url = None
+        while url is None:
+            line = proc.stdout.readline()
+            assert line, f"the demo ended early: {''.join(lines)}{proc.stderr.read() if proc.stderr else ''}"
+            lines.append(line)
+            match = re.search(r"serving (http://127\.0\.0\.1:\d+/metrics)", line)
+            if match:
+                url = match.group(1)
+        while "training done" not in line:
+            line = proc.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        body = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert "streamwatch_loss{" in body
+        assert 'run="demo"' in body
+        assert re.search(r"streamwatch_step\{[^}]*\} 119\.0", body)
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C during the linger: a clean end
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    text = "".join(lines) + out
+    assert "interrupted at step 119" in text
+    assert "done: 120 steps, 120 records, 0 dropped" in text
+    assert "synthetic data" in text
+    assert re.search(r"step +120 +loss", text), text
+    run = read_run(run_dir / "run.jsonl")
+    assert [r.step for r in run.records] == list(range(120))
+    assert not run.truncated
+
+
+def test_report_summarises_a_recorded_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    demo = _streamwatch(
+        "demo", "--no-live", "--steps", "30", "--port", "0", "--run-dir", str(run_dir), cwd=tmp_path
+    )
+    out, err = demo.communicate(timeout=100)
+    assert demo.returncode == 0, err
+    assert "done: 30 steps, 30 records, 0 dropped" in out
+    report = _streamwatch("report", str(run_dir), cwd=tmp_path)
+    out, err = report.communicate(timeout=60)
+    assert report.returncode == 0, err
+    assert "29" in out  # the last step
+    assert "loss" in out.lower()
+
+
+def test_bad_input_is_one_clear_line_and_status_2(tmp_path: Path) -> None:
+    missing = _streamwatch("report", str(tmp_path / "nowhere"), cwd=tmp_path)
+    _, err = missing.communicate(timeout=60)
+    assert missing.returncode == 2
+    assert "no run directory or run file at" in err
+    assert "Traceback" not in err
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    not_a_run = _streamwatch("report", str(empty_dir), cwd=tmp_path)
+    _, err = not_a_run.communicate(timeout=60)
+    assert not_a_run.returncode == 2
+    assert "without a run file" in err
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        taken = _streamwatch(
+            "demo",
+            "--no-live",
+            "--steps",
+            "5",
+            "--port",
+            str(port),
+            "--run-dir",
+            str(tmp_path / "r"),
+            cwd=tmp_path,
+        )
+        _, err = taken.communicate(timeout=100)
+    assert taken.returncode == 2
+    assert f"port {port} on 127.0.0.1 is already in use" in err
+    assert "Traceback" not in err
+
+
+def test_the_parser_has_the_documented_options() -> None:
+    args = build_parser().parse_args(
+        ["demo", "--steps", "7", "--port", "9500", "--hidden", "32", "--no-live"]
+    )
+    assert (args.steps, args.port, args.hidden, args.no_live) == (7, 9500, 32, True)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([])

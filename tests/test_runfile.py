@@ -1,0 +1,478 @@
+"""The run file sink: real training written to JSON Lines and read back exactly, crashes, appends, reports."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import streamwatch as sw
+from streamwatch import StepRecord
+from streamwatch._summary import COLUMNS
+from streamwatch.sinks._runfile import FORMAT, VERSION, RunData, RunFile, RunFileError, read_run, report
+
+NAN_STEP = 3
+STEPS = 7
+
+
+def make_model(seed: int = 0, width: int = 16) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, width),
+        torch.nn.Tanh(),
+        torch.nn.Linear(width, 4),
+    )
+    with torch.no_grad():  # a quarter of the ReLU's units dead: a dead fraction to rank
+        model[0].bias[: width // 4] = -100.0
+    return model
+
+
+def train(
+    path: Path,
+    *,
+    steps: int = STEPS,
+    nan_step: int | None = NAN_STEP,
+    seed: int = 0,
+    width: int = 16,
+    fsync: bool = False,
+    nested: bool = False,
+) -> list[StepRecord]:
+    """Train for ``steps`` steps writing to ``path``; returns the records every sink received.
+
+    ``nested`` wraps the model in another Sequential: its layers are named ``0.0``, ``0.2``, …"""
+    model = make_model(seed, width)
+    if nested:
+        model = torch.nn.Sequential(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    reference = sw.sinks.collect()
+    generator = torch.Generator().manual_seed(seed)
+    with sw.observe(
+        model,
+        opt,
+        sinks=[RunFile(path, fsync=fsync), reference],
+        overflow="block",
+        metrics=[*sw.DEFAULT_METRICS, sw.metrics.SpectralNorm()],
+    ) as watch:
+        for step in range(steps):
+            x = torch.randn(16, 8, generator=generator)
+            y = torch.randint(0, 4, (16,), generator=generator)
+            if step == nan_step:
+                x[0, 0] = math.nan
+            logits = model(x)
+            loss = torch.nn.functional.cross_entropy(logits, y)
+            opt.zero_grad()
+            loss.backward()
+            if torch.isfinite(loss):  # skip the update on a non-finite loss (as a grad scaler would)
+                opt.step()
+            watch.step(loss=loss, outputs=logits, targets=y, batch_size=16)
+    assert reference.closed
+    assert reference.error is None
+    return reference.items
+
+
+def assert_same_table(a: np.ndarray, b: np.ndarray) -> None:
+    assert a.dtype == b.dtype == np.float64
+    assert a.shape == b.shape
+    nan_a, nan_b = np.isnan(a), np.isnan(b)
+    assert np.array_equal(nan_a, nan_b)
+    assert a[~nan_a].tobytes() == b[~nan_b].tobytes()  # bit-exact, -0.0 included
+
+
+def assert_same_records(got: list[StepRecord], expected: list[StepRecord]) -> None:
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        assert (g.step, g.time, g.rank) == (e.step, e.time, e.rank)
+        assert g.keys == e.keys
+        assert_same_table(g.table, e.table)
+        assert g.scalars.keys() == e.scalars.keys()
+        for name, value in e.scalars.items():
+            assert np.float64(g.scalars[name]).tobytes() == np.float64(value).tobytes(), name
+        assert g.extras.keys() == e.extras.keys()
+        for extra, vector in e.extras.items():
+            assert_same_table(np.asarray(g.extras[extra]), np.asarray(vector, dtype=np.float64))
+
+
+def step_lines(path: Path) -> list[tuple[int, int]]:
+    """(start offset, end offset) of every complete step line (newline included)."""
+    data = path.read_bytes()
+    spans, start = [], 0
+    for line in data.splitlines(keepends=True):
+        if line.startswith(b'{"step"') and line.endswith(b"\n"):
+            spans.append((start, start + len(line)))
+        start += len(line)
+    return spans
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[StepRecord]]:
+    path = tmp_path_factory.mktemp("run") / "run.jsonl"
+    return path, train(path)
+
+
+# -- round trip ---------------------------------------------------------------------------------------------
+
+
+def test_a_real_training_reads_back_exactly(trained: tuple[Path, list[StepRecord]]) -> None:
+    path, reference = trained
+    run = read_run(path)
+    assert len(reference) == STEPS
+    assert_same_records(run.records, reference)
+    assert run.last_good_step == STEPS - 1
+    assert not run.truncated
+    assert run.problems == []
+    assert run.header["format"] == FORMAT
+    assert run.header["version"] == VERSION
+    assert run.header["columns"] == list(COLUMNS)
+    # what the test relies on really happened: NaN rows, a NaN loss, spectral-norm extras
+    nan_record = reference[NAN_STEP]
+    assert np.isnan(nan_record.table).any()
+    assert math.isnan(nan_record.scalars["loss"])
+    assert any(stat == "spectral_norm" for _, stat in reference[-1].extras)
+    assert all(not r.table.flags.writeable for r in run.records)
+
+
+def test_the_format_is_compact_json_lines(trained: tuple[Path, list[StepRecord]]) -> None:
+    path, reference = trained
+    text = path.read_text(encoding="utf-8")
+    assert text.endswith("\n")
+    lines = [json.loads(line) for line in text.splitlines()]  # every line is standard JSON
+    assert "NaN" not in text
+    assert '"nan"' in text
+    header, rest = lines[0], lines[1:]
+    assert set(header) == {"format", "version", "columns", "created"}
+    assert [line["step"] for line in rest if "step" in line] == [r.step for r in reference]
+    ids = [entry[0] for line in rest if "keys" in line for entry in line["keys"]]
+    assert ids == list(range(len(ids)))  # each key written once, small consecutive ids
+    all_keys = {k for r in reference for k in r.keys} | {k for r in reference for k, _ in r.extras}
+    assert len(ids) == len(all_keys)
+    # a key line comes right before the first step that uses its keys
+    assert "keys" in lines[1]
+    assert "step" in lines[2]
+    assert ", " not in text  # compact separators
+
+
+def test_a_closed_sink_without_steps_leaves_a_header(tmp_path: Path) -> None:
+    path = tmp_path / "empty.jsonl"
+    sink = RunFile(path)
+    sink.close()
+    sink.close()
+    run = read_run(path)
+    assert run.records == []
+    assert run.last_good_step is None
+    assert not run.truncated
+    with pytest.raises(RuntimeError, match="closed"):
+        sink.send(StepRecord(0, 0.0, 0, (), np.empty((0, len(COLUMNS)))))
+
+
+def test_special_floats_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "floats.jsonl"
+    values = [0.0, -0.0, 1.0, -3.0, 0.1, 1e-310, 2.0**53, 2.0**60, -math.inf, math.inf, math.nan, 1 / 3]
+    key = sw.SeriesKey("train", "λ.layer", "param", "w")
+    table = np.array([values[: len(COLUMNS)], values[-len(COLUMNS) :]], dtype=np.float64)
+    keys = (key, key._replace(kind="param_grad"))
+    record = StepRecord(
+        5, 1.25, 2, keys, table, {"loss": math.inf, "x": -0.0}, {(key, "h"): np.array(values)}
+    )
+    sink = RunFile(path, fsync=True)
+    sink.send(record)
+    sink.fail(RuntimeError("boom"))
+    assert_same_records(read_run(path).records, [record])
+
+
+def test_fsync_training(tmp_path: Path) -> None:
+    path = tmp_path / "fsync.jsonl"
+    reference = train(path, steps=2, nan_step=None, fsync=True)
+    assert_same_records(read_run(path).records, reference)
+
+
+def test_send_rejects_other_items(tmp_path: Path) -> None:
+    sink = RunFile(tmp_path / "r.jsonl")
+    with pytest.raises(TypeError, match="StepRecord"):
+        sink.send({"step": 1})
+    sink.close()
+
+
+# -- truncation and corruption -----------------------------------------------------------------------------
+
+
+def test_a_cut_at_any_offset_reads_every_complete_step(
+    trained: tuple[Path, list[StepRecord]], tmp_path: Path
+) -> None:
+    path, reference = trained
+    data = path.read_bytes()
+    spans = step_lines(path)
+    last_start, last_end = spans[-1]
+    header_end = data.index(b"\n") + 1
+    cuts = {last_start + 1, (last_start + last_end) // 2, last_end - 1, last_end - 2}
+    cuts |= set(np.linspace(header_end + 1, len(data) - 1, 25).astype(int).tolist())
+    cuts |= {end for _, end in spans[:-1]}  # exactly at line ends: nothing truncated
+    for cut in sorted(cuts):
+        cut_path = tmp_path / f"cut{cut}.jsonl"
+        cut_path.write_bytes(data[:cut])
+        run = read_run(cut_path)
+        complete = sum(end <= cut for _, end in spans)
+        assert_same_records(run.records, reference[:complete])
+        expected_last = reference[complete - 1].step if complete else None
+        assert run.last_good_step == expected_last, cut
+        at_boundary = data[cut - 1 : cut] == b"\n"
+        assert run.truncated is not at_boundary, cut
+        if run.truncated:
+            assert len(run.problems) == 1
+            assert "truncated" in run.problems[0]
+            assert f"last good step: {expected_last}" in run.problems[0]
+            assert "truncated: yes" in report(run)
+
+
+def test_a_last_line_that_does_not_parse_is_truncated(
+    trained: tuple[Path, list[StepRecord]], tmp_path: Path
+) -> None:
+    path, reference = trained
+    broken = tmp_path / "zeros.jsonl"
+    broken.write_bytes(path.read_bytes() + b"\x00\x00\x00\x00\n")  # e.g. a power loss's zero fill
+    run = read_run(broken)
+    assert run.truncated
+    assert_same_records(run.records, reference)
+
+
+def test_a_corrupt_middle_line_names_the_line(trained: tuple[Path, list[StepRecord]], tmp_path: Path) -> None:
+    path, _ = trained
+    lines = path.read_bytes().splitlines(keepends=True)
+    index = next(i for i, line in enumerate(lines) if line.startswith(b'{"step":2,'))
+    previous_step = json.loads(lines[index - 1])["step"] if b'"step"' in lines[index - 1] else None
+    for garbage in (
+        b'{"step": 2, "rows": [[0, 1\n',
+        b'{"step":2,"time":0,"rank":0,"rows":[[9999]]}\n',
+        b"\n",
+    ):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_bytes(b"".join([*lines[:index], garbage, *lines[index + 1 :]]))
+        with pytest.raises(RunFileError, match=f"line {index + 1}:") as info:
+            read_run(bad)
+        assert str(bad) in str(info.value)
+        assert f"last good step: {previous_step}" in str(info.value)
+    bad.write_bytes(
+        b"".join(
+            [
+                *lines[:index],
+                b'{"step":2,"time":0,"rank":0,"rows":[],"scalars":{"loss":"NaN"}}\n',
+                *lines[index + 1 :],
+            ]
+        )
+    )
+    with pytest.raises(RunFileError, match="nan"):
+        read_run(bad)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "empty file"),
+        (b"hello world\n", "not a streamwatch run file"),
+        (b'{"format": "other", "version": 1}\n', "header format 'other'"),
+        (b'{"format": "streamwatch-run", "version": 2, "columns": []}\n', "unsupported run file version 2"),
+        (b'{"step": 0, "time": 0, "rank": 0, "rows": [], "scalars": {}}\n', "header format None"),
+    ],
+)
+def test_a_bad_header_is_an_error(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(RunFileError, match=re.escape(message)) as info:
+        read_run(path)
+    assert str(path) in str(info.value)
+    if content:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            RunFile(path)
+
+
+def test_a_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="run file not found"):
+        read_run(tmp_path / "nope.jsonl")
+    with pytest.raises(RunFileError, match="not a regular file"):
+        read_run(tmp_path)
+
+
+def test_other_columns_are_rearranged_with_a_problem(tmp_path: Path) -> None:
+    path = tmp_path / "old.jsonl"
+    columns = [c for c in COLUMNS if c != "active"][::-1]
+    lines = [
+        {"format": FORMAT, "version": VERSION, "columns": columns, "created": 0.0},
+        {"keys": [[0, "train", "fc", "activation", ""]]},
+        {"step": 0, "time": 0.0, "rank": 0, "rows": [[0, *range(len(columns))]], "scalars": {}, "extras": []},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run = read_run(path)
+    record = run.records[0]
+    assert record.column("count")[0] == columns.index("count")
+    assert math.isnan(record.column("active")[0])
+    assert "differ" in run.problems[0]
+    with pytest.raises(ValueError, match="columns"):
+        RunFile(path)
+
+
+# -- appending ----------------------------------------------------------------------------------------------
+
+
+def test_appending_a_second_run_continues_ids_and_steps(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    first = train(path, steps=3, nan_step=None)
+    ids_before = {
+        e[0] for line in path.read_text().splitlines() if '"keys"' in line for e in json.loads(line)["keys"]
+    }
+    # cut the last line short as a crash would: the next run drops it and continues
+    data = path.read_bytes()
+    path.write_bytes(data[: step_lines(path)[-1][1] - 5])
+    second = train(path, steps=3, nan_step=None, seed=1, width=12, nested=True)
+    run = read_run(path)
+    assert not run.truncated
+    assert_same_records(run.records, first[:2] + second)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sum("format" in line for line in lines) == 1
+    ids = [e[0] for line in lines if "keys" in line for e in line["keys"]]
+    assert ids == list(range(len(ids)))  # continued, never reused
+    assert len(ids) > len(ids_before)  # the second model's layers have other names: new ids after the old
+    assert [r.step for r in run.records] == [0, 1, 0, 1, 2]
+
+
+def test_appending_to_a_file_with_a_corrupt_middle_line_fails(
+    trained: tuple[Path, list[StepRecord]], tmp_path: Path
+) -> None:
+    path, _ = trained
+    lines = path.read_bytes().splitlines(keepends=True)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"".join([*lines[:3], b"{oops\n", *lines[4:]]))
+    with pytest.raises(ValueError, match="line 4"):
+        RunFile(bad)
+
+
+# -- report -------------------------------------------------------------------------------------------------
+
+
+def test_report(trained: tuple[Path, list[StepRecord]]) -> None:
+    path, reference = trained
+    run = read_run(path)
+    text = report(run, top=2)
+    last = reference[-1]
+    assert f"steps recorded: {STEPS} (steps 0..{STEPS - 1}, rank 0)" in text
+    assert f"last loss: {last.scalars['loss']:.6g} (step {last.step})" in text
+    assert f"last accuracy: {last.scalars['accuracy']:.6g}" in text
+    # first non-finite: the NaN input makes layer "0"'s activation the first non-finite row
+    first = next(r for r in reference if (r.column("nonfinite") > 0).any())
+    assert first.step == NAN_STEP
+    row = int(np.flatnonzero(first.column("nonfinite") > 0)[0])
+    assert first.keys[row].layer == "0"
+    assert f"first non-finite: step {NAN_STEP}, layer '0', kind {first.keys[row].kind}" in text
+
+    def section(title: str) -> list[str]:
+        lines = text.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith(title))
+        found = []
+        for line in lines[start + 1 :]:
+            if not re.match(r"\s+\d+\.", line):
+                break
+            found.append(line.split()[1])
+        return found
+
+    # gradient norms: the layer's √Σ sumsq over its param_grad rows, numpy reference
+    rows = last.rows("param_grad")
+    layers = sorted({last.keys[i].layer for i in rows})
+    norms = {
+        layer: np.sqrt(np.sum([last.column("sumsq")[i] for i in rows if last.keys[i].layer == layer]))
+        for layer in layers
+    }
+    expected = sorted(layers, key=lambda layer: -norms[layer])[:2]
+    assert section("worst layers by gradient norm") == expected
+    assert len(section("worst layers by gradient norm")) == 2
+    # dead fractions of activations
+    acts = last.rows("activation")
+    dead = last.stat("dead_fraction")
+    values = {last.keys[i].layer: float(dead[i]) for i in acts if not np.isnan(dead[i])}
+    ranked = sorted(values, key=lambda layer: -values[layer])
+    got = section("worst layers by dead fraction")
+    assert len(got) == min(2, len(values))
+    assert [values[layer] for layer in got] == [values[layer] for layer in ranked[:2]]
+    assert got[0] == "1"  # the ReLU with dead units
+    assert values["1"] == 0.25
+    full = report(run)
+    assert "first non-finite" in full
+    assert "truncated" not in full
+
+
+def test_report_of_an_empty_and_a_clean_run(tmp_path: Path) -> None:
+    text = report(RunData(tmp_path / "x.jsonl", {}))
+    assert "steps recorded: 0" in text
+    assert "last loss: n/a" in text
+    assert "first non-finite: none" in text
+    path = tmp_path / "clean.jsonl"
+    train(path, steps=2, nan_step=None)
+    assert "first non-finite: none" in report(read_run(path))
+
+
+# -- a killed process ---------------------------------------------------------------------------------------
+
+CHILD = textwrap.dedent(
+    """
+    import sys, torch, streamwatch as sw
+    from streamwatch.sinks._runfile import RunFile
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    watch = sw.observe(model, opt, sinks=[RunFile(sys.argv[1])], overflow="block")
+    for _ in range(1_000_000):
+        x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits, y)
+        opt.zero_grad(); loss.backward(); opt.step()
+        watch.step(loss=loss, outputs=logits, targets=y, batch_size=16)
+    """
+)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+def test_a_killed_process_leaves_every_completed_step(tmp_path: Path) -> None:
+    path = tmp_path / "killed.jsonl"
+    wanted = 20
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(path)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # poll the file itself until enough steps were flushed
+            if path.exists() and len(step_lines(path)) >= wanted:
+                break
+            if child.poll() is not None:
+                pytest.fail(f"the child exited early: {child.stderr.read().decode() if child.stderr else ''}")
+            if time.monotonic() > deadline:
+                pytest.fail("the child did not write enough steps in time")
+            time.sleep(0.01)
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        if child.stderr is not None:
+            child.stderr.close()
+    complete = len(step_lines(path))
+    assert complete >= wanted
+    run = read_run(path)
+    assert [r.step for r in run.records] == list(range(complete))  # every completed step, in order
+    assert run.last_good_step == complete - 1
+    assert all(np.isfinite(r.scalars["loss"]) and r.table.shape[1] == len(COLUMNS) for r in run.records)
+    assert run.truncated == (not path.read_bytes().endswith(b"\n"))
