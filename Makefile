@@ -7,8 +7,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
-.PHONY: env test lint format bench dashboards clean
+.PHONY: env demo test lint format bench dashboards clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +18,10 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 env: $(VENV)/.installed
+
+# The first-run command: a real training run with the live view, /metrics and a run file (Ctrl-C ends it).
+demo: env
+	$(PY) -m streamwatch demo $(DEMO_ARGS)
 
 # pytest exits 5 when it collected nothing: that is a failure here, never a pass.
 test: env

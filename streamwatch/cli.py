@@ -1,5 +1,6 @@
-"""The ``streamwatch`` command: ``demo`` (a real training run, observed, served and recorded) and
-``report`` (a summary of a recorded run).
+"""The ``streamwatch`` command: ``demo`` (a real training run, observed, served and recorded, with a live
+console view), ``report`` (a summary of a recorded run), ``replay`` (a recorded run served on /metrics
+again) and ``plot`` (a recorded run as a PNG).
 
 ``streamwatch demo`` trains a small MLP on **synthetic** data — four Gaussian clusters in 20 dimensions,
 generated from a fixed seed, so nothing is downloaded — with :func:`streamwatch.observe` on, serves
@@ -15,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import sys
 import time
@@ -51,6 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="summarise a recorded run (a run directory or its run file)")
     report.add_argument("run", type=Path)
     report.add_argument("--top", type=int, default=5, help="how many worst layers to list")
+    replay = commands.add_parser("replay", help="serve a recorded run's series on /metrics again")
+    replay.add_argument("run", type=Path)
+    replay.add_argument("--port", type=int, default=9400, help="/metrics port (0: any free)")
+    replay.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
+    replay.add_argument(
+        "--speed", type=float, default=10.0, help="steps per second (0: the last step at once)"
+    )
+    replay.add_argument("--loop", action="store_true", help="start over at the end")
+    plot = commands.add_parser("plot", help="draw a recorded run as a PNG")
+    plot.add_argument("run", type=Path)
+    plot.add_argument("-o", "--output", type=Path, default=Path("run.png"), help="the PNG to write")
     return parser
 
 
@@ -58,9 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "demo":
-            return _demo(args)
-        return _report(args)
+        return {"demo": _demo, "report": _report, "replay": _replay, "plot": _plot}[args.command](args)
     except (FileNotFoundError, ValueError, OSError) as err:  # a clear line, never a traceback
         print(f"streamwatch {args.command}: error: {err}", file=sys.stderr)
         return 2
@@ -93,6 +104,33 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from streamwatch._replay import Replay
+    from streamwatch.sinks._runfile import read_run
+
+    run = read_run(_run_file(args.run))
+    with Replay(run, port=args.port, host=args.host, speed=args.speed, loop=args.loop).start() as replay:
+        print(f"replaying {len(run.records)} steps on {replay.url} at {args.speed:g} steps/s", flush=True)
+        try:
+            while not replay.wait_until_done(timeout=1.0) or args.loop:
+                pass
+            print("replay done: serving the last step until Ctrl-C", flush=True)
+            while True:
+                time.sleep(1.0)
+        except KeyboardInterrupt:
+            print("\nreplay stopped", flush=True)
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from streamwatch._plot import plot
+    from streamwatch.sinks._runfile import read_run
+
+    out = plot(read_run(_run_file(args.run)), args.output)
+    print(f"wrote {out}", flush=True)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
@@ -106,7 +144,7 @@ def _demo(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)
-    centers = torch.randn(CLASSES, FEATURES, generator=g) * 2.0
+    centers = torch.randn(CLASSES, FEATURES, generator=g) * 0.3  # overlapping: accuracy tops out below 100 %
     torch.manual_seed(0)
     widths = [FEATURES, *[args.hidden] * args.layers]
     blocks: list[nn.Module] = []
@@ -116,12 +154,19 @@ def _demo(args: argparse.Namespace) -> int:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     run_file = RunFile(run_dir / "run.jsonl")
     print("streamwatch demo: synthetic data (4 Gaussian clusters in 20-D, seed 0), no download", flush=True)
-    if not args.no_live:  # the rich live view is issue 6's next part: say so, never pretend
-        print("(the live console view is not in this release yet: printing log lines)", flush=True)
     step = 0
-    with sw.observe(model, opt, every=args.every, sinks=[run_file]) as watch:
+    with sw.observe(model, opt, every=args.every, sinks=[run_file]) as watch, contextlib.ExitStack() as stack:
         exporter = watch.expose(port=args.port, run="demo")
         print(f"serving {exporter.url}; run file {run_dir / 'run.jsonl'}", flush=True)
+        view = None
+        if not args.no_live:
+            try:
+                from streamwatch._live import LiveView
+            except ImportError as err:  # rich is the demo extra
+                raise ValueError(
+                    f"the live view needs rich (pip install 'streamwatch[demo]'), or pass --no-live: {err}"
+                ) from err
+            view = stack.enter_context(LiveView(watch, total_steps=args.steps, url=exporter.url))
         try:
             for step in range(args.steps):
                 y = torch.randint(0, CLASSES, (args.batch,), generator=g)
@@ -132,7 +177,9 @@ def _demo(args: argparse.Namespace) -> int:
                 loss.backward()
                 opt.step()
                 watch.step(loss=loss, outputs=logits, targets=y, batch_size=args.batch)
-                if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+                if view is not None:
+                    view.update(step + 1)
+                elif (step + 1) % args.log_every == 0 or step + 1 == args.steps:
                     _log(watch, step)
             if args.linger > 0:
                 watch.flush()

@@ -128,3 +128,39 @@ def test_the_parser_has_the_documented_options() -> None:
     assert (args.steps, args.port, args.hidden, args.no_live) == (7, 9500, 32, True)
     with pytest.raises(SystemExit):
         build_parser().parse_args([])
+
+
+@pytest.mark.timeout(120)
+def test_live_view_replay_and_plot_from_the_command_line(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    demo = _streamwatch("demo", "--steps", "40", "--port", "0", "--run-dir", str(run_dir), cwd=tmp_path)
+    out, err = demo.communicate(timeout=100)
+    assert demo.returncode == 0, err
+    assert "40/40 steps" in out  # the live view's last frame
+    assert "activation l2" in out
+    assert "done: 40 steps, 40 records, 0 dropped" in out
+
+    plot = _streamwatch("plot", str(run_dir), "-o", str(tmp_path / "run.png"), cwd=tmp_path)
+    out, err = plot.communicate(timeout=100)
+    assert plot.returncode == 0, err
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "run.png").stat().st_size > 20_000
+
+    replay = _streamwatch("replay", str(run_dir), "--port", "0", "--speed", "0", cwd=tmp_path)
+    try:
+        assert replay.stdout is not None
+        line = replay.stdout.readline()
+        match = re.search(r"on (http://127\.0\.0\.1:\d+/metrics)", line)
+        assert match, line
+        url = match.group(1)
+        while "replay done" not in line:
+            line = replay.stdout.readline()
+            assert line
+        body = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert re.search(r"streamwatch_step\{[^}]*\} 39\.0", body)
+        assert "streamwatch_tensor{" in body
+    finally:
+        replay.send_signal(signal.SIGINT)
+        _, err = replay.communicate(timeout=60)
+    assert replay.returncode == 0, err
+    assert "Traceback" not in err

@@ -1,0 +1,238 @@
+"""Replay a recorded run on ``/metrics``, so Prometheus and Grafana dashboards work after the fact.
+
+A :class:`Replay` feeds the run's step records, one at a time at ``speed`` steps per second, into the
+same "latest values" sink a live :class:`streamwatch.Watch` keeps, and serves it with the live exporter's
+collector: the families, names and labels are those the exporter would have served at that record
+(``streamwatch_tensor``, ``streamwatch_loss``, ``streamwatch_step``, ...), with the identity labels
+``run`` (``run=``, else the run file's directory name), ``rank`` (the records'), ``local_rank``,
+``world_size`` and ``host``. The monitoring's own counters (records dropped, queue length, ...) report the
+replay: records replayed so far, nothing dropped.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import threading
+import time
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from streamwatch._observe import WatchStatistics, _Latest
+from streamwatch._record import Sample
+from streamwatch.sinks._prometheus import _Collector, _render_app, identity
+
+if TYPE_CHECKING:
+    from streamwatch.sinks._runfile import RunData
+
+__all__ = ["Replay"]
+
+
+class _ReplayWatch:
+    """The part of a Watch the exporter's collector reads: ``_latest``, ``snapshot()``, ``statistics()``."""
+
+    def __init__(self) -> None:
+        self._latest = _Latest()
+        self._metrics: tuple[Any, ...] = ()
+
+    def snapshot(self) -> list[Sample]:
+        return self._latest.samples()
+
+    def statistics(self) -> WatchStatistics:
+        n = self._latest.records
+        return WatchStatistics(
+            steps=n,
+            sampled=n,
+            records_received=n,
+            dropped_oldest=0,
+            dropped_newest=0,
+            slots_exhausted=0,
+            queue_len=0,
+            queue_high_water=0,
+            worker_lag_seconds=math.nan,
+            skipped={},
+            hook_errors=0,
+            pipeline_failures=0,
+            kernel="replay",
+        )
+
+
+class Replay:
+    """Serve a recorded run's series on ``http://host:port/metrics``, stepping through its records.
+
+    Args:
+        run: a run file read back with :func:`streamwatch.sinks._runfile.read_run`.
+        port: the port to serve on (0 picks a free one; see :attr:`url`).
+        host: the interface to bind.
+        speed: records per second; ``0`` jumps straight to the last record.
+        loop: start over from the first record after the last one (forever, until :meth:`close`).
+        run_name: the ``run`` label (default: the name of the run file's directory).
+        series_budget: as for :meth:`streamwatch.Watch.expose`.
+
+    Raises:
+        ValueError: a bad argument.
+
+    Example::
+
+        from streamwatch.sinks._runfile import read_run
+        with Replay(read_run("runs/a/run.jsonl"), speed=20) as replay:  # started
+            print(replay.url)
+            replay.wait_until_done(timeout=60)
+    """
+
+    def __init__(
+        self,
+        run: RunData,
+        *,
+        port: int = 9400,
+        host: str = "127.0.0.1",
+        speed: float = 10.0,
+        loop: bool = False,
+        run_name: str | None = None,
+        series_budget: int = 5000,
+    ) -> None:
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+            raise ValueError(f"Expected `port` to be an int in [0, 65535], got {port!r}")
+        if (
+            isinstance(speed, bool)
+            or not isinstance(speed, int | float)
+            or not speed >= 0
+            or math.isinf(speed)
+        ):
+            raise ValueError(
+                f"Expected `speed` to be a finite number >= 0 (records per second), got {speed!r}"
+            )
+        if isinstance(series_budget, bool) or not isinstance(series_budget, int) or series_budget < 1:
+            raise ValueError(f"Expected `series_budget` to be a positive int, got {series_budget!r}")
+        self.run = run
+        self.port = port
+        self.host = host
+        self.speed = float(speed)
+        self.loop = bool(loop)
+        labels = identity(run_name if run_name is not None else (run.path.resolve().parent.name or "run"))
+        if run.records:
+            labels["rank"] = str(run.records[0].rank)
+        self.labels = labels
+        self._watch = _ReplayWatch()
+        self._collector = _Collector(self._watch, labels, series_budget)  # type: ignore[arg-type]
+        self._server: Any = None
+        self._threads: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.url = f"http://{host}:{port}/metrics"
+
+    @property
+    def current_step(self) -> int | None:
+        """The step of the record served now (None before the first)."""
+        return self._watch._latest.step
+
+    def start(self) -> Replay:
+        """Start serving (an HTTP server thread) and stepping (a thread advancing through the records).
+
+        Raises:
+            OSError: the port is in use (the message names it and the fix).
+            RuntimeError: already started or closed.
+        """
+        with self._lock:
+            if self._closed or self._server is not None:
+                raise RuntimeError("Replay.start(): already started or closed; create another Replay")
+            self._serve()
+            stepper = threading.Thread(target=self._step_through, name="streamwatch-replay", daemon=True)
+            self._threads.append(stepper)
+            stepper.start()
+        return self
+
+    def _serve(self) -> None:
+        from wsgiref.simple_server import make_server
+
+        from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
+
+        try:
+            self._server = make_server(
+                self.host,
+                self.port,
+                _render_app(self._collector),
+                ThreadingWSGIServer,
+                handler_class=_SilentHandler,
+            )
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise OSError(
+                    errno.EADDRINUSE,
+                    f"streamwatch replay: port {self.port} on {self.host} is already in use; pass "
+                    "Replay(port=...) another port (port=0 picks a free one), or stop the process that "
+                    "holds it",
+                ) from err
+            raise
+        self.port = self._server.server_address[1]
+        self.url = f"http://{self.host}:{self.port}/metrics"
+        server = threading.Thread(
+            target=self._server.serve_forever, name="streamwatch-replay-metrics", daemon=True
+        )
+        self._threads.append(server)
+        server.start()
+
+    def _step_through(self) -> None:
+        records = self.run.records
+        latest = self._watch._latest
+        try:
+            while not self._stop.is_set():
+                if self.speed == 0:
+                    for record in records:
+                        latest.send(record)
+                else:
+                    interval = 1.0 / self.speed
+                    start = time.monotonic()
+                    for i, record in enumerate(records):
+                        delay = start + i * interval - time.monotonic()
+                        if delay > 0 and self._stop.wait(delay):
+                            return
+                        latest.send(record)
+                if not self.loop or not records:
+                    return
+                if self.speed and self._stop.wait(1.0 / self.speed):
+                    return
+                fresh = _Latest()  # start over: the first record's values, not the last run's
+                fresh.records = latest.records
+                self._watch._latest = latest = fresh
+        finally:
+            self._done.set()
+
+    def wait_until_done(self, timeout: float | None = None) -> bool:
+        """Wait until the last record is served (never, with ``loop=True``, until :meth:`close`).
+
+        Returns:
+            Whether it was done within ``timeout`` seconds.
+        """
+        return self._done.wait(timeout)
+
+    def close(self) -> None:
+        """Stop stepping and serving, join the threads. Idempotent."""
+        with self._lock:
+            self._closed = True
+            self._stop.set()
+            if self._server is not None:
+                self._server.shutdown()
+                self._server.server_close()
+                self._server = None
+            threads, self._threads = self._threads, []
+        for thread in threads:
+            thread.join(timeout=5)
+
+    def __enter__(self) -> Replay:
+        if self._server is None:
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Replay {str(self.run.path)!r} at {self.url}, step {self.current_step}>"

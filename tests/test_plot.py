@@ -1,0 +1,136 @@
+"""plot(): a recorded run drawn as a PNG, and the values it draws (series())."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import streamwatch as sw
+from streamwatch._plot import plot, series
+from streamwatch._taps import DEFAULT_TAPS
+from streamwatch.sinks._runfile import RunData, RunFile, read_run
+
+STEPS = 12
+
+
+def _train(path: Path, taps: tuple[str, ...] = DEFAULT_TAPS) -> RunData:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 3),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
+    with sw.observe(model, opt, sinks=[RunFile(path)], cadence={"param": 1, "update": 1}, taps=taps) as watch:
+        for _ in range(STEPS):
+            opt.zero_grad()
+            out = model(x)
+            loss = torch.nn.functional.cross_entropy(out, y)
+            loss.backward()
+            opt.step()
+            watch.step(loss=loss, outputs=out, targets=y)
+    return read_run(path)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> RunData:
+    return _train(tmp_path_factory.mktemp("plot") / "run.jsonl")
+
+
+def test_series_matches_a_numpy_reference(run: RunData) -> None:
+    s = series(run)
+    records = run.records
+    assert s["steps"] == [r.step for r in records] == list(range(STEPS))
+    np.testing.assert_array_equal(s["loss"], [r.scalars["loss"] for r in records])
+    np.testing.assert_array_equal(s["accuracy"], [r.scalars["accuracy"] for r in records])
+    assert all(math.isnan(v) for v in s["eval_accuracy"])
+    assert sorted(s["grad_l2"]) == sorted(s["update_ratio"]) == ["0", "2", "4"]
+    assert sorted(s["dead"]) == ["0", "1", "2", "3", "4"]
+    for j, record in enumerate(records):
+        keys = record.keys
+        table = np.asarray(record.table)
+        sumsq = table[:, 2]
+        for layer in ("0", "2", "4"):
+            (g,) = [
+                i for i, k in enumerate(keys) if (k.layer, k.kind, k.name) == (layer, "param_grad", "weight")
+            ]
+            assert s["grad_l2"][layer][j] == pytest.approx(math.sqrt(sumsq[g]), rel=1e-12)
+            u = sum(sumsq[i] for i, k in enumerate(keys) if (k.layer, k.kind) == (layer, "update"))
+            w = sum(sumsq[i] for i, k in enumerate(keys) if (k.layer, k.kind) == (layer, "param"))
+            assert s["update_ratio"][layer][j] == pytest.approx(math.sqrt(u / w), rel=1e-12)
+            assert 0 < s["update_ratio"][layer][j] < 1
+        for layer in ("0", "1", "2", "3", "4"):
+            (a,) = [i for i, k in enumerate(keys) if (k.layer, k.kind) == (layer, "activation")]
+            dead, units = table[a, 8], table[a, 7]
+            assert s["dead"][layer][j] == pytest.approx(dead / units, rel=1e-12)
+
+
+def _colors(rgb: np.ndarray) -> int:
+    """Distinct RGB colours (packed into one int per pixel: np.unique(axis=0) is slow)."""
+    q = (rgb * 255).round().astype(np.uint32)
+    return len(np.unique(q[..., 0] << 16 | q[..., 1] << 8 | q[..., 2]))
+
+
+def _check_png(path: Path) -> np.ndarray:
+    from matplotlib.image import imread
+
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 20_000
+    image = imread(path)
+    assert image.shape[:2] == (900, 1400)  # figsize (14, 9) at 100 dpi
+    rgb = image[..., :3]
+    assert rgb.std() > 0.05
+    assert _colors(rgb) > 200
+    return rgb
+
+
+def test_plot_writes_a_png_with_four_panels(run: RunData, tmp_path: Path) -> None:
+    out = plot(run, tmp_path / "run.png")
+    assert out == tmp_path / "run.png"
+    rgb = _check_png(out)
+    # the heatmap: top right quadrant, inside the axes (a band of the middle of it)
+    h, w = rgb.shape[:2]
+    band = rgb[int(h * 0.15) : int(h * 0.4), int(w * 0.6) : int(w * 0.8)]
+    assert band.std() > 0.05
+    assert _colors(band) > 10
+
+
+def test_plot_top_limits_layers(run: RunData, tmp_path: Path) -> None:
+    out = plot(run, tmp_path / "top.png", top=2)
+    _check_png(out)
+    with pytest.raises(ValueError, match="top"):
+        plot(run, tmp_path / "bad.png", top=0)
+
+
+def test_plot_without_gradients_says_no_data(tmp_path: Path) -> None:
+    run = _train(tmp_path / "run.jsonl", taps=("activation", "param", "update"))
+    assert not any(k.kind == "param_grad" for r in run.records for k in r.keys)
+    s = series(run)
+    assert s["grad_l2"] == {}
+    assert s["dead"]
+    _check_png(plot(run, tmp_path / "run.png"))
+
+
+def test_plot_empty_run(tmp_path: Path) -> None:
+    path = tmp_path / "empty.jsonl"
+    RunFile(path).close()
+    run = read_run(path)
+    out = plot(run, tmp_path / "empty.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_importing_streamwatch_does_not_import_matplotlib() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, streamwatch, streamwatch._plot; print('matplotlib' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"

@@ -1,0 +1,147 @@
+"""Replay: a recorded run served on /metrics with the live exporter's families and labels."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+import streamwatch as sw
+from streamwatch._replay import Replay
+from streamwatch.sinks._runfile import RunData, RunFile, read_run
+
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> RunData:
+    path = tmp_path_factory.mktemp("myrun") / "run.jsonl"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(32, 6), torch.randint(0, 3, (32,))
+    with sw.observe(model, opt, sinks=[RunFile(path)], cadence={"param": 1, "update": 1}) as watch:
+        for _ in range(STEPS):
+            opt.zero_grad()
+            out = model(x)
+            loss = torch.nn.functional.cross_entropy(out, y)
+            loss.backward()
+            opt.step()
+            watch.step(loss=loss, outputs=out, targets=y)
+    return read_run(path)
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _value(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    found = [v for (n, ls), v in samples.items() if n == name and labels.items() <= dict(ls).items()]
+    assert len(found) == 1, (name, labels, found)
+    return found[0]
+
+
+def test_speed_zero_serves_the_last_record(run: RunData) -> None:
+    last = run.records[-1]
+    with Replay(run, port=0, speed=0) as replay:
+        assert replay.wait_until_done(timeout=10)
+        assert replay.current_step == last.step == STEPS - 1
+        samples = _scrape(replay.url)
+    assert _value(samples, "streamwatch_step") == last.step
+    assert _value(samples, "streamwatch_loss", phase="train") == last.scalars["loss"]
+    assert _value(samples, "streamwatch_accuracy", phase="train") == last.scalars["accuracy"]
+    ident = {"run": "myrun0", "rank": str(last.rank), "local_rank": "0", "world_size": "1"}
+    assert _value(samples, "streamwatch_info", **ident) == 1
+    checked = 0
+    for stat in ("count", "sumsq", "min", "max", "l2", "mean", "dead_fraction"):
+        values = last.stat(stat)
+        for i, key in enumerate(last.keys):
+            if values[i] != values[i]:  # NaN: absent, as the live exporter does
+                wanted = {**key.labels(), "stat": stat}.items()
+                tensors = [set(ls) for (n, ls) in samples if n == "streamwatch_tensor"]
+                assert not [ls for ls in tensors if wanted <= ls]
+                continue
+            got = _value(samples, "streamwatch_tensor", **ident, **key.labels(), stat=stat)
+            assert got == float(values[i]), (key, stat)
+            checked += 1
+    assert checked > 50
+
+
+def test_speed_advances_to_the_last_step(run: RunData) -> None:
+    with Replay(run, port=0, speed=50).start() as replay:
+        seen: set[float] = set()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            samples = _scrape(replay.url)
+            step = [v for (n, _), v in samples.items() if n == "streamwatch_step"]
+            seen.update(step)
+            if step == [STEPS - 1]:
+                break
+        assert seen, "never served a step"
+        assert max(seen) == STEPS - 1
+        assert replay.wait_until_done(timeout=5)
+
+
+def test_close_stops_serving(run: RunData) -> None:
+    replay = Replay(run, port=0, speed=0).start()
+    url = replay.url
+    assert _scrape(url)
+    replay.close()
+    replay.close()  # idempotent
+    with pytest.raises(urllib.error.URLError):
+        _scrape(url)
+
+
+def test_loop_starts_over(run: RunData) -> None:
+    with Replay(run, port=0, speed=200, loop=True) as replay:
+        reached_last = restarted = False
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not restarted:
+            step = replay.current_step
+            reached_last = reached_last or step == STEPS - 1
+            restarted = reached_last and step is not None and step < STEPS - 1
+            time.sleep(0.001)
+        assert restarted
+        assert not replay.wait_until_done(timeout=0)
+    assert replay.wait_until_done(timeout=5)
+
+
+def test_port_in_use_names_port_and_fix(run: RunData) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        replay = Replay(run, port=port, speed=0)
+        with pytest.raises(OSError, match=rf"port {port}.*Replay\(port=\.\.\.\)"):
+            replay.start()
+        replay.close()
+
+
+def test_bad_arguments(run: RunData) -> None:
+    with pytest.raises(ValueError, match="speed"):
+        Replay(run, speed=-1)
+    with pytest.raises(ValueError, match="port"):
+        Replay(run, port=70000)
+
+
+def test_run_label_argument_and_empty_run(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    RunFile(path).close()
+    with Replay(read_run(path), port=0, speed=0, run_name="custom") as replay:
+        assert replay.wait_until_done(timeout=5)
+        assert replay.current_step is None
+        samples = _scrape(replay.url)
+    assert _value(samples, "streamwatch_info", run="custom") == 1
+    assert not [n for n, _ in samples if n == "streamwatch_step"]
