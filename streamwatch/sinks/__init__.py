@@ -5,6 +5,7 @@ from streamwatch.sinks._callback import Callback, Collect, callback, collect
 from streamwatch.sinks._prometheus import DEFAULT_PORT, Exporter
 from streamwatch.sinks._runfile import RunData, RunFile, RunFileError, read_run, report
 from streamwatch.sinks._subscription import Subscription, subscribe
+from streamwatch.sinks._tensorboard import TensorBoard
 
 __all__ = [
     "DEFAULT_PORT",
@@ -15,6 +16,7 @@ __all__ = [
     "RunFile",
     "RunFileError",
     "Subscription",
+    "TensorBoard",
     "callback",
     "collect",
     "read_run",

@@ -1,0 +1,62 @@
+"""The TensorBoard sink on a real training run, read back with TensorBoard's own event reader."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import streamwatch as sw
+from streamwatch import SeriesKey
+
+event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+
+
+def test_scalars_and_histograms_reach_tensorboard(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    buckets = sw.metrics.Buckets(lo=-4, hi=2, per_decade=2)
+    board = sw.sinks.TensorBoard(tmp_path / "tb", buckets=buckets)
+    records = sw.sinks.collect()
+    metrics = [*sw.DEFAULT_METRICS, sw.metrics.Histogram(kinds=("activation",), buckets=buckets)]
+    with sw.observe(model, opt, metrics=metrics, sinks=[board, records]) as watch:
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            watch.step(loss=loss, outputs=out, targets=y, batch_size=16)
+    reader = event_accumulator.EventAccumulator(
+        str(tmp_path / "tb"), size_guidance={"scalars": 0, "histograms": 0}
+    )
+    reader.Reload()
+    tags = reader.Tags()
+    loss = [(e.step, e.value) for e in reader.Scalars("loss")]
+    assert loss == [(r.step, pytest.approx(r.scalars["loss"], rel=1e-6)) for r in records.items]
+    last = records.items[-1]
+    row = last.keys.index(SeriesKey("train", "2", "param_grad", "weight"))
+    l2 = reader.Scalars("train/param_grad/2.weight/l2")[-1]
+    assert l2.step == 2
+    assert l2.value == pytest.approx(float(last.stat("l2")[row]), rel=1e-6)
+    histogram = reader.Histograms("train/activation/1/values")[-1]
+    counts = last.extras[(SeriesKey("train", "1", "activation", ""), "histogram")]
+    assert histogram.histogram_value.num == pytest.approx(float(counts[1:].sum()))
+    assert sum(histogram.histogram_value.bucket) == pytest.approx(float(counts[1:].sum()))
+    assert not [t for t in tags["scalars"] if "nan" in t.lower()]
+    assert all(math.isfinite(e.value) for t in tags["scalars"] for e in reader.Scalars(t))
+
+
+def test_it_refuses_what_is_not_a_step_record(tmp_path: Path) -> None:
+    board = sw.sinks.TensorBoard(tmp_path / "tb")
+    with pytest.raises(TypeError, match="takes StepRecords"):
+        board.send(1.0)
+    board.close()
+    board.close()  # idempotent
