@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-import streamwatch as sw
 from streamwatch._plot import plot, series
 from streamwatch._taps import DEFAULT_TAPS
 from streamwatch.sinks._runfile import RunData, RunFile, read_run
+from tests.recording import record_run
 
 STEPS = 12
 
@@ -26,17 +26,8 @@ def _train(path: Path, taps: tuple[str, ...] = DEFAULT_TAPS) -> RunData:
         torch.nn.ReLU(),
         torch.nn.Linear(32, 3),
     )
-    opt = torch.optim.SGD(model.parameters(), lr=0.2)
     x, y = torch.randn(64, 8), torch.randint(0, 3, (64,))
-    with sw.observe(model, opt, sinks=[RunFile(path)], cadence={"param": 1, "update": 1}, taps=taps) as watch:
-        for _ in range(STEPS):
-            opt.zero_grad()
-            out = model(x)
-            loss = torch.nn.functional.cross_entropy(out, y)
-            loss.backward()
-            opt.step()
-            watch.step(loss=loss, outputs=out, targets=y)
-    return read_run(path)
+    return record_run(path, model, x, y, STEPS, lr=0.2, taps=taps)
 
 
 @pytest.fixture(scope="module")

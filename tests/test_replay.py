@@ -12,9 +12,9 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-import streamwatch as sw
 from streamwatch._replay import Replay
 from streamwatch.sinks._runfile import RunData, RunFile, read_run
+from tests.recording import record_run
 
 STEPS = 10
 
@@ -24,17 +24,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> RunData:
     path = tmp_path_factory.mktemp("myrun") / "run.jsonl"
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(32, 6), torch.randint(0, 3, (32,))
-    with sw.observe(model, opt, sinks=[RunFile(path)], cadence={"param": 1, "update": 1}) as watch:
-        for _ in range(STEPS):
-            opt.zero_grad()
-            out = model(x)
-            loss = torch.nn.functional.cross_entropy(out, y)
-            loss.backward()
-            opt.step()
-            watch.step(loss=loss, outputs=out, targets=y)
-    return read_run(path)
+    return record_run(path, model, x, y, STEPS, lr=0.1)
 
 
 def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
