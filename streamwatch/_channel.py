@@ -52,6 +52,7 @@ from __future__ import annotations
 import asyncio
 import math
 import queue
+import sys
 import threading
 import time
 import warnings
@@ -62,7 +63,6 @@ from types import TracebackType
 from typing import Any, Generic, Literal, TypeVar, cast
 
 import anyio.lowlevel
-import sniffio
 
 from streamwatch._exceptions import ChannelClosed, Empty, EndOfChannel, Full, Lagged, RecvTimeout, SendTimeout
 
@@ -275,12 +275,27 @@ def _wake_all(wakers: list[Waker]) -> None:
     wakers.clear()
 
 
+def _trio_token() -> Any:
+    """The running trio loop's token, or None outside trio.
+
+    Read without importing trio (and without sniffio, which anyio no longer depends on): code can only
+    be running under trio if trio is already imported.
+    """
+    trio = sys.modules.get("trio")
+    if trio is None:
+        return None
+    try:
+        return trio.lowlevel.current_trio_token()
+    except RuntimeError:  # trio is imported, but this is not a trio task
+        return None
+
+
 def _async_waker() -> tuple[Waker, Callable[[], Any]]:
     """A ``(wake, wait)`` pair for the running event loop; ``wake`` may be called from any thread."""
-    if sniffio.current_async_library() == "trio":
+    token = _trio_token()
+    if token is not None:
         import trio
 
-        token = trio.lowlevel.current_trio_token()
         trio_event = trio.Event()
 
         def wake_trio() -> None:

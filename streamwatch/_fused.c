@@ -2,8 +2,9 @@
  *
  * In one read of the data it yields sum, sum of squares, min, max, the nonzero count and the exact
  * non-finite count (NaN and ±inf), plus per-unit activity for dead units and activation rates. Plain
- * C without torch headers: it builds in about a second with the system compiler and is loaded with
- * ctypes (see _kernel.py).
+ * C without torch headers: setuptools compiles it when the package is built (setup.py) into the
+ * streamwatch._fused extension file, which _kernel.py loads from the package directory with ctypes.
+ * Nothing is compiled at run time.
  *
  * Contract of streamwatch_summarize_f32/_f64(x, N, A, U, B, act, out, units_out, flags):
  *   x          contiguous data, viewed as [N, A, U, B]: N samples, U units (the unit dimension), A the
@@ -87,4 +88,5 @@ typedef struct {
 #undef SUFFIX
 #undef LOG2_ABS
 
+/* The version of the signatures above; _kernel.py (_ABI) refuses a library whose version differs. */
 int streamwatch_abi_version(void) { return 4; }

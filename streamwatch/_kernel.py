@@ -1,4 +1,4 @@
-"""The fused CPU summary kernel: built once with the system C compiler, loaded with ctypes.
+"""The fused CPU summary kernel: built with the package, loaded with ctypes from the package directory.
 
 Eager torch needs four to five passes per tensor for the summary (sum, sum of squares, min/max, a sign
 mask and its count) plus ~10 µs of dispatch each. ``_fused.c`` does it in one pass — and counts
@@ -7,12 +7,14 @@ loaded with ``ctypes.PyDLL``, which keeps the GIL during the call: releasing it 
 worker thread take the GIL at every call, and the training thread then waited for it to come back —
 measured, a 1 024-element bias took 69 µs instead of 13 µs inside a training loop.
 
-The shared library is compiled on first use into a cache directory (``$STREAMWATCH_CACHE_DIR``, else
-``$XDG_CACHE_HOME/streamwatch``, else ``~/.cache/streamwatch``), named by a hash of the sources and the
-compiler command, and reused by every later process. Building takes a few seconds, once. Without a C
-compiler (or with ``STREAMWATCH_KERNEL=torch``) streamwatch falls back to the eager torch summary and
-says why in :func:`status` and one logged warning; results are the same apart from the non-finite
-column, which is then a 0/1 presence flag unless ``stats`` asks for the exact count.
+The library is compiled when the package is built (``setup.py``: a wheel carries it, ``pip install .``
+and ``pip install -e .`` compile it) and installed next to this file as ``_fused<EXT_SUFFIX>``. At run
+time nothing is compiled and nothing is loaded from anywhere but this package's own directory. If the
+library is missing (installed without a C compiler) or fails to load, streamwatch falls back to the
+eager torch summary with one ``RuntimeWarning`` that says how to get the fused kernel, and
+:func:`status` says why; ``STREAMWATCH_KERNEL=torch`` forces the torch path without a warning. Results
+are the same apart from the non-finite column, which is then a 0/1 presence flag unless ``stats`` asks
+for the exact count.
 
 The kernel serves CPU tensors that are contiguous float32/float64; everything else (CUDA, half
 precision, strided views, code being traced by ``torch.compile``) takes the torch path.
@@ -20,7 +22,7 @@ precision, strided views, code being traced by ``torch.compile``) takes the torc
 Example:
     >>> import numpy as np, torch
     >>> from streamwatch import _kernel
-    >>> kernel = _kernel.load()  # None without a C compiler
+    >>> kernel = _kernel.load()  # None when the library is not installed
     >>> out = np.zeros(6)
     >>> kernel.summarize(torch.tensor([1.0, -2.0, 0.0, float("inf")]), out)
     >>> out.tolist()  # sum, sumsq, min, max, nonzero, nonfinite
@@ -30,15 +32,10 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
+import importlib.machinery
 import os
-import platform
-import shutil
-import subprocess
-import sysconfig
-import tempfile
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +44,17 @@ import torch
 
 __all__ = ["NSTATS", "Activity", "FusedKernel", "load", "status"]
 
-_LOG = logging.getLogger("streamwatch")
-_SOURCES = ("_fused.c", "_fused_body.h")
-_FLAGS = ("-O3", "-funroll-loops", "-std=gnu11", "-shared", "-fPIC", "-fno-math-errno")
 _ABI = 4
+"""The version of the C functions' signatures this file calls; ``_fused.c`` returns its own from
+``streamwatch_abi_version()``, and :func:`_open` refuses a library whose version differs."""
+_LAYOUT_CACHE = 512
+"""Tensor layouts remembered per kernel: shapes repeat every step, but a model fed a new shape every
+step (variable sequence lengths) must not grow the cache without bound."""
+_FAST_PATH_HINT = (
+    "reinstall streamwatch where a C compiler is available (pip install --force-reinstall "
+    "--no-binary streamwatch streamwatch, or pip install . from a checkout), or install a wheel "
+    "built for this platform"
+)
 NSTATS = 6
 """Values the kernel writes per tensor: sum, sumsq, min, max, nonzero, nonfinite."""
 _RTOL, _ATOL = 1e-5, 1e-8  # torch.isclose's defaults, as in _summary._inside
@@ -177,6 +181,8 @@ class FusedKernel:
         key = (shape, unit_dim)
         found = self._layouts.get(key)
         if found is None:
+            if len(self._layouts) >= _LAYOUT_CACHE:
+                self._layouts.clear()  # cheap to rebuild; keeps memory flat under ever-new shapes
             a = b = 1
             for d in shape[1:unit_dim]:
                 a *= d
@@ -269,7 +275,7 @@ class FusedKernel:
 
 _lock = threading.Lock()
 _loaded: FusedKernel | None = None
-_failure: str | None = None  # why the build failed, once it did (never retried in this process)
+_failure: str | None = None  # why the library could not be used, once that is known (never retried)
 
 
 def _forced_off() -> bool:
@@ -293,62 +299,34 @@ def status() -> str:
     return "not loaded yet"
 
 
-def _cache_dir() -> Path:
-    configured = os.environ.get("STREAMWATCH_CACHE_DIR")
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "streamwatch"
+def library_path(directory: Path | None = None) -> Path | None:
+    """The installed kernel library in ``directory`` (default: this package's), or None if there is none.
 
-
-def _compiler() -> str | None:
-    candidates = [
-        os.environ.get("CC"),
-        (sysconfig.get_config_var("CC") or "").split(" ")[0],
-        "cc",
-        "gcc",
-        "clang",
-    ]
-    for candidate in candidates:
-        if candidate and shutil.which(candidate):
+    Only names this interpreter would import an extension module by are considered
+    (``importlib.machinery.EXTENSION_SUFFIXES``), so a library built for another Python is never picked.
+    """
+    here = Path(__file__).parent if directory is None else directory
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = here / f"_fused{suffix}"
+        if candidate.is_file():
             return candidate
     return None
 
 
-def _build(compiler: str) -> Path:
-    here = Path(__file__).parent
-    digest = hashlib.sha256()
-    for name in _SOURCES:
-        digest.update((here / name).read_bytes())
-    digest.update(" ".join((compiler, *_FLAGS, platform.machine(), platform.system())).encode())
-    directory = _cache_dir()
-    target = directory / f"fused-{digest.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    # Build next to the target and rename into place: atomic, so ranks building at once never see a
-    # half-written library.
-    fd, tmp = tempfile.mkstemp(prefix="fused-", suffix=".so.tmp", dir=directory)
-    os.close(fd)
-    try:
-        subprocess.run(
-            [compiler, *_FLAGS, "-o", tmp, str(here / "_fused.c")],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+def _open(path: Path) -> FusedKernel:
+    """Load the library at ``path`` and check its ABI version: the one place that check lives."""
+    lib = ctypes.PyDLL(str(path))  # keeps the GIL: see the module docstring
+    found = lib.streamwatch_abi_version()
+    if found != _ABI:
+        raise OSError(f"{path} implements kernel ABI {found}, this streamwatch calls ABI {_ABI}")
+    return FusedKernel(lib, path)
 
 
-def load() -> FusedKernel | None:
-    """The fused kernel, building it on first use; None (and :func:`status` says why) if unavailable.
+def load(directory: Path | None = None) -> FusedKernel | None:
+    """The fused kernel from this package's directory; None (and :func:`status` says why) if unavailable.
 
-    Never raises: a failed build is logged once and streamwatch uses the torch path.
+    Never raises and never compiles anything: a missing or unloadable library is warned about once per
+    process (``RuntimeWarning``) and streamwatch uses the torch path. ``directory`` is for tests.
     """
     global _loaded, _failure
     if _forced_off():
@@ -356,17 +334,28 @@ def load() -> FusedKernel | None:
     with _lock:
         if _loaded is not None or _failure is not None:
             return _loaded
+        path = library_path(directory)
         try:
-            compiler = _compiler()
-            if compiler is None:
-                raise OSError("no C compiler found: set CC, or install gcc or clang")
-            path = _build(compiler)
-            lib = ctypes.PyDLL(str(path))  # keeps the GIL: see the module docstring
-            if lib.streamwatch_abi_version() != _ABI:
-                raise OSError(f"{path} has another ABI version; delete it to rebuild")
-            _loaded = FusedKernel(lib, path)
-        except (OSError, subprocess.SubprocessError) as exc:
-            detail = (getattr(exc, "stderr", "") or "").strip()
-            _failure = f"{exc}: {detail}" if detail else str(exc)
-            _LOG.warning("streamwatch: %s; summaries use eager torch (slower on CPU)", status())
-        return _loaded
+            if path is None:
+                raise OSError(
+                    f"no _fused library in {directory or Path(__file__).parent}: streamwatch was installed "
+                    "without a C compiler"
+                )
+            _loaded = _open(path)
+        except (OSError, AttributeError) as exc:  # AttributeError: a library without our symbols
+            _failure = str(exc)
+    if _failure is not None:
+        warnings.warn(
+            f"streamwatch: {status()}; CPU summaries use eager torch (slower). For the fused kernel, "
+            f"{_FAST_PATH_HINT}. Set STREAMWATCH_KERNEL=torch to choose the torch path without this warning.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return _loaded
+
+
+def _reset() -> None:
+    """Forget what :func:`load` found (tests only)."""
+    global _loaded, _failure
+    with _lock:
+        _loaded, _failure = None, None

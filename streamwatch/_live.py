@@ -23,11 +23,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
 
-from rich.console import Console, Group, RenderableType
-from rich.live import Live
-from rich.progress_bar import ProgressBar
-from rich.table import Table
-from rich.text import Text
+try:
+    from rich.console import Console, Group, RenderableType
+    from rich.live import Live
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+    from rich.text import Text
+except ImportError as _err:  # pragma: no cover - rich is installed wherever the tests run
+    raise ImportError(
+        f"streamwatch's live view needs rich: pip install 'streamwatch[demo]' ({_err})"
+    ) from _err
 
 from streamwatch._observe import Sample, Watch, WatchStatistics
 

@@ -166,7 +166,7 @@ def plot(run: RunData, out: str | Path, *, top: int = 12) -> Path:
         ``out``, as a Path.
 
     Raises:
-        ImportError: matplotlib is not installed (``pip install matplotlib``).
+        ImportError: matplotlib is not installed (``pip install 'streamwatch[demo]'``).
         ValueError: ``top`` is not a positive int.
 
     Example::
@@ -181,7 +181,7 @@ def plot(run: RunData, out: str | Path, *, top: int = 12) -> Path:
         from matplotlib.colors import LogNorm
         from matplotlib.figure import Figure
     except ImportError as error:  # pragma: no cover - matplotlib is installed in the test environment
-        raise ImportError("streamwatch plot needs matplotlib: pip install matplotlib") from error
+        raise ImportError("streamwatch plot needs matplotlib: pip install 'streamwatch[demo]'") from error
 
     out = Path(out)
     data = series(run)

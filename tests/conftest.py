@@ -11,8 +11,8 @@ from streamwatch import _kernel
 def summary_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test once with the fused CPU kernel and once with the eager torch summaries.
 
-    The fused kernel needs a C compiler; the test suite requires one (README, Development), so a
-    missing compiler fails here rather than silently testing the fallback twice.
+    The fused kernel is built when the package is installed (``pip install -e .`` with a C compiler,
+    CONTRIBUTING.md); a missing library fails here rather than silently testing the fallback twice.
     """
     if request.param == "torch":
         monkeypatch.setenv("STREAMWATCH_KERNEL", "torch")

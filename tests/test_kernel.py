@@ -7,8 +7,7 @@ multiple of the vector lanes or of the float64 flush chunk, saturation bounds, N
 
 from __future__ import annotations
 
-import ctypes
-import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -328,56 +327,101 @@ def test_float32_sums_stay_accurate_over_millions_of_elements() -> None:
     assert abs(out[1] - x.double().square().sum().item()) / out[1] < 1e-6
 
 
-def test_the_library_is_cached_and_rebuilt_when_missing(tmp_path: Path) -> None:
-    """A fresh cache dir builds the library; a second process reuses it without building."""
+def test_the_installed_library_is_used_with_no_compiler_and_nothing_written_home(tmp_path: Path) -> None:
+    """At run time nothing is compiled and nothing is cached: the library comes from the package
+    directory, with no compiler on PATH, and a monitored run leaves the home directory empty."""
+    home = tmp_path / "home"
+    home.mkdir()
     script = textwrap.dedent(
         """
-        import time
-        from streamwatch import _kernel
-        start = time.perf_counter()
-        kernel = _kernel.load()
-        print(_kernel.status(), round(time.perf_counter() - start, 3))
-        """
-    )
-    env = {**os.environ, "STREAMWATCH_CACHE_DIR": str(tmp_path)}
-    env.pop("STREAMWATCH_KERNEL", None)
-    first = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
-    )
-    assert first.stdout.startswith(f"fused: {tmp_path}"), first.stdout + first.stderr
-    built = sorted(p.name for p in tmp_path.iterdir())
-    assert [name[-3:] for name in built] == [".so"]  # one library, no temporary files left behind
-    mtime = (tmp_path / built[0]).stat().st_mtime_ns
-    second = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
-    )
-    assert second.stdout.split()[:2] == first.stdout.split()[:2]
-    assert (tmp_path / built[0]).stat().st_mtime_ns == mtime  # reused, not rebuilt
-    ctypes.CDLL(str(tmp_path / built[0])).streamwatch_abi_version()
-
-
-def test_without_a_compiler_training_falls_back_to_torch_and_says_why(tmp_path: Path) -> None:
-    script = textwrap.dedent(
-        """
-        import logging, torch, streamwatch as sw
-        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+        import torch, streamwatch as sw
         model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU())
         with sw.observe(model) as watch:
-            model(torch.randn(2, 3)).sum().backward()
-            watch.step()
+            for _ in range(3):
+                model(torch.randn(2, 3)).sum().backward()
+                watch.step()
         print("KERNEL", watch.statistics().kernel)
-        print("ROWS", len(watch.snapshot()) > 0)
         """
     )
-    env = {**os.environ, "STREAMWATCH_CACHE_DIR": str(tmp_path), "CC": "", "PATH": str(tmp_path)}
-    env.pop("STREAMWATCH_KERNEL", None)
+    bare = tmp_path / "bin"  # a PATH with no cc, gcc or clang
+    bare.mkdir()
+    env = {"PATH": str(bare), "HOME": str(home), "CC": "/nonexistent/cc"}
     result = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-W", "error", "-c", script], env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
-    assert "KERNEL torch: the fused CPU kernel is unavailable (no C compiler found" in result.stdout
-    assert "ROWS True" in result.stdout
-    assert "summaries use eager torch" in result.stderr  # logged once, as a warning
+    library = _kernel.library_path()
+    assert library is not None
+    assert library.parent == Path(_kernel.__file__).parent
+    assert f"KERNEL fused: {library}" in result.stdout
+    assert list(home.rglob("*")) == []
+
+
+@pytest.fixture
+def fresh_loader() -> Any:
+    """Let a test load the kernel from elsewhere; the process's loaded kernel is restored after."""
+    saved = (_kernel._loaded, _kernel._failure)
+    _kernel._reset()
+    yield
+    _kernel._loaded, _kernel._failure = saved
+
+
+def test_a_missing_library_falls_back_to_torch_with_one_warning(
+    tmp_path: Path, fresh_loader: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import streamwatch as sw
+
+    monkeypatch.delenv("STREAMWATCH_KERNEL", raising=False)
+    with pytest.warns(RuntimeWarning, match=r"no _fused library in .*installed without a C compiler") as seen:
+        assert _kernel.load(tmp_path) is None
+    assert len(seen) == 1
+    assert "pip install --force-reinstall --no-binary streamwatch streamwatch" in str(seen[0].message)
+    assert "STREAMWATCH_KERNEL=torch" in str(seen[0].message)
+    assert _kernel.load() is None  # decided once per process: no second look, no second warning
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU())
+    with sw.observe(model) as watch:  # the torch path, and no further warning (filterwarnings=error)
+        model(torch.randn(2, 3)).sum().backward()
+        watch.step()
+    assert watch.statistics().kernel.startswith(
+        "torch: the fused CPU kernel is unavailable (no _fused library"
+    )
+    latest = {
+        (s.labels["layer"], s.labels["kind"], s.labels["stat"]): s.value
+        for s in watch.snapshot()
+        if "layer" in s.labels
+    }
+    assert latest[("0", "activation", "count")] == 8
+    assert latest[("0", "activation", "sum")] > 0  # the ReLU's output, summarised by torch
+
+
+def test_an_unloadable_library_falls_back_to_torch_and_names_it(tmp_path: Path, fresh_loader: None) -> None:
+    suffix = _kernel.importlib.machinery.EXTENSION_SUFFIXES[0]
+    (tmp_path / f"_fused{suffix}").write_bytes(b"not a shared library")
+    with pytest.warns(RuntimeWarning, match=rf"_fused{re.escape(suffix)}"):
+        assert _kernel.load(tmp_path) is None
+    assert _kernel.status().startswith("torch: the fused CPU kernel is unavailable (")
+
+
+def test_a_library_of_another_abi_is_refused(
+    tmp_path: Path, fresh_loader: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_kernel, "_ABI", 999)
+    with pytest.warns(RuntimeWarning, match=r"implements kernel ABI 4, this streamwatch calls ABI 999"):
+        assert _kernel.load() is None
+
+
+def test_forcing_the_torch_path_warns_nothing(fresh_loader: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMWATCH_KERNEL", "torch")
+    assert _kernel.load() is None  # filterwarnings=error: a warning would fail this test
+    assert _kernel.status() == "torch: STREAMWATCH_KERNEL=torch"
+
+
+def test_the_layout_cache_stays_bounded_under_ever_new_shapes() -> None:
+    kernel = _kernel.load()
+    assert kernel is not None
+    for n in range(3 * _kernel._LAYOUT_CACHE):
+        assert kernel.layout(torch.Size([n + 1, 3, 5]), 1) == (n + 1, 1, 3, 5)
+    assert len(kernel._layouts) <= _kernel._LAYOUT_CACHE
 
 
 def test_statistics_name_the_kernel_in_use(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,50 @@
+"""Builds streamwatch's fused CPU summary kernel when the package is built (wheel, sdist install, ``-e``).
+
+Everything else about the package is declared in ``pyproject.toml``; this file only adds the C code.
+
+Why a CPython extension module (``streamwatch/_fused<EXT_SUFFIX>``) called through ``ctypes``, rather than
+a plain shared library or Python-API bindings:
+
+- ``build_ext`` is the one build path every installer already knows: it finds the compiler the
+  interpreter was built with, names the file with the interpreter's ABI tag, makes the wheel
+  platform-specific, builds in place for ``pip install -e .`` and ships the sources in the sdist. A
+  plain ``.so`` would need a custom command for each of those.
+- The kernel itself is plain C over raw pointers (``_fused.c``, no ``Python.h``), called with
+  ``ctypes.PyDLL`` (``_kernel.py``): the signatures live in one Python file and the C code knows nothing
+  of Python. ``_fused_module.c`` adds the one thing an extension module must have, an init function,
+  so the file is also a valid (empty) module.
+
+The extension is ``optional``: without a C compiler the install still succeeds, and streamwatch runs
+its eager-torch summaries with one warning that says how to get the fused kernel.
+"""
+
+from __future__ import annotations
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+# -fno-math-errno lets the compiler vectorise; -ffast-math is never used (it breaks NaN/inf handling).
+_GCC_FLAGS = ["-O3", "-funroll-loops", "-std=gnu11", "-fno-math-errno"]
+
+
+class BuildFused(build_ext):
+    """``build_ext`` with the kernel's optimisation flags for GCC-compatible compilers."""
+
+    def build_extensions(self) -> None:
+        if self.compiler.compiler_type == "unix":
+            for ext in self.extensions:
+                ext.extra_compile_args = [*_GCC_FLAGS, *ext.extra_compile_args]
+        super().build_extensions()
+
+
+setup(
+    ext_modules=[
+        Extension(
+            "streamwatch._fused",
+            sources=["streamwatch/_fused.c", "streamwatch/_fused_module.c"],
+            depends=["streamwatch/_fused_body.h"],
+            optional=True,
+        )
+    ],
+    cmdclass={"build_ext": BuildFused},
+)
