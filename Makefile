@@ -30,8 +30,8 @@ test: env
 	exit $$rc
 
 lint: env
-	$(PY) -m ruff check streamwatch tests benchmarks
-	$(PY) -m ruff format --check streamwatch tests benchmarks
+	$(PY) -m ruff check streamwatch tests benchmarks setup.py .ci
+	$(PY) -m ruff format --check streamwatch tests benchmarks setup.py .ci
 	$(PY) -m mypy streamwatch
 
 format: env

@@ -1,5 +1,7 @@
 """streamwatch: a live, low-overhead PyTorch training monitor."""
 
+from importlib import metadata as _metadata
+
 from streamwatch import metrics, ops, sinks
 from streamwatch._channel import (
     OVERFLOW_POLICIES,
@@ -68,3 +70,8 @@ __all__ = [
     "sinks",
     "source",
 ]
+
+try:
+    __version__ = _metadata.version("streamwatch")
+except _metadata.PackageNotFoundError:  # pragma: no cover - imported from a source tree that is not installed
+    __version__ = "0+unknown"
