@@ -35,8 +35,8 @@ lint: env
 	$(PY) -m mypy streamwatch
 
 format: env
-	$(PY) -m ruff check --fix streamwatch tests benchmarks
-	$(PY) -m ruff format streamwatch tests benchmarks
+	$(PY) -m ruff check --fix streamwatch tests benchmarks setup.py .ci
+	$(PY) -m ruff format streamwatch tests benchmarks setup.py .ci
 
 # Regenerate the Grafana dashboards (dashboards/*.json) from dashboards/generate.py; commit the result.
 dashboards: env
