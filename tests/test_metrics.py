@@ -526,3 +526,141 @@ def test_zero_weights_have_spectral_norm_zero_and_infinite_condition_number() ->
     values = {s.labels["stat"]: s.value for s in watch.snapshot() if s.labels.get("kind") == "param"}
     assert values["spectral_norm"] == pytest.approx(3.0, rel=1e-5)
     assert values["condition_number"] == pytest.approx(6.0, rel=1e-5)
+
+
+# -- metrics that run the model leave training as they found it --------------------------------------------
+
+
+def _frozen_bn_model() -> nn.Module:
+    """A training model with a BatchNorm deliberately frozen with ``.eval()`` (fine-tuning style)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 3)
+    ).train()
+    model[1].eval()
+    return model
+
+
+def _probe_metric(name: str) -> sw.metrics.Metric:
+    probe = torch.randn(200, 6, generator=torch.Generator().manual_seed(5))
+    x_test, y_test = torch.randn(40, 6), torch.randint(0, 3, (40,))
+
+    def evaluate(m: nn.Module) -> float:
+        m.eval()
+        with torch.no_grad():
+            return float((m(x_test).argmax(-1) == y_test).float().mean())
+
+    def loss_fn(m: nn.Module) -> torch.Tensor:
+        m.eval()  # as HessianMaxEig's docstring advises
+        return F.cross_entropy(m(x_test), y_test)
+
+    if name == "ActivationSimilarity":
+        return sw.metrics.ActivationSimilarity(probe, layers=["2"], every=1)
+    if name == "TestAccuracy":
+        return sw.metrics.TestAccuracy(evaluate, every=1)
+    return sw.metrics.HessianMaxEig(loss_fn, every=1, iterations=2)
+
+
+@pytest.mark.parametrize("name", ["ActivationSimilarity", "TestAccuracy", "HessianMaxEig"])
+def test_probe_metrics_keep_every_modules_own_training_flag(name: str) -> None:
+    """Restoring only ``model.train(was_training)`` would unfreeze the frozen BatchNorm (its statistics
+    then move on every later step) — or, after an ``eval()`` in a loss closure, leave dropout off."""
+    model = _frozen_bn_model()
+    modes = {n: m.training for n, m in model.named_modules()}
+    stats = [b.clone() for b in model[1].buffers()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sw.observe(model, opt, metrics=[_probe_metric(name)]) as watch:
+        _train(model, opt, watch, _batches(3))
+        assert watch.statistics().hook_errors == 0
+        assert {n: m.training for n, m in model.named_modules()} == modes
+    assert all(torch.equal(a, b) for a, b in zip(model[1].buffers(), stats, strict=True))  # still frozen
+
+
+def test_test_accuracy_puts_back_rng_grads_and_buffers_whatever_the_function_does() -> None:
+    """A shuffling DataLoader draws from the global torch RNG; a train-mode pass updates batch-norm
+    statistics; a ``backward()`` accumulates into ``.grad``; python and numpy draws advance their states."""
+    import random
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model = _frozen_bn_model()
+    model[1].train()  # a training BatchNorm: a forward in training mode moves its statistics
+    data = TensorDataset(torch.randn(40, 6), torch.randint(0, 3, (40,)))
+
+    def evaluate(m: nn.Module) -> float:
+        random.random()
+        np.random.rand()
+        total = 0.0
+        for x, y in DataLoader(data, batch_size=8, shuffle=True):
+            F.cross_entropy(m(x), y).backward()
+            total += float((m(x).argmax(-1) == y).float().sum())
+        return total / len(data)
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = sw.observe(model, opt, metrics=[sw.metrics.TestAccuracy(evaluate, every=1)])
+    x, y = _batches(1)[0]
+    F.cross_entropy(model(x), y).backward()
+    model[0].bias.grad = None  # None-ness is kept too
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    values = {n: None if g is None else g.clone() for n, g in grads.items()}
+    buffers = {n: (b, b.clone()) for n, b in model.named_buffers()}
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    watch.step()
+    assert watch.statistics().hook_errors == 0
+    watch.close()
+    assert torch.equal(torch.get_rng_state(), states[0])
+    assert random.getstate() == states[1]
+    assert all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), states[2], strict=True))
+    for n, p in model.named_parameters():
+        assert p.grad is grads[n]  # the same tensor (or None), with the same values
+        assert p.grad is None or torch.equal(p.grad, values[n])  # type: ignore[arg-type]
+    for n, b in model.named_buffers():
+        assert b is buffers[n][0]
+        assert torch.equal(b, buffers[n][1])
+
+
+def test_a_probe_between_forward_and_backward_does_not_break_the_backward() -> None:
+    """An eval-mode BatchNorm saves its running statistics for backward; putting them back must not bump
+    their version (autograd would refuse to back-propagate)."""
+    model = _frozen_bn_model()
+    metric = sw.metrics.ActivationSimilarity(torch.randn(200, 6), layers=["2"], every=1)
+    with sw.observe(model, metrics=[metric]) as watch:
+        for x, y in _batches(2):
+            loss = F.cross_entropy(model(x), y)
+            watch.step(loss=loss)  # before backward()
+            loss.backward()
+        assert watch.statistics().hook_errors == 0
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_preserved_puts_back_modes_buffers_grads_and_rng() -> None:
+    from streamwatch.metrics._base import preserved
+
+    model = _frozen_bn_model()
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    grad = model[0].weight.grad
+    mean = model[1].running_mean
+    before = mean.clone()
+    state = torch.get_rng_state()
+    seen: list[torch.Tensor | None] = []
+
+    def body() -> None:
+        with preserved(model):
+            seen.append(model[0].weight.grad)
+            model.train()
+            model[1].running_mean = torch.full_like(mean, 3.0)  # replaced
+            mean.add_(1.0)  # and the original modified in place
+            F.cross_entropy(model(torch.randn(8, 6)), torch.randint(0, 3, (8,))).backward()
+            raise ZeroDivisionError
+
+    with pytest.raises(ZeroDivisionError):
+        body()
+    assert seen == [None]  # the body starts without gradients
+    assert model.training
+    assert not model[1].training
+    assert model[0].weight.grad is grad
+    assert torch.equal(grad, torch.ones_like(grad))
+    assert model[4].weight.grad is None
+    assert model[1].running_mean is mean
+    assert torch.equal(mean, before)
+    assert torch.equal(torch.get_rng_state(), state)

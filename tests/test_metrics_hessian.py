@@ -202,3 +202,54 @@ def test_v0_warm_starts_the_function() -> None:
     eigenvalue, vector = hessian_max_eigenvalue(loss_fn, params, iterations=300, tol=1e-12)
     again, _ = hessian_max_eigenvalue(loss_fn, params, iterations=1, v0=vector)
     assert float(again) == pytest.approx(float(eigenvalue), rel=1e-9)
+
+
+def test_the_metric_leaves_modes_rng_and_grads_as_it_found_them() -> None:
+    """A loss closure that calls ``m.eval()`` (as advised) must not leave the model in eval mode, nor may
+    its forward (dropout, batch norm) change the RNG, the buffers or ``.grad`` seen by training."""
+    import streamwatch as sw
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 8),
+        torch.nn.BatchNorm1d(8),
+        torch.nn.Tanh(),
+        torch.nn.Dropout(0.5),
+        torch.nn.Linear(8, 1),
+    )
+    x, y = torch.randn(16, 3), torch.randn(16, 1)
+    calls: list[bool] = []
+
+    def in_eval(m: torch.nn.Module) -> torch.Tensor:
+        m.eval()
+        return torch.nn.functional.mse_loss(m(x), y)
+
+    def in_train(m: torch.nn.Module) -> torch.Tensor:  # dropout draws; batch norm updates its statistics
+        calls.append(m.training)
+        return torch.nn.functional.mse_loss(m(x), y)
+
+    for loss_fn in (in_eval, in_train):
+        model.train()
+        model[1].eval()  # frozen
+        model.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        model[0].bias.grad = None
+        grads = [p.grad for p in model.parameters()]
+        values = [None if g is None else g.clone() for g in grads]
+        buffers = [b.clone() for b in model.buffers()]
+        modes = [m.training for m in model.modules()]
+        state = torch.get_rng_state()
+        with sw.observe(model, metrics=[sw.metrics.HessianMaxEig(loss_fn, every=1, iterations=3)]) as watch:
+            watch.step()
+            watch.step()
+            assert watch.statistics().hook_errors == 0
+        assert math.isfinite(
+            next(s.value for s in watch.snapshot() if s.name == "streamwatch_hessian_max_eig")
+        )
+        assert [m.training for m in model.modules()] == modes
+        assert torch.equal(torch.get_rng_state(), state)
+        assert all(torch.equal(a, b) for a, b in zip(model.buffers(), buffers, strict=True))
+        for p, grad, value in zip(model.parameters(), grads, values, strict=True):
+            assert p.grad is grad
+            assert grad is None or torch.equal(grad, value)  # type: ignore[arg-type]
+    assert calls == [True, True]  # the training-mode closure did run in training mode

@@ -17,21 +17,103 @@ Four call sites, each optional:
 
 :meth:`Metric.prepare` lets a metric that compares consecutive steps (cosines) take its copy on the step
 just before the one it samples, so "consecutive" means consecutive even with ``every`` > 1.
+
+A metric that runs the model or user code (a probe batch, a loss closure, an evaluation function) does so
+under :func:`preserved` (:meth:`Binding.preserved`): monitoring never changes training, so on exit every
+module's own ``training`` flag, every buffer, every parameter's ``.grad`` and the global random number
+generators are exactly as the metric found them, whatever the code in between did.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import contextlib
+import random
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from streamwatch._record import StepBuffer
 
-__all__ = ["Binding", "Metric"]
+__all__ = ["Binding", "Metric", "preserved"]
+
+
+@contextlib.contextmanager
+def preserved(model: nn.Module, params: Iterable[torch.Tensor] = ()) -> Iterator[None]:
+    """Run the body, then put back everything of ``model`` that training reads, exactly as it was.
+
+    For metrics that run the model or user code on a sampled step; on exit (normal or by exception):
+
+    * every module's own ``training`` flag (not ``model.train(was_training)``, which would switch a
+      deliberately frozen ``BatchNorm`` inside a training model back to training);
+    * every buffer, bit for bit (batch-norm statistics a train-mode forward updated, spectral-norm vectors,
+      caches); a buffer the body replaced is put back;
+    * every parameter's ``.grad`` (of ``model`` and of ``params``, e.g. the optimizer's): the body runs
+      with ``.grad`` set to None, so a ``backward()`` in it accumulates into fresh tensors, which are
+      dropped; the original tensors (or None) come back untouched;
+    * the global random number generators: torch's CPU generator, every CUDA device's generator once
+      CUDA is initialised, python's ``random`` and numpy's global state (dropout masks, a shuffling
+      ``DataLoader``, user code drawing numbers).
+
+    Cost: one copy of the model's buffers (kept until the end of the body, then copied back) and of the
+    RNG states; no host synchronisation. Parameter values are not copied: code run by a metric must not
+    modify weights.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+        >>> _ = model[1].eval()  # frozen inside a training model
+        >>> state = torch.get_rng_state()
+        >>> with preserved(model):
+        ...     _ = model.train()(torch.randn(4, 2)).sum().backward()
+        >>> model.training, model[1].training, model[0].weight.grad, torch.equal(torch.get_rng_state(), state)
+        (True, False, None, True)
+    """
+    modes = [(module, module.training) for module in model.modules()]
+    grads: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for param in (*model.parameters(), *params):
+        grads.setdefault(id(param), (param, param.grad))
+    buffers = [
+        (module._buffers, name, buffer, buffer.detach().clone())
+        for module in model.modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None and not buffer.is_inference()  # read-only outside inference_mode
+    ]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    python_rng = random.getstate()
+    numpy_rng = np.random.get_state()
+    for param, _ in grads.values():
+        param.grad = None
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            if module.training != training:
+                module.training = training
+        for param, grad in grads.values():
+            if param.grad is not grad:
+                param.grad = grad
+        with torch.no_grad():
+            for owner, name, buffer, saved in buffers:
+                if owner.get(name) is not buffer:
+                    owner[name] = buffer
+                if buffer.shape == saved.shape and buffer.dtype == saved.dtype:
+                    # Through .data: no version bump, so a graph that saved the buffer (an eval-mode
+                    # BatchNorm's statistics) can still back-propagate. Always copied: batch norm's kernels
+                    # update the running statistics without bumping their version either.
+                    buffer.data.copy_(saved)
+                else:
+                    owner[name] = saved
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        random.setstate(python_rng)
+        np.random.set_state(numpy_rng)
 
 
 @dataclass(frozen=True)
@@ -50,6 +132,14 @@ class Binding:
     params: Sequence[tuple[str, str, nn.Parameter]]
     optimizer: torch.optim.Optimizer | None
     pause: Callable[[], AbstractContextManager[None]]
+
+    def preserved(self) -> AbstractContextManager[None]:
+        """:func:`preserved` for the observed model (and the optimizer's parameters): run the model or user
+        code under it, and training finds everything as it left it."""
+        extra: list[torch.Tensor] = []
+        if self.optimizer is not None:
+            extra = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return preserved(self.model, extra)
 
     def named_params(self, *, min_dim: int = 0) -> Iterator[tuple[str, str, nn.Parameter]]:
         """The parameters with at least ``min_dim`` dimensions (``2`` for weight matrices and kernels)."""

@@ -138,8 +138,9 @@ def hessian_max_eigenvalue(
     device sync on CUDA). Parameters and their ``.grad`` are not modified.
 
     Args:
-        loss_fn: Recomputes the scalar loss on a fixed batch. Must be deterministic (eval mode or a
-            fixed seed): dropout would make every Hessian-vector product a different Hessian.
+        loss_fn: Recomputes the scalar loss on a fixed batch (called once: every Hessian-vector product
+            differentiates the same graph). Should be deterministic (eval mode or a fixed seed): with
+            dropout it is the Hessian of one random mask, another on every call.
         params: Parameters to differentiate by; those with ``requires_grad=False`` are skipped, those
             the loss does not use contribute zero.
         iterations: Maximum number of power iterations (Hessian-vector products), at least 1.

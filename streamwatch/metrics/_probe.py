@@ -7,6 +7,11 @@ They pause streamwatch's own taps while they run (their forward passes are not t
 evaluation loop. Their cost is a forward pass (SVCCA), ``2 × iterations`` extra backward passes
 (Hessian) or whatever the evaluation function costs, on the training thread, on sampled steps only:
 pick ``every`` accordingly.
+
+Monitoring never changes training: each runs under :meth:`Binding.preserved`, so afterwards every
+module's own ``training`` flag (a ``BatchNorm`` frozen with ``.eval()`` inside a training model stays
+frozen), every buffer, every parameter's ``.grad`` and the global RNG states (torch CPU and CUDA, python,
+numpy) are exactly as they were, whatever the probe pass, the loss closure or the evaluation function did.
 """
 
 from __future__ import annotations
@@ -95,13 +100,11 @@ class ActivationSimilarity(Metric):
         handles = [
             module.register_forward_hook(_capture(captured, name)) for name, module in self._modules(model)
         ]
-        was_training = model.training
         try:
-            with binding.pause(), torch.no_grad():
+            with binding.pause(), binding.preserved(), torch.no_grad():
                 model.eval()
                 model(*self.probe)
         finally:
-            model.train(was_training)
             for handle in handles:
                 handle.remove()
         for name, activations in captured.items():
@@ -125,8 +128,10 @@ class HessianMaxEig(Metric):
     step scalar ``hessian_max_eig`` (served as ``streamwatch_hessian_max_eig``).
 
     Args:
-        loss_fn: ``loss_fn(model) -> loss`` on a fixed batch, deterministic (evaluate in ``eval()`` mode
-            or without dropout): the power iteration differentiates it again for every product.
+        loss_fn: ``loss_fn(model) -> loss`` on a fixed batch, called once per sampled step; its graph is
+            differentiated again for every product. Call ``model.eval()`` in it (or use a model without
+            dropout) for a Hessian that does not depend on random dropout masks. Whatever it changes (modes,
+            batch-norm statistics, RNG state, ``.grad``) is put back afterwards.
         every: sample one in ``every`` sampled steps.
         iterations: at most this many Hessian-vector products (each costs about two backward passes);
             stops early when the estimate settles (which reads it on the host: a sync on CUDA).
@@ -159,7 +164,7 @@ class HessianMaxEig(Metric):
         binding = self._bound()
         model = binding.model
         params = [p for p in model.parameters() if p.requires_grad]
-        with binding.pause():
+        with binding.pause(), binding.preserved():
             device_scalars[self.name] = self._eigen(lambda: self.loss_fn(model), params)
 
 
@@ -168,7 +173,9 @@ class TestAccuracy(Metric):
     returns the accuracy (a float in [0, 1] or a 0-d tensor) or a mapping with ``"accuracy"`` and/or
     ``"loss"``. Served as ``streamwatch_accuracy{phase="eval"}`` and ``streamwatch_loss{phase="eval"}``.
     Forward passes under ``eval()``/``no_grad`` inside ``fn`` are summarised under ``phase="eval"``.
-    ``fn`` is responsible for ``model.eval()``; the model's training mode is restored afterwards.
+    ``fn`` is responsible for ``model.eval()``; afterwards every module's own training flag, the buffers,
+    the parameters' ``.grad`` and the global RNG states (a shuffling ``DataLoader`` draws from torch's)
+    are put back exactly as they were (``.grad`` is None inside ``fn``).
 
     Example:
         >>> import torch, streamwatch as sw
@@ -191,12 +198,9 @@ class TestAccuracy(Metric):
         self.fn = fn
 
     def on_step(self, buffer: StepBuffer, device_scalars: dict[str, torch.Tensor]) -> None:
-        model = self._bound().model
-        was_training = model.training
-        try:
-            result = self.fn(model)
-        finally:
-            model.train(was_training)
+        binding = self._bound()
+        with binding.preserved():
+            result = self.fn(binding.model)
         values = result if isinstance(result, Mapping) else {"accuracy": result}
         unknown = set(values) - {"accuracy", "loss"}
         if unknown:
