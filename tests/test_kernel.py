@@ -22,7 +22,7 @@ from streamwatch import _kernel
 from streamwatch._summary import saturation_bounds, summarize
 
 KERNEL = _kernel.load()
-if KERNEL is None:  # pragma: no cover - the suite requires a C compiler (README, Development)
+if KERNEL is None:  # pragma: no cover - the suite installs the built kernel (CONTRIBUTING.md)
     pytest.fail(f"the fused kernel did not build: {_kernel.status()}", pytrace=False)
 
 

@@ -436,7 +436,7 @@ def test_a_metric_object_serves_one_watch_at_a_time() -> None:
 
 
 def test_a_z_score_spike_detector_served_next_to_the_built_in_series() -> None:
-    """README's example: window + map over the gradient norm, published with watch.serve()."""
+    """docs/metrics.md's example: window + map over the gradient norm, published with watch.serve()."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     key = SeriesKey("train", "2", "param_grad", "weight")

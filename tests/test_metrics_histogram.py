@@ -245,7 +245,7 @@ def test_the_fused_cpu_kernel_counts_exactly_what_the_torch_path_counts(
     from streamwatch import _kernel
     from streamwatch.metrics._histogram import _histogram_torch
 
-    assert _kernel.load() is not None  # the suite builds the kernel (README, Development)
+    assert _kernel.load() is not None  # the suite builds the kernel (CONTRIBUTING.md)
     g = torch.Generator().manual_seed(len(buckets))
     wide = torch.randn(20_000, generator=g, dtype=dtype) * torch.exp(
         torch.randn(20_000, generator=g, dtype=dtype) * 8

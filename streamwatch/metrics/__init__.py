@@ -8,7 +8,7 @@ Pass them to :func:`streamwatch.observe`::
                                             sw.metrics.Histogram(kinds=("param_grad",), every=50)])
 
 Every value they compute is served by ``watch.snapshot()`` (and ``/metrics``) as a ``stat`` of the series
-it belongs to; README's "Metric catalogue" lists them all with their cost.
+it belongs to; docs/metrics.md lists them all with their cost.
 """
 
 from streamwatch.metrics._base import Binding, Metric
