@@ -7,6 +7,11 @@ collector: the families, names and labels are those the exporter would have serv
 ``run`` (``run=``, else the run file's directory name), ``rank`` (the records'), ``local_rank``,
 ``world_size`` and ``host``. The monitoring's own counters (records dropped, queue length, ...) report the
 replay: records replayed so far, nothing dropped.
+
+Looping never spins a core: a pass through the records, with the pause before the next one, lasts at
+least :data:`MIN_PASS_SECONDS`; with ``speed=0`` there is no timeline to repeat, so the last record is
+served (the stepping thread asleep) until :meth:`Replay.close`; a run with no records serves only its
+identity (``streamwatch_info``) and the replay's counters, the thread asleep likewise.
 """
 
 from __future__ import annotations
@@ -25,7 +30,12 @@ from streamwatch.sinks._prometheus import _Collector, _render_app, identity
 if TYPE_CHECKING:
     from streamwatch.sinks._runfile import RunData
 
-__all__ = ["Replay"]
+__all__ = ["MIN_PASS_SECONDS", "Replay"]
+
+MIN_PASS_SECONDS = 1.0
+"""With ``loop=True``, the shortest a pass through the records (and the pause after it) may take."""
+
+_MAX_WAIT = 3600.0  # Event.wait overflows for huge timeouts: wait in pieces this long at most
 
 
 class _ReplayWatch:
@@ -65,7 +75,10 @@ class Replay:
         port: the port to serve on (0 picks a free one; see :attr:`url`).
         host: the interface to bind.
         speed: records per second; ``0`` jumps straight to the last record.
-        loop: start over from the first record after the last one (forever, until :meth:`close`).
+        loop: start over from the first record after the last one (forever, until :meth:`close`), one
+            record interval after it and no sooner than :data:`MIN_PASS_SECONDS` after the pass began.
+            With ``speed=0`` or no records there is nothing to repeat: the last state is served until
+            :meth:`close` (and :meth:`wait_until_done` waits until then, as for any loop).
         run_name: the ``run`` label (default: the name of the run file's directory).
         series_budget: as for :meth:`streamwatch.Watch.expose`.
 
@@ -174,25 +187,34 @@ class Replay:
         self._threads.append(server)
         server.start()
 
+    def _wait_until(self, deadline: float) -> bool:
+        """Sleep until ``time.monotonic()`` reaches ``deadline`` (which may be inf); True if stopped."""
+        while (left := deadline - time.monotonic()) > 0:
+            if self._stop.wait(min(left, _MAX_WAIT)):
+                return True
+        return self._stop.is_set()
+
     def _step_through(self) -> None:
         records = self.run.records
         latest = self._watch._latest
         try:
             while not self._stop.is_set():
+                start = time.monotonic()
                 if self.speed == 0:
                     for record in records:
                         latest.send(record)
                 else:
-                    interval = 1.0 / self.speed
-                    start = time.monotonic()
                     for i, record in enumerate(records):
-                        delay = start + i * interval - time.monotonic()
-                        if delay > 0 and self._stop.wait(delay):
+                        if self._wait_until(start + i / self.speed):
                             return
                         latest.send(record)
-                if not self.loop or not records:
+                if not self.loop:
                     return
-                if self.speed and self._stop.wait(1.0 / self.speed):
+                if self.speed == 0 or not records:  # nothing to repeat: serve this state until close()
+                    self._stop.wait()
+                    return
+                pause = start + max(len(records) / self.speed, MIN_PASS_SECONDS)
+                if self._wait_until(pause):
                     return
                 fresh = _Latest()  # start over: the first record's values, not the last run's
                 fresh.records = latest.records

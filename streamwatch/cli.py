@@ -2,6 +2,11 @@
 console view), ``report`` (a summary of a recorded run), ``replay`` (a recorded run served on /metrics
 again) and ``plot`` (a recorded run as a PNG).
 
+Every bad input — an option value out of range, a missing or corrupt run file, a port in use, an output
+path that cannot be written — is one line on stderr, ``streamwatch <command>: error: ...``, and exit
+status 2; never a traceback. A demo that fails before training starts removes the run directory (and the
+run file) it created.
+
 ``streamwatch demo`` trains a small MLP on **synthetic** data — four Gaussian clusters in 20 dimensions,
 generated from a fixed seed, so nothing is downloaded — with :func:`streamwatch.observe` on, serves
 ``/metrics`` on 127.0.0.1, appends every sampled step to a run file in the run directory and prints a
@@ -17,11 +22,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import itertools
+import math
+import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from torch import nn, optim
 
 __all__ = ["build_parser", "main"]
 
@@ -29,36 +41,90 @@ CLASSES = 4
 FEATURES = 20
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``streamwatch demo: error: ... (see 'streamwatch demo --help')``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see '{self.prog} --help')\n")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free port) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number from 0 to 65535, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    """An argparse type: a finite float >= 0 (no NaN, no infinity)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The command line: ``demo`` and ``report``."""
-    parser = argparse.ArgumentParser(
-        prog="streamwatch", description="A live, low-overhead PyTorch training monitor."
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
+    """The command line: ``demo``, ``report``, ``replay`` and ``plot``.
+
+    Every numeric option is checked here (a positive int, a port in [0, 65535], a finite number >= 0):
+    a bad value is argparse's error, on one line, with exit status 2.
+    """
+    parser = _Parser(prog="streamwatch", description="A live, low-overhead PyTorch training monitor.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     demo = commands.add_parser("demo", help="train a small model with streamwatch on (synthetic data)")
-    demo.add_argument("--steps", type=int, default=500, help="training steps (default 500)")
-    demo.add_argument("--port", type=int, default=9400, help="base /metrics port, + LOCAL_RANK (0: any free)")
-    demo.add_argument("--hidden", type=int, default=128, help="hidden layer width (model size)")
-    demo.add_argument("--layers", type=int, default=3, help="hidden layers")
-    demo.add_argument("--batch", type=int, default=64, help="batch size")
-    demo.add_argument("--every", type=int, default=1, help="sample one step in EVERY")
+    demo.add_argument("--steps", type=_positive_int, default=500, help="training steps (default 500)")
+    demo.add_argument(
+        "--port", type=_port, default=9400, help="base /metrics port, + LOCAL_RANK (0: any free)"
+    )
+    demo.add_argument("--hidden", type=_positive_int, default=128, help="hidden layer width (model size)")
+    demo.add_argument("--layers", type=_positive_int, default=3, help="hidden layers")
+    demo.add_argument("--batch", type=_positive_int, default=64, help="batch size")
+    demo.add_argument("--every", type=_positive_int, default=1, help="sample one step in EVERY")
     demo.add_argument(
         "--run-dir", type=Path, default=None, help="where the run file goes (default runs/<time>)"
     )
     demo.add_argument("--no-live", action="store_true", help="print log lines instead of a live view")
-    demo.add_argument("--log-every", type=int, default=50, help="steps between log lines")
+    demo.add_argument("--log-every", type=_positive_int, default=50, help="steps between log lines")
     demo.add_argument(
-        "--linger", type=float, default=0.0, help="keep serving /metrics this many seconds at the end"
+        "--linger",
+        type=_non_negative,
+        default=0.0,
+        help="keep serving /metrics this many seconds at the end",
     )
     report = commands.add_parser("report", help="summarise a recorded run (a run directory or its run file)")
     report.add_argument("run", type=Path)
-    report.add_argument("--top", type=int, default=5, help="how many worst layers to list")
+    report.add_argument("--top", type=_positive_int, default=5, help="how many worst layers to list")
     replay = commands.add_parser("replay", help="serve a recorded run's series on /metrics again")
     replay.add_argument("run", type=Path)
-    replay.add_argument("--port", type=int, default=9400, help="/metrics port (0: any free)")
+    replay.add_argument("--port", type=_port, default=9400, help="/metrics port (0: any free)")
     replay.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
     replay.add_argument(
-        "--speed", type=float, default=10.0, help="steps per second (0: the last step at once)"
+        "--speed",
+        type=_non_negative,
+        default=10.0,
+        help="steps per second (0: the last step at once; with --loop it is served until Ctrl-C)",
     )
     replay.add_argument("--loop", action="store_true", help="start over at the end")
     plot = commands.add_parser("plot", help="draw a recorded run as a PNG")
@@ -68,13 +134,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+    """Run the command line; returns the exit status (2: bad input, reported on one line of stderr)."""
     args = build_parser().parse_args(argv)
     try:
         return {"demo": _demo, "report": _report, "replay": _replay, "plot": _plot}[args.command](args)
-    except (FileNotFoundError, ValueError, OSError) as err:  # a clear line, never a traceback
-        print(f"streamwatch {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError, OverflowError, ImportError) as err:  # a clear line, never a traceback
+        # ValueError includes RunFileError (not a run file, a corrupt line); OSError: a missing or
+        # unreadable file, a port in use, an output that cannot be written
+        message = _describe(err)
+    except RecursionError:  # read_run reports deep nesting as RunFileError; this is a second guard
+        message = "the input is nested too deeply to read (is it a streamwatch run file?)"
+    except KeyboardInterrupt:  # Ctrl-C before the command's own handling (importing torch, say)
+        print(f"streamwatch {args.command}: interrupted", file=sys.stderr)
+        return 130
+    print(f"streamwatch {args.command}: error: {_one_line(message)}", file=sys.stderr)
+    return 2
+
+
+def _describe(err: BaseException) -> str:
+    """An error as a sentence: an OSError without its ``[Errno N]`` prefix, naming its file."""
+    if isinstance(err, OSError) and err.strerror:
+        where = ": ".join(str(name) for name in (err.filename, err.filename2) if name is not None)
+        return f"{where}: {err.strerror}" if where else err.strerror
+    return str(err) or type(err).__name__
 
 
 def _run_file(path: Path) -> Path:
@@ -108,14 +190,38 @@ def _replay(args: argparse.Namespace) -> int:
     from streamwatch._replay import Replay
     from streamwatch.sinks._runfile import read_run
 
-    run = read_run(_run_file(args.run))
-    with Replay(run, port=args.port, host=args.host, speed=args.speed, loop=args.loop).start() as replay:
+    path = _run_file(args.run)
+    run = read_run(path)
+    replay = Replay(run, port=args.port, host=args.host, speed=args.speed, loop=args.loop)
+    try:
+        replay.start()
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            raise OSError(
+                errno.EADDRINUSE,
+                f"port {replay.port} on {args.host} is already in use; pass --port another port "
+                "(--port 0 picks a free one), or stop the process that holds it",
+            ) from err
+        raise OSError(
+            err.errno, f"cannot serve /metrics on {args.host} port {replay.port}: {_describe(err)}"
+        ) from err
+    with replay:
         print(f"replaying {len(run.records)} steps on {replay.url} at {args.speed:g} steps/s", flush=True)
+        if not run.records:
+            print(
+                f"note: {path} has no steps recorded: serving only streamwatch_info and the replay's own "
+                "counters until Ctrl-C",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif args.loop and args.speed == 0:
+            print("note: --loop with --speed 0: nothing to step through; serving the last step until Ctrl-C")
         try:
-            while not replay.wait_until_done(timeout=1.0) or args.loop:
-                pass
-            print("replay done: serving the last step until Ctrl-C", flush=True)
-            while True:
+            if not args.loop and run.records:
+                while not replay.wait_until_done(timeout=1.0):
+                    pass
+                print("replay done: serving the last step until Ctrl-C", flush=True)
+            while True:  # until Ctrl-C; the stepping (with --loop) is the replay's thread
                 time.sleep(1.0)
         except KeyboardInterrupt:
             print("\nreplay stopped", flush=True)
@@ -131,66 +237,151 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sleep(seconds: float) -> None:
+    """``time.sleep`` for any finite duration (one call overflows past ~2**63 ns)."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(left, 3600.0))
+
+
+def _make_dirs(path: Path) -> list[Path]:
+    """``path.mkdir(parents=True, exist_ok=True)``; returns the directories it created, outermost first."""
+    missing: list[Path] = []
+    for directory in (path, *path.parents):
+        if directory.exists() or directory.is_symlink():
+            break
+        missing.append(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    return missing[::-1]
+
+
+def _new_run_dir(parent: Path, stamp: str) -> tuple[Path, list[Path]]:
+    """A directory of its own under ``parent``: ``stamp``, else ``stamp-2``, ``stamp-3``, ... (two demos
+    started in the same second must not append to one run file); and the directories created."""
+    created = _make_dirs(parent)
+    for n in itertools.count(1):
+        run_dir = parent / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            run_dir.mkdir()
+        except FileExistsError:
+            continue
+        return run_dir, [*created, run_dir]
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _remove_created(run_file: Path | None, created: list[Path]) -> None:
+    """Undo a demo that never started: its run file (if it made it) and the directories it made."""
+    if run_file is not None:
+        with contextlib.suppress(OSError):
+            run_file.unlink()
+    for directory in reversed(created):
+        with contextlib.suppress(OSError):  # not empty: something else was put there; keep it
+            directory.rmdir()
+
+
+def _build_model(args: argparse.Namespace) -> tuple[nn.Module, optim.Optimizer]:
+    """The demo's MLP and optimizer, after one trial forward and backward pass on a zero batch, so a model
+    or batch too large for this machine is a clear error before anything is created."""
+    import torch
+
+    try:
+        torch.manual_seed(0)
+        widths = [FEATURES, *[args.hidden] * args.layers]
+        blocks: list[nn.Module] = []
+        for a, b in itertools.pairwise(widths):
+            blocks += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+        model = torch.nn.Sequential(*blocks, torch.nn.Linear(widths[-1], CLASSES))
+        model(torch.zeros(args.batch, FEATURES)).sum().backward()
+        model.zero_grad(set_to_none=True)
+    except (RuntimeError, MemoryError) as err:  # torch's allocator failure is a RuntimeError
+        raise ValueError(
+            f"cannot build the demo model (--hidden {args.hidden}, --layers {args.layers}, "
+            f"--batch {args.batch}) on this machine; pass smaller values: {err}"
+        ) from None
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return model, opt
+
+
 def _demo(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
-    from torch import nn
 
     import streamwatch as sw
     from streamwatch.sinks._runfile import RunFile
 
-    if args.steps < 1 or args.hidden < 1 or args.layers < 1 or args.batch < 1 or args.every < 1:
-        raise ValueError("--steps, --hidden, --layers, --batch and --every must be positive")
-    run_dir = args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    run_dir.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)
     centers = torch.randn(CLASSES, FEATURES, generator=g) * 0.3  # overlapping: accuracy tops out below 100 %
-    torch.manual_seed(0)
-    widths = [FEATURES, *[args.hidden] * args.layers]
-    blocks: list[nn.Module] = []
-    for a, b in itertools.pairwise(widths):
-        blocks += [nn.Linear(a, b), nn.ReLU()]
-    model = nn.Sequential(*blocks, nn.Linear(widths[-1], CLASSES))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    run_file = RunFile(run_dir / "run.jsonl")
-    print("streamwatch demo: synthetic data (4 Gaussian clusters in 20-D, seed 0), no download", flush=True)
-    step = 0
-    with sw.observe(model, opt, every=args.every, sinks=[run_file]) as watch, contextlib.ExitStack() as stack:
-        exporter = watch.expose(port=args.port, run="demo")
-        print(f"serving {exporter.url}; run file {run_dir / 'run.jsonl'}", flush=True)
-        view = None
-        if not args.no_live:
+    model, opt = _build_model(args)
+    if args.run_dir is not None:
+        run_dir = args.run_dir
+        created = _make_dirs(run_dir)
+    else:
+        run_dir, created = _new_run_dir(Path("runs"), time.strftime("%Y%m%d-%H%M%S"))
+    run_path = run_dir / "run.jsonl"
+    new_file = not run_path.exists()
+    started = False  # until training starts, a failure removes what the demo created
+    try:
+        run_file = RunFile(run_path)
+        print(
+            "streamwatch demo: synthetic data (4 Gaussian clusters in 20-D, seed 0), no download", flush=True
+        )
+        step = 0
+        with (
+            sw.observe(model, opt, every=args.every, sinks=[run_file]) as watch,
+            contextlib.ExitStack() as stack,
+        ):
             try:
-                from streamwatch._live import LiveView
-            except ImportError as err:  # rich is the demo extra
-                raise ValueError(
-                    f"the live view needs rich (pip install 'streamwatch[demo]'), or pass --no-live: {err}"
-                ) from err
-            view = stack.enter_context(LiveView(watch, total_steps=args.steps, url=exporter.url))
-        try:
-            for step in range(args.steps):
-                y = torch.randint(0, CLASSES, (args.batch,), generator=g)
-                x = centers[y] + torch.randn(args.batch, FEATURES, generator=g)
-                logits = model(x)
-                loss = F.cross_entropy(logits, y)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                watch.step(loss=loss, outputs=logits, targets=y, batch_size=args.batch)
-                if view is not None:
-                    view.update(step + 1)
-                elif (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-                    _log(watch, step)
-            if args.linger > 0:
-                watch.flush()
-                print(f"training done; serving {exporter.url} for {args.linger:g} s more", flush=True)
-                time.sleep(args.linger)
-        except KeyboardInterrupt:
-            print(f"\ninterrupted at step {step}: flushing every completed step", flush=True)
+                exporter = watch.expose(port=args.port, run="demo")
+            except OSError as err:
+                if err.errno == errno.EADDRINUSE:
+                    port = args.port + int(os.environ.get("LOCAL_RANK", "0") or 0)
+                    raise OSError(
+                        errno.EADDRINUSE,
+                        f"port {port} on 127.0.0.1 is already in use (the /metrics port is --port + "
+                        "LOCAL_RANK); pass --port another port (--port 0 picks a free one), or stop the "
+                        "process that holds it",
+                    ) from err
+                raise
+            print(f"serving {exporter.url}; run file {run_path}", flush=True)
+            view = None
+            if not args.no_live:
+                try:
+                    from streamwatch._live import LiveView
+                except ImportError as err:  # rich is the demo extra
+                    raise ValueError(
+                        "the live view needs rich (pip install 'streamwatch[demo]'), or pass --no-live: "
+                        f"{err}"
+                    ) from err
+                view = stack.enter_context(LiveView(watch, total_steps=args.steps, url=exporter.url))
+            started = True
+            try:
+                for step in range(args.steps):
+                    y = torch.randint(0, CLASSES, (args.batch,), generator=g)
+                    x = centers[y] + torch.randn(args.batch, FEATURES, generator=g)
+                    logits = model(x)
+                    loss = F.cross_entropy(logits, y)
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    watch.step(loss=loss, outputs=logits, targets=y, batch_size=args.batch)
+                    if view is not None:
+                        view.update(step + 1)
+                    elif (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+                        _log(watch, step)
+                if args.linger > 0:
+                    watch.flush()
+                    print(f"training done; serving {exporter.url} for {args.linger:g} s more", flush=True)
+                    _sleep(args.linger)
+            except KeyboardInterrupt:
+                print(f"\ninterrupted at step {step}: flushing every completed step", flush=True)
+    except BaseException:
+        if not started:
+            _remove_created(run_path if new_file else None, created)
+        raise
     stats = watch.statistics()
     print(
         f"done: {stats.steps} steps, {stats.records_received} records, "
-        f"{stats.dropped_oldest + stats.dropped_newest} dropped; run file {run_dir / 'run.jsonl'}",
+        f"{stats.dropped_oldest + stats.dropped_newest} dropped; run file {run_path}",
         flush=True,
     )
     return 0

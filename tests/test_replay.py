@@ -136,3 +136,48 @@ def test_run_label_argument_and_empty_run(tmp_path: Path) -> None:
         samples = _scrape(replay.url)
     assert _value(samples, "streamwatch_info", run="custom") == 1
     assert not [n for n, _ in samples if n == "streamwatch_step"]
+
+
+@pytest.mark.parametrize("empty", [False, True], ids=["records", "header only"])
+def test_loop_with_nothing_to_repeat_serves_until_close_without_spinning(
+    run: RunData, empty: bool, tmp_path: Path
+) -> None:
+    """speed=0 (or no records) with loop=True: the stepping thread sleeps until close(), serving the
+    last state; it does not re-send the records in a busy loop."""
+    if empty:
+        path = tmp_path / "run.jsonl"
+        RunFile(path).close()
+        run = read_run(path)
+    with Replay(run, port=0, speed=0, loop=True) as replay:
+        time.sleep(0.3)
+        records = replay._watch.statistics().records_received
+        assert records == len(run.records)  # one pass, not one per spin
+        time.sleep(0.3)
+        assert replay._watch.statistics().records_received == records
+        assert replay.current_step == (None if empty else STEPS - 1)
+        assert not replay.wait_until_done(timeout=0)
+        assert "streamwatch_info" in {n for n, _ in _scrape(replay.url)}
+    assert replay.wait_until_done(timeout=5)
+
+
+def test_a_fast_loop_pauses_between_passes(run: RunData) -> None:
+    """At 1e9 steps/s a pass takes nanoseconds: the pause after it makes each pass last at least
+    MIN_PASS_SECONDS, so looping does not spin a core."""
+    from streamwatch._replay import MIN_PASS_SECONDS
+
+    with Replay(run, port=0, speed=1e9, loop=True) as replay:
+        time.sleep(0.5)
+        passes = replay._watch.statistics().records_received / STEPS
+    assert passes <= 0.5 / MIN_PASS_SECONDS + 1
+
+
+def test_a_tiny_speed_waits_instead_of_overflowing(run: RunData) -> None:
+    """speed=1e-300: the next record is ~1e300 s away; the wait is taken in pieces (one Event.wait of
+    1e300 s would raise OverflowError on the stepping thread and end the replay)."""
+    with Replay(run, port=0, speed=1e-300) as replay:
+        deadline = time.monotonic() + 5
+        while replay.current_step is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert replay.current_step == 0
+        assert not replay.wait_until_done(timeout=0.3)  # still stepping (asleep), not dead
+    assert replay.wait_until_done(timeout=5)
