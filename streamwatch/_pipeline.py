@@ -34,6 +34,22 @@ Emit = Callable[[Any], None]
 """Where a node sends its output: the next node's ``push`` or the sink's ``send``."""
 
 
+def describe(obj: object) -> str:
+    """``repr(obj)``, or a stand-in naming its type if that ``repr`` raises: error reports never fail.
+
+    Example:
+        >>> class Odd:
+        ...     def __repr__(self) -> str:
+        ...         raise ValueError("no")
+        >>> describe([1]), describe(Odd())
+        ('[1]', '<Odd (repr raised ValueError)>')
+    """
+    try:
+        return repr(obj)
+    except Exception as exc:
+        return f"<{type(obj).__name__} (repr raised {type(exc).__name__})>"
+
+
 class Node:
     """The runtime half of an operator: receives items with :meth:`push`, emits with ``self.emit``.
 
@@ -258,7 +274,11 @@ class Pipeline:
             root(item)
 
     def close(self) -> None:
-        """Flush every node (upstream first), then close the sink. Idempotent."""
+        """Flush every node (upstream first), then close the sink. Idempotent.
+
+        Raises what a node or the sink raises. When a node raises, the sink is told through ``fail``
+        and the node's error is raised — a second error from ``fail`` is added to it as a note.
+        """
         if self.closed:
             return
         self.closed = True
@@ -267,12 +287,23 @@ class Pipeline:
                 node.close()
         except BaseException as exc:
             self.error = exc
-            self.sink.fail(exc)
+            try:
+                self.sink.fail(exc)
+            except BaseException as again:
+                if hasattr(exc, "add_note"):  # Python >= 3.11
+                    exc.add_note(f"then {describe(self.sink)}.fail() raised {type(again).__name__}: {again}")
             raise
-        self.sink.close()
+        try:
+            self.sink.close()
+        except BaseException as exc:
+            self.error = exc
+            raise
 
     def fail(self, error: BaseException) -> None:
-        """Stop this pipeline after ``error``: nothing is flushed, the sink is told. Idempotent."""
+        """Stop this pipeline after ``error``: nothing is flushed, the sink is told. Idempotent.
+
+        The pipeline is stopped even when the sink's ``fail`` raises (that error propagates).
+        """
         if self.closed:
             return
         self.closed = True
@@ -295,4 +326,4 @@ class Pipeline:
         return out
 
     def __repr__(self) -> str:
-        return f"<pipeline {self.stream!r} | {self.sink!r}>"
+        return f"<pipeline {self.stream!r} | {describe(self.sink)}>"

@@ -8,7 +8,10 @@ Failure isolation:
     A pipeline that raises is stopped (its sink is told through ``Sink.fail``) and counted; the other
     pipelines keep running. The exception is kept and re-raised to the owner as a
     :class:`~streamwatch.PipelineError` (original as ``__cause__``) at the next :meth:`Worker.check`
-    or at :meth:`Worker.close` — never only printed.
+    or at :meth:`Worker.close` — never only printed. Every call into a pipeline or its sink (``push``,
+    ``fail``, ``close``) is guarded, ``BaseException`` included: a sink whose ``fail`` or ``close``
+    raises again has that second error added as a note to the first, and the thread goes on — it
+    never dies of a sink.
 
 Clean shutdown:
     :meth:`Worker.close` closes the receiver (producers get ``ChannelClosed`` from then on), lets the
@@ -30,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -39,9 +43,29 @@ from typing import Any
 
 from streamwatch._channel import Receiver
 from streamwatch._exceptions import PipelineError
-from streamwatch._pipeline import Pipeline
+from streamwatch._pipeline import Pipeline, describe
 
 __all__ = ["Worker", "WorkerStatistics"]
+
+
+def seconds_or_forever(value: object, name: str) -> float | None:
+    """A timeout argument checked: a number of seconds > 0, ``math.inf`` (returned as ``None``: wait
+    forever) — anything else is a ValueError naming ``name``.
+
+    Example:
+        >>> import math
+        >>> seconds_or_forever(2, "timeout"), seconds_or_forever(math.inf, "timeout")
+        (2.0, None)
+        >>> seconds_or_forever(0, "close_timeout")
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `close_timeout` to be a number of seconds > 0 (math.inf waits forever), got 0
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return None if value == math.inf else float(value)
+    raise ValueError(
+        f"Expected `{name}` to be a number of seconds > 0 (math.inf waits forever), got {value!r}"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +80,9 @@ class WorkerStatistics:
         failed_items: items dropped because ``prepare`` raised on them.
         busy_seconds: time spent pushing items through pipelines (the worker's share of the GIL).
         running: the thread is alive.
+        in_flight: items taken from the channel that have not been through every pipeline yet.
+        current: the pipeline the thread is inside now (its repr; ``""`` between calls) — after a
+            :meth:`Worker.close` timeout, the one that did not return.
     """
 
     items: int
@@ -65,6 +92,8 @@ class WorkerStatistics:
     failed_items: int
     busy_seconds: float
     running: bool
+    in_flight: int = 0
+    current: str = ""
 
 
 class Worker:
@@ -107,6 +136,8 @@ class Worker:
         self._busy = 0.0
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._in_flight = 0  # items of the current batch not yet through every pipeline
+        self._current: Pipeline | None = None  # the pipeline being called now
         for pipeline in pipelines:
             self.add(pipeline)
 
@@ -147,37 +178,51 @@ class Worker:
             while batch := receiver.recv_many(limit):
                 start = perf_counter()
                 pipelines = self._pipelines
+                left = len(batch)
                 for item in batch:
+                    self._in_flight = left
+                    left -= 1
                     if prepare is not None:
                         try:
                             item = prepare(item)
-                        except Exception as exc:
+                        except BaseException as exc:
                             self._failed_items += 1
                             self._record(f"<prepare {getattr(prepare, '__qualname__', prepare)!s}>", exc)
                             continue
                     for pipeline in pipelines:
                         if pipeline.closed:
                             continue
+                        self._current = pipeline
                         try:
                             pipeline.push(item)
-                        except Exception as exc:
+                        except BaseException as exc:  # a sink's SystemExit too: it stops that pipeline only
                             self._fail(pipeline, exc)
+                    self._current = None
+                self._in_flight = 0
                 self._items += len(batch)
                 self._batches += 1
                 self._busy += perf_counter() - start
         except BaseException as exc:  # a bug in the worker itself: keep it for the owner
             self._record("<worker>", exc)
         finally:
+            self._in_flight = 0
             for pipeline in self._pipelines:
+                self._current = pipeline
                 try:
                     pipeline.close()
-                except Exception as exc:
+                except BaseException as exc:
                     self._fail(pipeline, exc)
+            self._current = None
 
     def _fail(self, pipeline: Pipeline, exc: BaseException) -> None:
-        pipeline.fail(exc)
+        """Stop ``pipeline`` after ``exc``, count and keep the error. Never raises: a second error from the
+        sink's ``fail`` becomes a note on ``exc``."""
         self._failed += 1
-        self._record(repr(pipeline), exc)
+        try:
+            pipeline.fail(exc)
+        except BaseException as again:
+            _note(exc, f"then {describe(pipeline.sink)}.fail() raised {type(again).__name__}: {again}")
+        self._record(describe(pipeline), exc)
 
     def _record(self, name: str, exc: BaseException) -> None:
         with self._lock:
@@ -203,10 +248,17 @@ class Worker:
 
         A worker that was never started drains on the calling thread. Idempotent.
 
+        Args:
+            timeout: the most seconds to wait for the thread (``None`` or ``math.inf``: forever).
+
         Raises:
             PipelineError: failures not yet reported by :meth:`check`.
-            TimeoutError: the thread did not finish within ``timeout`` seconds (it keeps draining).
+            TimeoutError: the thread did not finish within ``timeout`` seconds (it keeps draining;
+                ``statistics().current`` names the pipeline it is inside, ``in_flight`` the items
+                it holds).
+            ValueError: ``timeout`` is not a number of seconds > 0.
         """
+        timeout = None if timeout is None else seconds_or_forever(timeout, "timeout")
         with self._lock:
             first = not self._closed
             self._closed = True
@@ -234,6 +286,8 @@ class Worker:
             failed_items=self._failed_items,
             busy_seconds=self._busy,
             running=thread is not None and thread.is_alive(),
+            in_flight=self._in_flight,
+            current=describe(current) if (current := self._current) is not None else "",
         )
 
     @property
@@ -261,3 +315,9 @@ class Worker:
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("running" if self._thread is not None else "new")
         return f"<Worker {state} pipelines={len(self._pipelines)}>"
+
+
+def _note(exc: BaseException, note: str) -> None:
+    """Add ``note`` to ``exc`` (shown with its traceback; Python >= 3.11)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)

@@ -6,11 +6,13 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -355,6 +357,137 @@ def test_appending_to_a_file_with_a_corrupt_middle_line_fails(
     bad.write_bytes(b"".join([*lines[:3], b"{oops\n", *lines[4:]]))
     with pytest.raises(ValueError, match="line 4"):
         RunFile(bad)
+
+
+FOREIGN_LINES = [
+    b'{"step": 2, "rows": [[0, 1\n',  # does not parse
+    b'{"step":2,"time":0,"rank":0,"rows":[[9999]]}\n',  # an unknown key id
+    b'{"step":2,"time":0,"rank":0,"rows":[],"scalars":{"loss":"NaN"}}\n',  # not a run file's number
+    b'{"hello": "world"}\n',  # another program's JSON object
+    b"[1, 2, 3]\n",  # JSON, not an object
+    b"\n",
+]
+
+
+@pytest.mark.parametrize("garbage", FOREIGN_LINES, ids=range(len(FOREIGN_LINES)))
+def test_appending_validates_every_line_as_read_run_does(
+    trained: tuple[Path, list[StepRecord]], tmp_path: Path, garbage: bytes
+) -> None:
+    path, _ = trained
+    lines = path.read_bytes().splitlines(keepends=True)
+    index = next(i for i, line in enumerate(lines) if line.startswith(b'{"step":2,'))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"".join([*lines[:index], garbage, *lines[index + 1 :]]))
+    with pytest.raises(RunFileError, match=f"line {index + 1}:") as read:
+        read_run(bad)
+    before = bad.read_bytes()
+    with pytest.raises(
+        RunFileError, match=f"^cannot append to {re.escape(str(bad))}: line {index + 1}:"
+    ) as info:
+        train(bad, steps=1)
+    assert str(read.value).split(": ", 2)[2] in str(info.value)  # the same finding as read_run's
+    assert "write to a new file" in str(info.value)
+    assert bad.read_bytes() == before  # refused: nothing appended, nothing cut off
+
+
+def test_a_deeply_nested_line_is_a_run_file_error(
+    trained: tuple[Path, list[StepRecord]], tmp_path: Path
+) -> None:
+    path, reference = trained
+    lines = path.read_bytes().splitlines(keepends=True)
+    deep = b"[" * 100_000 + b"\n"
+    bad = tmp_path / "deep.jsonl"
+    bad.write_bytes(b"".join([*lines[:3], deep, *lines[3:]]))
+    with pytest.raises(RunFileError, match=r"line 4: .*nested too deeply") as info:
+        read_run(bad)
+    assert str(bad) in str(info.value)
+    with pytest.raises(RunFileError, match=r"line 4: .*nested too deeply"):
+        RunFile(bad)
+    # as the last line: a step cut short, like any last line that does not parse
+    last = tmp_path / "deep-last.jsonl"
+    last.write_bytes(path.read_bytes() + deep)
+    run = read_run(last)
+    assert run.truncated
+    assert_same_records(run.records, reference)
+    assert "nested too deeply" in run.problems[0]
+
+
+def test_a_number_too_large_for_a_float_is_a_run_file_error(
+    trained: tuple[Path, list[StepRecord]], tmp_path: Path
+) -> None:
+    path, _ = trained
+    lines = path.read_bytes().splitlines(keepends=True)
+    huge = b'{"step":2,"time":0,"rank":0,"rows":[],"scalars":{"loss":1' + b"0" * 400 + b"}}\n"
+    bad = tmp_path / "huge.jsonl"
+    bad.write_bytes(b"".join([*lines[:3], huge, *lines[3:]]))
+    with pytest.raises(RunFileError, match=r"line 4: .*too large"):
+        read_run(bad)
+
+
+# -- bad paths ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def frozen(tmp_path: Path) -> Iterator[Path]:
+    """A directory in which even root cannot create or change anything (``chattr +i``)."""
+    folder = tmp_path / "frozen"
+    folder.mkdir()
+    RunFile(folder / "old.jsonl").close()  # a valid run file, frozen too
+    frozen_files = [folder / "old.jsonl", folder]
+    if shutil.which("chattr") is None or any(
+        subprocess.run(["chattr", "+i", str(f)], check=False).returncode for f in frozen_files
+    ):
+        pytest.skip("needs chattr +i")
+    yield folder
+    for f in frozen_files:
+        subprocess.run(["chattr", "-i", str(f)], check=False)
+
+
+def _bad_path(case: str, tmp_path: Path, frozen: Path) -> tuple[Path, str]:
+    if case == "missing directory":
+        return tmp_path / "no" / "such" / "run.jsonl", f"the directory {tmp_path / 'no'} does not exist"
+    if case == "parent is a file":
+        (tmp_path / "file").write_text("")
+        return tmp_path / "file" / "run.jsonl", f"{tmp_path / 'file'} is a file, not a directory"
+    if case == "path is a directory":
+        return tmp_path, f"{tmp_path} is a directory"
+    if case == "cannot create":
+        return frozen / "new.jsonl", "Operation not permitted"
+    if case == "cannot append":
+        return frozen / "old.jsonl", "Operation not permitted"
+    if case == "proc":
+        return Path("/proc/streamwatch-run.jsonl"), "No such file or directory"
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing directory",
+        "parent is a file",
+        "path is a directory",
+        "cannot create",
+        "cannot append",
+        "proc",
+    ],
+)
+def test_an_unusable_path_is_refused_when_the_sink_is_made(case: str, tmp_path: Path, frozen: Path) -> None:
+    path, what = _bad_path(case, tmp_path, frozen)
+    if case == "proc" and not Path("/proc").is_dir():
+        pytest.skip("needs /proc")
+    with pytest.raises(RunFileError, match=re.escape(what)) as info:
+        RunFile(path)
+    message = str(info.value)
+    assert message.startswith(f"RunFile({str(path)!r}): ")
+    assert re.search(r"; (create|choose|pass)", message), message  # and what to do
+
+
+def test_checking_a_new_path_leaves_no_file_behind(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    sink = RunFile(path)
+    assert not path.exists()  # created at the first step (or at close), as before
+    sink.close()
+    assert read_run(path).records == []
 
 
 # -- report -------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -253,3 +254,84 @@ def test_prepare_runs_on_the_worker_before_the_fan_out_and_its_failures_are_coun
     assert isinstance(info.value.__cause__, ValueError)
     stats = worker.statistics()
     assert (stats.failed_items, stats.failed) == (1, 0)
+
+
+class Unruly(sw.Sink):
+    """Fails in every way a sink can: ``send``, ``fail``, ``close`` and even ``repr`` raise."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def send(self, item: object) -> None:
+        raise self.error
+
+    def fail(self, error: BaseException) -> None:
+        raise Boom("fail() raised too")
+
+    def close(self) -> None:
+        raise Boom("close() raised too")
+
+    def __repr__(self) -> str:
+        raise Boom("repr() raised")
+
+
+@pytest.mark.parametrize("error", [Boom("send"), SystemExit(2), KeyboardInterrupt()], ids=repr)
+def test_a_sink_failing_in_every_way_stops_only_its_pipeline(error: BaseException) -> None:
+    tx, rx = sw.channel(2)
+    good = sw.sinks.collect()
+    worker = sw.Worker(rx, [sw.source() | Unruly(error), sw.source() | good]).start()
+    for i in range(20):
+        tx.send(i)  # blocks while the worker is behind: a dead worker would hang here
+    tx.close()
+    with pytest.raises(sw.PipelineError, match=r"^1 pipeline failed") as info:
+        worker.close(timeout=10)
+    assert good.items == list(range(20))
+    assert good.closed
+    ((name, exc),) = info.value.errors
+    assert name == "<pipeline <source> | <Unruly (repr raised Boom)>>"
+    assert exc is error
+    if hasattr(exc, "add_note"):  # the second error is kept with the first
+        assert exc.__notes__ == ["then <Unruly (repr raised Boom)>.fail() raised Boom: fail() raised too"]
+    stats = worker.statistics()
+    assert (stats.failed, stats.items, stats.running) == (1, 20, False)
+
+
+def test_a_flush_error_is_kept_when_the_sink_fail_raises_too() -> None:
+    tx, rx = sw.channel(2)
+    worker = sw.Worker(rx, [sw.source() | ops.window(4) | ops.map(lambda w: 1 / 0) | Unruly(Boom())])
+    tx.send(1)
+    tx.close()
+    with pytest.raises(sw.PipelineError) as info:
+        worker.close()
+    assert isinstance(info.value.__cause__, ZeroDivisionError)  # the flush's error, not fail()'s
+    assert worker.statistics().failed == 1
+
+
+def test_a_timed_out_close_names_the_pipeline_it_is_stuck_in() -> None:
+    release = threading.Event()
+    tx, rx = sw.channel(8)
+    stuck = sw.source() | sw.sinks.callback(lambda x: release.wait())
+    worker = sw.Worker(rx, [stuck, sw.source() | sw.sinks.collect()]).start()
+    for i in range(3):
+        tx.send(i)
+    tx.close()
+    with pytest.raises(TimeoutError):
+        worker.close(timeout=0.05)
+    stats = worker.statistics()
+    assert stats.current == repr(stuck)
+    assert stats.in_flight + rx.statistics().len == 3  # nothing went through every pipeline
+    release.set()
+    worker.close()
+    assert worker.statistics().current == ""
+    assert worker.statistics().in_flight == 0
+
+
+@pytest.mark.parametrize("timeout", [0, -1, True, math.nan], ids=repr)
+def test_a_bad_close_timeout_is_refused(timeout: object) -> None:
+    tx, rx = sw.channel(1)
+    worker = sw.Worker(rx).start()
+    tx.close()
+    message = r"^Expected `timeout` to be a number of seconds > 0 \(math.inf waits forever\)"
+    with pytest.raises(ValueError, match=message):
+        worker.close(timeout=timeout)  # type: ignore[arg-type]
+    worker.close(timeout=math.inf)

@@ -42,9 +42,16 @@ short, which :func:`read_run` reports as ``truncated`` and skips. ``RunFile(...,
 ``os.fsync``-s after each step, which survives power loss as well, at the cost of a disk sync per step.
 Memory is bounded: the sink keeps only the key-id map.
 
-Appending: a ``RunFile`` on an existing, non-empty run file continues it — the header is checked (another
-format or version is a :class:`ValueError`), the key ids in use are read, and new steps follow the old
-ones. A truncated last line left by a crash is cut off first.
+Appending: a ``RunFile`` on an existing, non-empty run file continues it — every line is checked as
+:func:`read_run` checks it (another format, version or columns, or a corrupt line before the last one, is
+a :class:`RunFileError` naming the file and the line, and nothing is written), the key ids in use are
+read, and new steps follow the old ones. A truncated last line left by a crash is cut off first.
+
+Paths are checked when the sink is made: a missing directory, a directory or a file that cannot be
+created or appended to is a :class:`RunFileError` saying what to do. Failures that only show when
+writing (a full disk, a file-size limit) stop the sink's pipeline on the worker thread, which counts and
+reports them (``watch.statistics().pipeline_failures``, a warning, a ``PipelineError`` at close) while
+every other sink keeps running.
 
 Example:
     >>> import tempfile, pathlib, numpy as np
@@ -65,6 +72,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -93,7 +101,8 @@ _EXACT_INT = 2.0**53
 
 
 class RunFileError(ValueError):
-    """A file that is not a run file, or a run file with a corrupt line before its last one.
+    """A file that is not a run file, a run file with a corrupt line before its last one, or a path a
+    :class:`RunFile` cannot write (the message names the path, what is wrong and what to do).
 
     Example:
         >>> issubclass(RunFileError, ValueError)
@@ -119,7 +128,12 @@ def _decode(value: Any) -> float:
     if isinstance(value, float):
         return value
     if isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ValueError(
+                f"an integer of {len(str(abs(value)))} digits is too large for a float"
+            ) from None
     if isinstance(value, str) and value in _NONFINITE:
         return _NONFINITE[value]
     raise ValueError(f"expected a number or 'nan'/'inf'/'-inf', got {value!r}")
@@ -134,7 +148,10 @@ def _reject_constant(name: str) -> float:
 
 
 def _loads(text: str) -> Any:
-    return json.loads(text, parse_constant=_reject_constant)
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:  # e.g. "[[[[…": no run file line nests more than a few levels
+        raise ValueError("JSON nested too deeply to be a run file line") from None
 
 
 def _check_header(obj: Any) -> list[str]:
@@ -178,37 +195,65 @@ class _Scan:
 
 
 def _scan_for_append(path: Path) -> _Scan:
-    """Check an existing run file's header and collect its keys, for :class:`RunFile` to continue it."""
-    keys: dict[int, SeriesKey] = {}
-    good_end = 0
+    """Check an existing run file line by line as :func:`read_run` does and collect its keys, for
+    :class:`RunFile` to continue it; a :class:`RunFileError` naming the line if it cannot be continued."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
-            return _Scan(keys, 0, 0)
-        for lineno, raw in enumerate(f, 1):
-            complete = raw.endswith(b"\n")
-            try:
-                obj = _loads(raw.decode("utf-8"))
-                if lineno == 1:
-                    columns = _check_header(obj)
-                    if columns != list(COLUMNS):
-                        raise ValueError(
-                            f"the file's columns {columns} differ from this version's {list(COLUMNS)}"
-                        )
-                elif isinstance(obj, dict) and "keys" in obj:
-                    _parse_keys(obj, keys)
-            except ValueError as error:
-                if lineno == 1:
-                    raise ValueError(
-                        f"cannot append to {path}: not a streamwatch run file: {error}"
-                    ) from None
-                if complete and good_end + len(raw) < size:
-                    raise ValueError(f"cannot append to {path}: line {lineno}: {error}") from None
-                break  # a cut-off last line: cut it off before appending
-            if not complete:
-                break
-            good_end += len(raw)
+            return _Scan({}, 0, 0)
+        run = RunData(path, {})
+        try:
+            keys, good_end = _read_lines(path, f, size, run, keep=False)
+        except RunFileError as error:
+            raise RunFileError(
+                f"cannot append to {error}; write to a new file, or remove or repair that line"
+            ) from None
+    columns = run.header.get("columns")
+    if columns != list(COLUMNS):
+        raise RunFileError(
+            f"cannot append to {path}: the file's columns {columns} differ from this version's "
+            f"{list(COLUMNS)}; write to a new file"
+        )
     return _Scan(keys, good_end, size)
+
+
+def _check_path(path: Path) -> None:
+    """Refuse, with what to do, a path :class:`RunFile` could never write: a directory, a missing or
+    non-directory parent, a file that cannot be created or appended to. Leaves nothing behind."""
+    where = f"RunFile({str(path)!r})"
+    if path.is_dir():
+        raise RunFileError(
+            f"{where}: {path} is a directory; pass the path of a file, e.g. {path / 'run.jsonl'}"
+        )
+    missing: Path | None = None
+    for ancestor in (path.parent, *path.parent.parents):
+        if ancestor.is_dir():
+            break
+        if ancestor.exists():
+            raise RunFileError(
+                f"{where}: {ancestor} is a file, not a directory; choose a path in a directory"
+            )
+        missing = ancestor
+    if missing is not None:
+        raise RunFileError(
+            f"{where}: the directory {missing} does not exist; create it first "
+            f"(pathlib.Path({str(path.parent)!r}).mkdir(parents=True)) or choose another path"
+        )
+    existed = os.path.lexists(path)
+    if existed and not path.is_file():
+        return  # a device or a pipe (e.g. /dev/full): opening may block; writes fail on the worker
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as error:
+        verb = "append to" if existed else "create"
+        raise RunFileError(
+            f"{where}: cannot {verb} {path}: {error.strerror or error}; choose a writable location "
+            "or fix its permissions"
+        ) from error
+    if not existed:  # created at the first step, as documented: take the probe back
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 class RunFile(Sink):
@@ -221,7 +266,10 @@ class RunFile(Sink):
             Without it, each step is flushed to the operating system, which survives a killed process.
 
     Raises:
-        ValueError: ``path`` exists, is not empty and is not a version-1 run file with these columns.
+        RunFileError: (a ``ValueError``) ``path`` exists, is not empty and is not a version-1 run file
+            with these columns that reads back cleanly (the message names the line); or ``path`` cannot
+            be written: its directory is missing, it is a directory, or creating or appending to it
+            fails (the message says what to do).
 
     Example:
         >>> import tempfile, pathlib, torch, streamwatch as sw
@@ -242,7 +290,8 @@ class RunFile(Sink):
         self._fsync = bool(fsync)
         self._file: IO[bytes] | None = None
         self.closed = False
-        self._scan = _scan_for_append(self._path) if self._path.exists() else _Scan({}, 0, 0)
+        _check_path(self._path)
+        self._scan = _scan_for_append(self._path) if self._path.is_file() else _Scan({}, 0, 0)
         self._ids: dict[SeriesKey, int] = {key: i for i, key in self._scan.keys.items()}
 
     @property
@@ -273,7 +322,8 @@ class RunFile(Sink):
                 }
                 self._write(f, _dumps(header) + "\n")
         except BaseException:
-            f.close()
+            with contextlib.suppress(OSError):  # its flush would fail again: keep the first error
+                f.close()
             raise
         self._file = f
         return f
@@ -333,8 +383,13 @@ class RunFile(Sink):
                 self._file = None
 
     def fail(self, error: BaseException) -> None:
-        """The pipeline failed: keep what was written and close the file."""
-        self.close()
+        """The pipeline failed: keep what was written and close the file (never creating it)."""
+        if self.closed:
+            return
+        self.closed = True
+        f, self._file = self._file, None
+        if f is not None:
+            f.close()
 
     def __repr__(self) -> str:
         return f"<run file {str(self._path)!r}>"
@@ -421,6 +476,59 @@ def _parse_step(
     )
 
 
+def _read_lines(
+    path: Path, f: IO[bytes], size: int, run: RunData, *, keep: bool
+) -> tuple[dict[int, SeriesKey], int]:
+    """Check every line of a run file (``f``, ``size`` bytes) into ``run`` — its records too if ``keep``;
+    returns the key ids and where the last good line ends.
+
+    A last line that is cut short or does not parse sets ``run.truncated``; any other bad line is a
+    :class:`RunFileError` naming the file, the line, what was wrong and the last good step.
+    """
+    keys: dict[int, SeriesKey] = {}
+    columns: list[str] = list(COLUMNS)
+    remap: np.ndarray | None = None
+    position = good_end = 0
+    for lineno, raw in enumerate(f, 1):
+        position += len(raw)
+        try:
+            if not raw.endswith(b"\n"):
+                raise ValueError("the line has no newline (cut short)")
+            obj = _loads(raw.decode("utf-8"))
+            if lineno == 1:
+                columns = _check_header(obj)
+                run.header = obj
+                if columns != list(COLUMNS):
+                    index = {name: i for i, name in enumerate(columns)}
+                    remap = np.array([index.get(name, len(columns)) for name in COLUMNS], dtype=np.intp)
+                    run.problems.append(
+                        f"columns {columns} differ from this version's {list(COLUMNS)}: "
+                        "tables were rearranged (NaN where a column is missing)"
+                    )
+            elif not isinstance(obj, dict):
+                raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+            elif "keys" in obj:
+                _parse_keys(obj, keys)
+            elif "step" in obj:
+                record = _parse_step(obj, keys, columns, remap)
+                if keep:
+                    run.records.append(record)
+                run.last_good_step = record.step
+            else:
+                raise ValueError(f"neither a keys nor a step line (fields {sorted(obj)})")
+        except (ValueError, UnicodeDecodeError) as error:
+            if lineno == 1:
+                raise RunFileError(f"{path}: line 1: not a streamwatch run file: {error}") from None
+            where = f"{path}: line {lineno}: {error} (last good step: {run.last_good_step})"
+            if position < size:
+                raise RunFileError(where) from None
+            run.truncated = True
+            run.problems.append(f"truncated record at {where}")
+            break
+        good_end = position
+    return keys, good_end
+
+
 def read_run(path: str | Path) -> RunData:
     """Read a run file written by :class:`RunFile`.
 
@@ -448,50 +556,11 @@ def read_run(path: str | Path) -> RunData:
             raise RunFileError(f"{path}: not a regular file")
         raise FileNotFoundError(f"run file not found: {path}")
     run = RunData(path, {})
-    keys: dict[int, SeriesKey] = {}
-    columns: list[str] = list(COLUMNS)
-    remap: np.ndarray | None = None
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             raise RunFileError(f"{path}: empty file, not a streamwatch run file (no header)")
-        position = 0
-        for lineno, raw in enumerate(f, 1):
-            position += len(raw)
-            last = position >= size
-            try:
-                if not raw.endswith(b"\n"):
-                    raise ValueError("the line has no newline (cut short)")
-                obj = _loads(raw.decode("utf-8"))
-                if lineno == 1:
-                    columns = _check_header(obj)
-                    run.header = obj
-                    if columns != list(COLUMNS):
-                        index = {name: i for i, name in enumerate(columns)}
-                        remap = np.array([index.get(name, len(columns)) for name in COLUMNS], dtype=np.intp)
-                        run.problems.append(
-                            f"columns {columns} differ from this version's {list(COLUMNS)}: "
-                            "tables were rearranged (NaN where a column is missing)"
-                        )
-                    continue
-                if not isinstance(obj, dict):
-                    raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
-                if "keys" in obj:
-                    _parse_keys(obj, keys)
-                elif "step" in obj:
-                    record = _parse_step(obj, keys, columns, remap)
-                    run.records.append(record)
-                    run.last_good_step = record.step
-                else:
-                    raise ValueError(f"neither a keys nor a step line (fields {sorted(obj)})")
-            except (ValueError, UnicodeDecodeError) as error:
-                if lineno == 1:
-                    raise RunFileError(f"{path}: line 1: not a streamwatch run file: {error}") from None
-                where = f"{path}: line {lineno}: {error} (last good step: {run.last_good_step})"
-                if not last:
-                    raise RunFileError(where) from None
-                run.truncated = True
-                run.problems.append(f"truncated record at {where}")
+        _read_lines(path, f, size, run, keep=True)
     return run
 
 
