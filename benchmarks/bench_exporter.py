@@ -12,14 +12,32 @@ its worker's latest values, and the work a scrape does: ``Exporter.collector.ren
 ``watch.expose()``'s endpoint, and ``generate_latest`` when the collector sits in a caller's registry.
 The baseline registers one labelled ``Gauge`` with the same label sets and values, already set (what
 people write by hand; its cost on the training thread, one ``.set()`` per series per step, is not counted).
+
+``test_training_under_a_scrape_storm``: training speed (steps/s) of a small real model under
+``observe`` + ``expose`` while 20 scrapers fetch ``/metrics`` in a loop as fast as they are answered,
+against the same monitored run unscraped and an unmonitored run, in the same process and run (target:
+the storm within 10 % of the unscraped run). The scrapers are 20 threads of a separate process (plain
+sockets, standard library only): Prometheus scrapes from outside the training process, and scraper
+threads inside it would measure their own GIL use, not the exporter's. ``torch.set_num_threads(1)``
+leaves the VM's second core to that process. The three variants run round-robin in every cycle (the
+order rotating), ``STORM_STEPS`` steps each; a variant's speed is the median over the cycles, and the
+headline ratio the median over the cycles of storm / unscraped within the cycle (drift cancels).
+The scraper process starts once and idles between storms (it scrapes only during the storm rounds).
 """
 
 from __future__ import annotations
 
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from torch import nn
 
@@ -85,4 +103,198 @@ def test_plain_gauges(benchmark: Any, series: int, bench_report: list[str]) -> N
         bench_report.append(
             f"/metrics render, plain Gauge.labels: {len(samples)} series, "
             f"median {benchmark.stats.stats.median * 1e3:.1f} ms"
+        )
+
+
+# -- training under a scrape storm ------------------------------------------------------------------------
+
+SCRAPERS = 20
+STORM_STEPS = 200  # steps per variant per cycle (short rounds, many cycles: the 2-core VM drifts)
+STORM_ROUNDS = 30
+STORM_TARGET = 0.90  # storm steps/s over unscraped steps/s
+
+# One process, SCRAPERS threads; stdin lines: "go" (scrape in a loop, each thread as soon as its last
+# response is in; answers "ready"), "pause" (finish the scrapes in flight; answers the counts since "go").
+SCRAPER = r"""
+import json, socket, sys, threading
+port, n = int(sys.argv[1]), int(sys.argv[2])
+go, quit = threading.Event(), threading.Event()
+ok, failed, idle = [0] * n, [0] * n, [threading.Event() for _ in range(n)]
+def scrape():
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: bench\r\n\r\n")
+        data = b""
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    return data.split(b" ", 2)[1:2] == [b"200"] and b"streamwatch_steps_total" in data
+def loop(i):
+    while not quit.is_set():
+        idle[i].set()
+        go.wait(0.1)
+        if not go.is_set():
+            continue
+        idle[i].clear()
+        try:
+            if scrape():
+                ok[i] += 1
+            else:
+                failed[i] += 1
+        except OSError:
+            failed[i] += 1
+threads = [threading.Thread(target=loop, args=(i,)) for i in range(n)]
+for t in threads:
+    t.start()
+for line in sys.stdin:
+    if line.strip() == "go":
+        ok[:], failed[:] = [0] * n, [0] * n
+        go.set()
+        print("ready", flush=True)
+    elif line.strip() == "pause":
+        go.clear()
+        for e in idle:
+            e.wait()
+        print(json.dumps({"ok": sum(ok), "failed": sum(failed)}), flush=True)
+quit.set()
+for t in threads:
+    t.join()
+"""
+
+
+def _storm_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, watch: sw.Watch | None, n: int) -> float:
+    """Train ``n`` steps; return steps per second."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+    start = time.perf_counter()
+    for _ in range(n):
+        out = model(x)
+        loss = F.cross_entropy(out, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if watch is not None:
+            watch.step(loss=loss, outputs=out, targets=y, batch_size=32)
+    return n / (time.perf_counter() - start)
+
+
+class _Scrapers:
+    """The scraper process: :meth:`go` starts the storm, :meth:`pause` ends it and returns the counts."""
+
+    def __init__(self, port: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SCRAPER, str(port), str(SCRAPERS)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def _ask(self, command: str) -> str:
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def go(self) -> None:
+        assert self._ask("go") == "ready"
+
+    def pause(self) -> dict[str, int]:
+        counts: dict[str, int] = json.loads(self._ask("pause"))
+        return counts
+
+    def close(self) -> None:
+        self.proc.communicate(timeout=60)
+
+
+@pytest.mark.benchmark(group="scrape storm")
+def test_training_under_a_scrape_storm(benchmark: Any, bench_report: list[str]) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    plain_model, plain_opt = _storm_model()
+    model, opt = _storm_model()
+    watch = sw.observe(model, opt)
+    speeds: dict[str, list[float]] = {"unmonitored": [], "monitored": [], "storm": []}
+    scrapes: list[float] = []
+    paired: list[float] = []  # storm over monitored, within each cycle
+    failed = 0
+    try:
+        exporter = watch.expose(port=0, run="storm")
+        assert watch.flush()
+        scrapers = _Scrapers(exporter.port)
+
+        def storm() -> float:
+            nonlocal failed
+            scrapers.go()
+            try:
+                start = time.perf_counter()
+                speed = _steps(model, opt, watch, STORM_STEPS)
+                elapsed = time.perf_counter() - start
+            finally:
+                counts = scrapers.pause()
+            scrapes.append(counts["ok"] / elapsed)  # (an upper bound: the scrapes in flight at the end)
+            failed += counts["failed"]
+            return speed
+
+        variants: dict[str, Callable[[], float]] = {
+            "unmonitored": lambda: _steps(plain_model, plain_opt, None, STORM_STEPS),
+            "monitored": lambda: _steps(model, opt, watch, STORM_STEPS),
+            "storm": storm,
+        }
+        cycle_index = [0]
+
+        def cycle() -> None:
+            names = list(variants)
+            k = cycle_index[0] % len(names)
+            cycle_index[0] += 1
+            for name in names[k:] + names[:k]:
+                speed = variants[name]()
+                if cycle_index[0] > 1:  # the first cycle warms up
+                    speeds[name].append(speed)
+                assert watch.flush(timeout=60)  # no variant pays for another's backlog
+            if cycle_index[0] > 1:
+                paired.append(speeds["storm"][-1] / speeds["monitored"][-1])
+
+        try:
+            benchmark.pedantic(cycle, rounds=STORM_ROUNDS, iterations=1, warmup_rounds=1)
+        finally:
+            scrapers.close()
+        stats = watch.statistics()
+        assert stats.hook_errors == 0
+        assert stats.pipeline_failures == 0
+        server = exporter._server
+        renders = server.renders if server is not None else 0
+    finally:
+        watch.close()
+        torch.set_num_threads(threads)
+    median = {name: statistics.median(v) for name, v in speeds.items()}
+    ratio = statistics.median(paired)
+    info = {
+        "unmonitored_steps_per_s": round(median["unmonitored"], 1),
+        "monitored_steps_per_s": round(median["monitored"], 1),
+        "storm_steps_per_s": round(median["storm"], 1),
+        "storm_over_monitored": round(ratio, 4),  # the median of the cycles' ratios
+        "storm_over_monitored_of_medians": round(median["storm"] / median["monitored"], 4),
+        "storm_over_monitored_q1_q3": [round(q, 4) for q in statistics.quantiles(paired, n=4)[::2]],
+        "monitored_over_unmonitored": round(median["monitored"] / median["unmonitored"], 4),
+        "storm_over_unmonitored": round(median["storm"] / median["unmonitored"], 4),
+        "scrapes_per_s": round(statistics.median(scrapes), 1),
+        "failed_scrapes": failed,
+        "renders": renders,
+        "scrapers": SCRAPERS,
+        "target_met": ratio >= STORM_TARGET,
+    }
+    benchmark.extra_info.update(info)
+    assert failed == 0
+    if not benchmark.disabled:
+        bench_report.append(
+            f"training under a {SCRAPERS}-scraper storm: {median['storm']:.0f} steps/s vs "
+            f"{median['monitored']:.0f} unscraped (ratio {ratio:.3f}, quartiles "
+            f"{info['storm_over_monitored_q1_q3']}; target >= {STORM_TARGET}), "
+            f"{median['unmonitored']:.0f} unmonitored; "
+            f"{info['scrapes_per_s']} scrapes/s served, {renders} renders, {failed} failed"
         )

@@ -1,6 +1,8 @@
 """The Prometheus exporter over real HTTP: what /metrics serves equals ``watch.snapshot()`` and
 ``watch.statistics()``; identity labels, ports per local rank, a taken port, the series budget and
-histograms. The end-to-end scrape by a real Prometheus server is in ``test_prometheus_e2e.py``.
+histograms. The end-to-end scrape by a real Prometheus server is in ``test_prometheus_e2e.py``; the
+server's limits (half-open connections, timeouts, scrape storms, methods, hosts, promtool) in
+``test_exporter_limits.py``.
 """
 
 from __future__ import annotations
