@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import os
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ from torch import nn
 
 from streamwatch import _kernel, ops
 from streamwatch._channel import OVERFLOW_POLICIES, OverflowPolicy, channel
-from streamwatch._exceptions import PipelineError
+from streamwatch._exceptions import Full, PipelineError, SendTimeout
 from streamwatch._pipeline import Pipeline, Sink, source
 from streamwatch._record import PendingRecord, Sample, SeriesKey, SlotPool, StepRecord
 from streamwatch._summary import COLUMNS, derive, release_scratch
@@ -46,10 +47,12 @@ from streamwatch._taps import (
     KINDS,
     TapSet,
     TapState,
+    check_hookable,
+    describe_modules,
     named_params,
     resolve_select,
 )
-from streamwatch._worker import Worker
+from streamwatch._worker import Worker, seconds_or_forever
 from streamwatch.metrics._base import Binding, Metric
 from streamwatch.metrics._derived import DERIVED
 from streamwatch.sinks._prometheus import DEFAULT_PORT, Exporter
@@ -80,13 +83,20 @@ class WatchStatistics:
         queue_len: records waiting for the worker now; ``queue_high_water`` the most ever waiting.
         worker_lag_seconds: from the step boundary to the worker having processed the record (latest).
         skipped: tensors not summarised, by reason (``non_tensor``, ``complex``, ``sparse``, ``empty``, ...).
-        hook_errors: exceptions caught inside hooks (never raised into training; re-raised at close).
+        hook_errors: exceptions caught inside hooks or inside ``watch.step()`` (never raised into
+            training; re-raised at close).
         pipeline_failures: pipelines stopped by an exception.
         kernel: how CPU tensors are summarised: ``"fused: <library>"`` (one pass, exact non-finite
             counts) or ``"torch: <why the fused kernel is not used>"``.
         overhead_seconds: streamwatch's own time on the training thread in the last step (its hooks and
             ``watch.step()``; torch's dispatch of the hooks is not included): an in-process estimate.
         overhead_seconds_total: the same, summed over every step.
+        failed_steps: steps whose ``watch.step()`` failed, so they have no record: an argument it refused
+            (the error was raised to the caller) or an error inside streamwatch (warned about, raised
+            again at close). Their rows are dropped, never merged into the next step.
+        stuck_pipelines: the pipeline(s) still running a call that did not return when ``close()`` gave
+            up waiting (``close_timeout``); empty unless it gave up.
+        unflushed_records: records that had not reached every sink when ``close()`` gave up.
     """
 
     steps: int
@@ -104,6 +114,9 @@ class WatchStatistics:
     kernel: str = ""
     overhead_seconds: float = 0.0
     overhead_seconds_total: float = 0.0
+    failed_steps: int = 0
+    stuck_pipelines: tuple[str, ...] = ()
+    unflushed_records: int = 0
 
 
 class _Latest(Sink):
@@ -187,7 +200,9 @@ def _scalar_sample(name: str, value: float) -> Sample:
         return Sample(f"streamwatch_{name[5:]}", {"phase": "eval"}, value)
     if name.startswith("lr/"):
         return Sample("streamwatch_learning_rate", {"group": name[3:]}, value)
-    if name in ("loss", "accuracy", "correct", "total"):
+    if name == "total":  # a gauge: "_total" is the suffix of counters (promtool check metrics)
+        return Sample("streamwatch_predictions", {"phase": "train"}, value)
+    if name in ("loss", "accuracy", "correct"):
         return Sample(f"streamwatch_{name}", {"phase": "train"}, value)
     return Sample(f"streamwatch_{name}", {}, value)
 
@@ -225,6 +240,7 @@ class Watch:
         capacity: int,
         sinks: Iterable[Sink],
         metrics: Iterable[str | Metric] = (),
+        close_timeout: float = 30.0,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}")
@@ -232,25 +248,31 @@ class Watch:
             raise TypeError(f"Expected `optimizer` to be a torch.optim.Optimizer or None, got {optimizer!r}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Expected `every` to be a positive integer, got {every!r}")
-        unknown = set(taps) - set(KINDS)
-        if isinstance(taps, str) or unknown:
-            raise ValueError(f"Expected `taps` to be a collection of {KINDS}, got {taps!r}")
-        if set(stats) - set(STATS) or isinstance(stats, str):
-            raise ValueError(f"Expected `stats` to be a collection of {STATS}, got {stats!r}")
-        merged = dict(DEFAULT_CADENCE)
-        for kind, n in (cadence or {}).items():
-            if kind not in KINDS or isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(
-                    f"Expected `cadence` to map tap kinds to positive integers, got {kind!r}: {n!r}"
-                )
-            merged[kind] = n
+        # Every argument is checked before anything is attached: a refused observe() touches nothing.
+        taps = _names(taps, "taps", KINDS)
+        stats = _names(stats, "stats", STATS)
+        merged = _cadence(cadence)
+        if channel_last is not None and not isinstance(channel_last, bool):
+            raise TypeError(
+                f"Expected `channel_last` to be True, False or None (chosen per module), got {channel_last!r}"
+            )
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"Expected `overflow` to be one of {OVERFLOW_POLICIES}, got {overflow!r}")
-        sinks = list(sinks)
-        for sink in sinks:
-            if not isinstance(sink, Sink):
-                raise TypeError(f"Expected every entry of `sinks` to be a Sink, got {sink!r}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"Expected `capacity` to be an integer >= 1, got {capacity!r}")
+        self._close_timeout = seconds_or_forever(close_timeout, "close_timeout")
+        self._stuck: tuple[str, ...] = ()  # what close() gave up on, and the records it left
+        self._unflushed = 0
+        sinks = _sinks(sinks)
         derived, objects = _split_metrics(metrics, frozenset(taps), has_optimizer=optimizer is not None)
+        modules = resolve_select(select).modules(model)
+        if not modules:
+            raise ValueError(
+                f"`select` matched no module of {type(model).__name__} (select={select!r}); its modules are "
+                f"{describe_modules(model)}. Observing no layer is never what is wanted: match these "
+                "qualified names (globs), or pass select=None for every leaf module"
+            )
+        check_hookable(model, modules)
         with _OBSERVED_LOCK:
             if model in _OBSERVED:
                 raise RuntimeError(
@@ -259,7 +281,6 @@ class Watch:
                 )
             _OBSERVED.add(model)
         try:
-            modules = resolve_select(select).modules(model)
             params = named_params(model, modules, all_params=select is None)
             self._every = every
             self._cadence = merged
@@ -285,6 +306,7 @@ class Watch:
             self._rank = _rank()
             self._step = 0
             self._sampled = 0
+            self._failed_steps = 0
             self._last = time.perf_counter()
             self._errors: list[tuple[str, BaseException]] = []
             self._reported_hook_errors = 0
@@ -293,13 +315,14 @@ class Watch:
             self._pool: SlotPool | None = None
             self._latest = _Latest()
             self._tx, rx = channel(capacity, on_drop=_release_dropped)
+            self._rx = rx  # the worker's once it starts; closed here only if observe() fails before
             derived_pipelines = [source() | ops.map(DERIVED[name]) | _Put(self._latest) for name in derived]
             self._worker = Worker(
                 rx,
                 [source() | self._latest, *derived_pipelines, *(source() | sink for sink in sinks)],
                 name="streamwatch-worker",
                 prepare=PendingRecord.resolve,
-            ).start()
+            )
             self._taps = TapSet(model, modules, params, optimizer, self._state)
             self._metrics: tuple[Metric, ...] = ()
             binding = Binding(model, tuple(params), optimizer, self._paused)
@@ -307,12 +330,27 @@ class Watch:
                 metric.bind(binding)
                 self._metrics += (metric,)
             self._set_sampling(0)
+            self._worker.start()  # last: a failure before it leaves no thread and no sink touched
         except BaseException:
-            for metric in getattr(self, "_metrics", ()):
-                metric.unbind()
-            with _OBSERVED_LOCK:
-                _OBSERVED.discard(model)
+            self._undo(model, objects)
             raise
+
+    def _undo(self, model: nn.Module, metrics: list[Metric]) -> None:
+        """observe() failed part-way: take back everything it did — every hook, every metric binding
+        (also of a metric whose ``bind`` raised half-way), the channel — and free the model. The worker
+        thread is started last, so it never runs here; the user's sinks were never touched."""
+        self._closed = True
+        taps: TapSet | None = getattr(self, "_taps", None)
+        if taps is not None:
+            taps.remove()
+        for metric in metrics:  # none was bound before observe(): _split_metrics refuses those
+            with contextlib.suppress(Exception):
+                metric.unbind()
+        for end in (getattr(self, "_tx", None), getattr(self, "_rx", None)):
+            if end is not None:
+                end.close()
+        with _OBSERVED_LOCK:
+            _OBSERVED.discard(model)
 
     # -- the training loop's side ---------------------------------------------------------------------
 
@@ -327,16 +365,44 @@ class Watch:
         policy) never blocks on the worker.
 
         Args:
-            loss: the step's loss (a tensor stays on its device; a float is fine too).
-            outputs: model outputs (logits ``[batch, classes]`` or binary scores) for train accuracy.
-            targets: class indices (or 0/1 labels for binary scores) matching ``outputs``.
-            batch_size: samples in the step, for throughput.
+            loss: the step's loss: a one-element real tensor (it stays on its device) or a real number.
+            outputs: model outputs, for train accuracy (with ``targets``; see below).
+            targets: the labels ``outputs`` are scored against.
+            batch_size: samples in the step (a positive integer), for throughput.
+
+        Train accuracy reads these layouts (``N`` the batch, ``C`` the classes; any tensor on one device):
+
+        * class indices: integer ``targets [N]`` with logits ``[N, C]``; ``[N, ..., C]`` with
+          ``[N, ...]`` (classes last, e.g. tokens) or ``[N, C, ...]`` with ``[N, ...]`` (classes first, as
+          ``cross_entropy`` takes images) — predicted class: the argmax. A layout that fits both ways
+          (``[N, 4, 4]`` with ``[N, 4]``) is refused: reshape to ``[M, C]`` and ``[M]``.
+        * one-hot or class probabilities: floating ``targets [N, C]`` like ``outputs`` — the argmax of each.
+        * binary scores: ``outputs`` with one logit per label — the same shape as ``targets``, or ``[N, 1]``
+          with ``[N]`` — predicted positive where the logit is > 0 (for probabilities pass ``p - 0.5``);
+          a label is positive where it is > 0.5 (0/1, -1/+1, soft labels). Several labels per sample
+          (multi-label ``[N, C]``, masks ``[N, H, W]``) are scored element-wise when ``targets`` is bool;
+          integer or floating ones of that shape are refused or read as one-hot (above): a shape alone
+          cannot tell one-hot from multi-label.
+        * predicted labels: integer/bool ``outputs`` of the same shape as ``targets`` — compared as they are.
+
+        ``correct`` counts right predictions; ``total`` the predictions scored (``N``, or every element
+        of ``[N, ...]``); ``accuracy`` is their ratio. Anything else is refused.
+
+        Raises:
+            TypeError, ValueError: an argument is not what it should be (the message names it). The step
+                then ends without a record: what was summarised for it is dropped, never merged into the
+                next step, and counted in ``statistics().failed_steps``.
         """
         if self._closed:
             raise RuntimeError("this Watch is closed; create a new one with streamwatch.observe()")
         now = time.perf_counter()
         try:
-            self._step_boundary(now, loss, outputs, targets, batch_size)
+            try:
+                checked = _check_step(loss, outputs, targets, batch_size)
+            except (TypeError, ValueError):
+                self._end_step(now, failed=True)
+                raise
+            self._step_boundary(now, checked)
         finally:
             state = self._state
             end = time.perf_counter()
@@ -345,58 +411,54 @@ class Watch:
             state.busy = 0.0
             state.times.reset(state.times.clock())  # the next step's data wait starts after our own work
 
-    def _step_boundary(
-        self,
-        now: float,
-        loss: torch.Tensor | float | None,
-        outputs: torch.Tensor | None,
-        targets: torch.Tensor | None,
-        batch_size: int | None,
-    ) -> None:
-        seconds, self._last = now - self._last, now
-        state = self._state
-        device: dict[str, torch.Tensor] = {}
-        if self._step_metrics:
-            self._run_step_metrics(device)
-        if any(state.on.values()) or len(state.buffer) or state.buffer.extras or device:
-            if state.on.get("param") and not self._taps.has_optimizer:
-                self._taps.summarize_params()
-            self._send(seconds, loss, outputs, targets, batch_size, device)
+    def _end_step(self, now: float, failed: bool) -> None:
+        """The step is over; with ``failed`` it has no record: its rows are dropped and counted."""
+        if failed:
+            self._state.buffer.clear()
+            self._failed_steps += 1
+        self._last = now
         self._step += 1
         self._set_sampling(self._step)
+
+    def _step_boundary(self, now: float, checked: _StepArgs) -> None:
+        seconds = now - self._last
+        state = self._state
+        failed = True
+        try:
+            device: dict[str, torch.Tensor] = {}
+            if self._step_metrics:
+                self._run_step_metrics(device)
+            if any(state.on.values()) or len(state.buffer) or state.buffer.extras or device:
+                if state.on.get("param") and not self._taps.has_optimizer:
+                    self._taps.summarize_params()
+                self._send(seconds, checked, device)
+            failed = False
+        except (Full, SendTimeout):
+            raise  # overflow="error" / a blocking send that timed out: the policy the user chose
+        except Exception as exc:  # streamwatch's own failure: training goes on; warned, raised at close
+            state.fail(exc)
+        finally:
+            self._end_step(now, failed)
         self._surface_errors()
 
-    def _send(
-        self,
-        seconds: float,
-        loss: torch.Tensor | float | None,
-        outputs: torch.Tensor | None,
-        targets: torch.Tensor | None,
-        batch_size: int | None,
-        device: dict[str, torch.Tensor],
-    ) -> None:
+    def _send(self, seconds: float, checked: _StepArgs, device: dict[str, torch.Tensor]) -> None:
         host: dict[str, float] = {"step_seconds": seconds}
         times = self._state.times
         for part, value in times.parts(times.clock()).items():
             host[f"part/{part}"] = value
-        if batch_size is not None:
-            host["batch_size"] = float(batch_size)
+        if checked.batch_size is not None:
+            host["batch_size"] = float(checked.batch_size)
             if seconds > 0:
-                host["samples_per_second"] = batch_size / seconds
+                host["samples_per_second"] = checked.batch_size / seconds
+        loss = checked.loss
         if isinstance(loss, torch.Tensor):
-            if loss.numel() == 1 and not loss.is_complex():
-                device["loss"] = loss.detach().reshape(()).to(torch.float32)
-            else:
-                self._state.skip("loss_not_scalar")
+            device["loss"] = loss.detach().reshape(()).to(torch.float32)
         elif loss is not None:
-            host["loss"] = float(loss)
-        if outputs is not None and targets is not None:
-            correct = _correct(outputs, targets)
-            if correct is None:
-                self._state.skip("accuracy_shapes")
-            else:
-                device["correct"] = correct
-                host["total"] = float(targets.shape[0]) if targets.dim() else 1.0
+            host["loss"] = loss
+        if checked.accuracy is not None:
+            count_correct, total = checked.accuracy
+            device["correct"] = count_correct()
+            host["total"] = float(total)
         if self._optimizer is not None:
             for i, group in enumerate(self._optimizer.param_groups):
                 lr = group.get("lr")
@@ -419,7 +481,12 @@ class Watch:
         )
         if pending is None:
             return  # counted by the slot pool
-        if self._tx.offer(pending, self._overflow):
+        try:
+            sent = self._tx.offer(pending, self._overflow)
+        except BaseException:
+            _release_dropped(pending, "error")  # the pinned slot goes back; the step is counted as failed
+            raise
+        if sent:
             self._sampled += 1
 
     def _set_sampling(self, step: int) -> None:
@@ -504,23 +571,33 @@ class Watch:
         registry: CollectorRegistry | None = None,
         run: str | None = None,
         series_budget: int = 5000,
+        timeout: float = 10.0,
     ) -> Exporter:
         """Serve this watch's latest values on ``http://host:(port + LOCAL_RANK)/metrics`` for Prometheus.
 
         One endpoint per process; under torchrun each local rank takes the next port. The collector
         builds the metric families at scrape time (no per-series objects, nothing on the training
-        thread). ``close()`` stops the server.
+        thread). The server has two threads whatever the load: one multiplexes every connection (at
+        most 64; a silent or half-sent connection holds no thread and is closed after ``timeout``), one
+        answers in batches, at most 4 a second, rendering once per change of the values however many
+        scrapers ask and at most 2 % of the time (requests wait for the next batch). Only
+        ``GET``/``HEAD /metrics`` are served (other methods: 405, other paths: 404). ``close()`` joins
+        both threads and closes every connection.
 
         Args:
             port: the base port (``0``: any free port, see :attr:`Exporter.url`).
             host: the interface to bind: loopback by default; ``"0.0.0.0"`` to let other machines
-                scrape, explicitly.
+                scrape, explicitly (``""`` is refused rather than binding every interface).
             registry: a ``prometheus_client.CollectorRegistry`` to register in (default: a new one).
             run: the ``run`` label (default ``$STREAMWATCH_RUN``, else the script's name).
             series_budget: the most ``streamwatch_tensor`` series to export (see README).
+            timeout: seconds a client has to send its request, and again to read the response, before
+                its connection is closed.
 
         Raises:
-            OSError: the port is taken (the message names it and the fix).
+            OSError: the port is taken, the host cannot be resolved or is not an address of this
+                machine (the message names it and the fix).
+            ValueError: a bad argument, or ``host=""``.
 
         Example:
             >>> import torch, urllib.request, streamwatch as sw
@@ -534,15 +611,22 @@ class Watch:
             True
         """
         exporter = Exporter(
-            self, port=port, host=host, registry=registry, run=run, series_budget=series_budget
+            self,
+            port=port,
+            host=host,
+            registry=registry,
+            run=run,
+            series_budget=series_budget,
+            timeout=timeout,
         )
         self._exporters.append(exporter)
         return exporter
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until the worker has handled every record sent so far (for tests and scripts that read
-        :meth:`snapshot` right after a step); True if it did within ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
+        :meth:`snapshot` right after a step); True if it did within ``timeout`` seconds (>= 0; ``math.inf``
+        waits as long as it takes)."""
+        deadline = time.monotonic() + _seconds(timeout, "timeout")
         while True:
             stats = self.statistics()
             if stats.records_received + stats.dropped_oldest + stats.dropped_newest >= stats.sampled:
@@ -620,14 +704,39 @@ class Watch:
             kernel=self._kernel_status,
             overhead_seconds=self._overhead,
             overhead_seconds_total=self._overhead_total,
+            failed_steps=self._failed_steps,
+            stuck_pipelines=self._stuck,
+            unflushed_records=self._unflushed,
         )
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Flush every completed step to every sink, remove every hook, release the model. Idempotent.
+
+        Waiting for the sinks is bounded: if they have not taken every record within ``timeout``
+        seconds (a sink whose call never returns), close() gives up — it warns (``RuntimeWarning``)
+        naming the pipeline that did not return and how many records were not flushed to every sink,
+        records both in :meth:`statistics` (``stuck_pipelines``, ``unflushed_records``) and returns.
+        The worker thread is left behind: a daemon thread (it does not keep the process alive) that
+        finishes flushing and closing the sinks by itself if the stuck call ever returns.
+
+        Args:
+            timeout: the most seconds to wait for the sinks; ``None`` (default) uses ``close_timeout``
+                from :func:`observe` (30 s unless set); ``math.inf`` waits forever.
 
         Raises:
             PipelineError: pipelines or hooks failed during the run (each was also warned about).
+            ValueError: ``timeout`` is not a number of seconds > 0 (nothing is closed then).
+
+        Example:
+            >>> import torch, streamwatch as sw
+            >>> model = torch.nn.Linear(2, 1)
+            >>> watch = sw.observe(model, close_timeout=60.0)
+            >>> _ = model(torch.ones(1, 2)); watch.step()
+            >>> watch.close(timeout=10.0)
+            >>> watch.statistics().stuck_pipelines, watch.statistics().unflushed_records
+            ((), 0)
         """
+        wait = self._close_timeout if timeout is None else seconds_or_forever(timeout, "timeout")
         if self._closed:
             return
         self._closed = True
@@ -647,14 +756,35 @@ class Watch:
         self._optimizer = None
         self._tx.close()
         try:
-            self._worker.close()
+            self._worker.close(wait)
         except PipelineError as err:
             self._errors.extend(err.errors)
+        except TimeoutError:
+            self._give_up(wait or math.inf)  # a TimeoutError means wait was a number
         for exc in self._state.errors[self._reported_hook_errors :]:
             self._errors.append(("<tap>", exc))
         if self._errors:
             errors, self._errors = self._errors, []
             raise PipelineError(errors) from errors[0][1]
+
+    def _give_up(self, waited: float) -> None:
+        """close() waited ``waited`` seconds for the worker in vain: count and warn, leave it behind."""
+        worker = self._worker.statistics()
+        self._stuck = (worker.current,) if worker.current else ()
+        self._unflushed = worker.in_flight + self._tx.statistics().len
+        try:
+            self._worker.check()  # failures before it got stuck are reported as usual
+        except PipelineError as err:
+            self._errors.extend(err.errors)
+        stuck = f"{worker.current} did not return" if worker.current else "the worker thread did not finish"
+        warnings.warn(
+            f"streamwatch: close() gave up after {waited:g} s: {stuck}; {self._unflushed} records were not "
+            "flushed to every sink. The worker thread is left running (a daemon thread: it does not keep "
+            "the process alive) and finishes by itself if that call returns. Wait longer with "
+            "observe(..., close_timeout=...) or close(timeout=...) (math.inf waits forever).",
+            RuntimeWarning,
+            stacklevel=3,  # the user's close() call
+        )
 
     @property
     def closed(self) -> bool:
@@ -727,11 +857,62 @@ DEFAULT_METRICS = ("update_ratio", "layer_mean")
 """Worker-side metrics on by default (numpy over each record's table: no training-thread cost)."""
 
 
+def _names(value: object, name: str, allowed: tuple[str, ...]) -> frozenset[str]:
+    """``taps=`` / ``stats=``: a collection of known names, read once (a generator is fine)."""
+    if isinstance(value, str):
+        raise ValueError(f"Expected `{name}` to be a collection of {allowed}, got {value!r}")
+    if not isinstance(value, Iterable):
+        raise TypeError(f"Expected `{name}` to be a collection of {allowed}, got {value!r}")
+    try:
+        chosen = frozenset(value)
+    except TypeError:  # unhashable entries
+        raise TypeError(f"Expected `{name}` to be a collection of {allowed}, got {value!r}") from None
+    if chosen - set(allowed):
+        shown = value if isinstance(value, Collection) else sorted(chosen, key=repr)
+        raise ValueError(f"Expected `{name}` to be a collection of {allowed}, got {shown!r}")
+    return chosen
+
+
+def _cadence(cadence: object) -> dict[str, int]:
+    """``cadence=`` merged over the defaults."""
+    merged = dict(DEFAULT_CADENCE)
+    if cadence is None:
+        return merged
+    if not isinstance(cadence, Mapping):
+        raise TypeError(
+            f"Expected `cadence` to be a mapping of tap kinds to positive integers (or None), got {cadence!r}"
+        )
+    for kind, n in cadence.items():
+        if kind not in KINDS or isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"Expected `cadence` to map tap kinds to positive integers, got {kind!r}: {n!r}")
+        merged[kind] = n
+    return merged
+
+
+def _sinks(sinks: object) -> list[Sink]:
+    """``sinks=``: a collection of sinks, or one sink (read as a one-element list)."""
+    if isinstance(sinks, Sink):
+        return [sinks]
+    if isinstance(sinks, str | bytes | Mapping) or not isinstance(sinks, Iterable):
+        raise TypeError(f"Expected `sinks` to be a Sink or a collection of Sinks, got {sinks!r}")
+    out = list(sinks)
+    for sink in out:
+        if not isinstance(sink, Sink):
+            raise TypeError(f"Expected every entry of `sinks` to be a Sink, got {sink!r}")
+    return out
+
+
 def _split_metrics(
     metrics: Iterable[str | Metric], taps: frozenset[str], *, has_optimizer: bool
 ) -> tuple[list[str], list[Metric]]:
     """Names of worker-side metrics and opt-in metric objects, validated before anything is attached."""
-    if isinstance(metrics, str):
+    if isinstance(metrics, Metric):
+        raise TypeError(
+            f"Expected `metrics` to be a collection of names and metric objects, got the single metric "
+            f"{metrics!r}: `metrics=` replaces the defaults, so pass "
+            f"metrics=[*streamwatch.DEFAULT_METRICS, {metrics!r}] to add it to them"
+        )
+    if isinstance(metrics, str | bytes | Mapping) or not isinstance(metrics, Iterable):
         raise TypeError(f"Expected `metrics` to be a collection of names and metric objects, got {metrics!r}")
     names: list[str] = []
     objects: list[Metric] = []
@@ -774,19 +955,121 @@ def _release_dropped(item: Any, reason: str) -> None:
         item.release()
 
 
-def _correct(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
-    """Correct predictions as a device scalar, or None if the shapes don't describe classification."""
-    outputs, targets = outputs.detach(), targets.detach()
-    if targets.is_floating_point() or targets.is_complex():
-        if outputs.shape != targets.shape:
-            return None
-        predicted = outputs > 0
-        return (predicted == (targets > 0.5)).sum(dtype=torch.float32)
-    if outputs.dim() == targets.dim() + 1 and outputs.shape[:-1] == targets.shape:
-        return (outputs.argmax(-1) == targets).sum(dtype=torch.float32)
-    if outputs.shape == targets.shape:  # binary scores vs 0/1 labels
-        return ((outputs > 0).to(targets.dtype) == targets).sum(dtype=torch.float32)
-    return None
+def _seconds(value: object, name: str) -> float:
+    """A duration argument: a real number >= 0 (``math.inf`` allowed, NaN refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) >= 0:
+        raise ValueError(f"Expected `{name}` to be a number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
+class _StepArgs(NamedTuple):
+    """``watch.step()``'s arguments, checked: nothing in them can fail later."""
+
+    loss: torch.Tensor | float | None
+    accuracy: tuple[Callable[[], torch.Tensor], int] | None  # (count the correct ones, predictions scored)
+    batch_size: int | None
+
+
+def _check_step(loss: object, outputs: object, targets: object, batch_size: object) -> _StepArgs:
+    """Check every argument of ``watch.step()`` before the step is touched (shapes and types only:
+    nothing is read from the device)."""
+    checked_loss: torch.Tensor | float | None = None
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1 or loss.is_complex():
+            what = "a complex tensor" if loss.is_complex() else f"a tensor of shape {list(loss.shape)}"
+            raise ValueError(
+                f"Expected `loss` to be a scalar (a one-element real tensor or a number), got {what}; "
+                "pass the reduced loss (e.g. loss.mean())"
+            )
+        checked_loss = loss
+    elif loss is not None:
+        if isinstance(loss, bool) or not isinstance(loss, numbers.Real):
+            raise TypeError(
+                f"Expected `loss` to be a scalar (a one-element real tensor or a number), got {loss!r}"
+            )
+        checked_loss = float(loss)
+    if batch_size is not None and (
+        isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1
+    ):
+        raise ValueError(
+            f"Expected `batch_size` to be a positive integer (the samples in the step), got {batch_size!r}"
+        )
+    accuracy = None
+    if outputs is not None or targets is not None:
+        if outputs is None or targets is None:
+            raise ValueError(
+                "Expected `outputs` and `targets` together (both for train accuracy, or neither), got "
+                f"{'targets' if outputs is None else 'outputs'} alone"
+            )
+        accuracy = _accuracy(outputs, targets)
+    return _StepArgs(checked_loss, accuracy, None if batch_size is None else int(batch_size))
+
+
+def _accuracy(outputs: object, targets: object) -> tuple[Callable[[], torch.Tensor], int]:
+    """How to count the correct predictions (a device scalar, computed later) and how many are scored,
+    for the layouts documented in :meth:`Watch.step`; anything else is refused, naming the shapes."""
+    for name, value in (("outputs", outputs), ("targets", targets)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"Expected `{name}` to be a torch.Tensor (for train accuracy), got {value!r}")
+    assert isinstance(outputs, torch.Tensor)
+    assert isinstance(targets, torch.Tensor)
+    o, t = outputs.detach(), targets.detach()
+    shapes = (
+        f"`outputs` of shape {list(o.shape)} ({o.dtype}) and `targets` of shape {list(t.shape)} ({t.dtype})"
+    )
+
+    def refuse(why: str) -> ValueError:
+        return ValueError(
+            f"Cannot score train accuracy from {shapes}: {why}. streamwatch reads class indices "
+            "([N] int with [N, C] logits, [N, ...] with [N, ..., C] or [N, C, ...]), one-hot or "
+            "probabilities ([N, C] float like the logits), binary scores (one logit per label, or [N, 1] "
+            "with [N]) and predicted labels (int outputs shaped like targets); see Watch.step"
+        )
+
+    if o.is_complex() or t.is_complex():
+        raise refuse("complex tensors are not scores or labels")
+    if o.device != t.device:
+        raise refuse(f"they are on different devices ({o.device} and {t.device})")
+    labels = not t.is_floating_point()  # integer or bool targets
+    if not o.is_floating_point():  # predicted labels
+        if o.shape != t.shape:
+            raise refuse("integer outputs are predicted labels, which must be shaped like the targets")
+        return (lambda: (o == t).sum(dtype=torch.float32)), t.numel()
+    n = t.numel()
+    if o.shape == t.shape:
+        # one logit per label: a single score per sample ([N], [N, 1], [N, 1, ...]) or bool labels
+        if o.dim() <= 1 or o.shape[-1] == 1 or o.shape[1] == 1 or t.dtype == torch.bool:
+            return (lambda: ((o > 0) == (t > 0.5)).sum(dtype=torch.float32)), n
+        if o.dim() == 2 and not labels:  # one-hot or class probabilities
+            return (lambda: (o.argmax(-1) == t.argmax(-1)).sum(dtype=torch.float32)), o.shape[0]
+        if labels:
+            raise refuse(
+                "integer targets shaped like the outputs could be one-hot (F.one_hot) or per-element "
+                "0/1 labels; pass targets.float() for one-hot [N, C], targets.bool() for per-element labels"
+            )
+        raise refuse(
+            "floating targets shaped like the outputs are one-hot only as [N, C] (flatten to [M, C]); "
+            "for per-element binary labels pass bool targets"
+        )
+    if o.dim() == t.dim() + 1:
+        last = o.shape[:-1] == t.shape
+        first = o.dim() >= 3 and o.shape[0] == t.shape[0] and o.shape[2:] == t.shape[1:]
+        if last and o.shape[-1] == 1:  # [N, 1] logits with [N] labels: binary
+            return (lambda: ((o.squeeze(-1) > 0) == (t > 0.5)).sum(dtype=torch.float32)), n
+        if first and o.shape[1] == 1:
+            return (lambda: ((o.squeeze(1) > 0) == (t > 0.5)).sum(dtype=torch.float32)), n
+        if (last or first) and not labels:
+            raise refuse("class indices must be an integer tensor (targets.long())")
+        if last and first:
+            raise refuse(
+                "the classes could be the last or the second dimension; reshape to [M, C] logits and [M] "
+                "targets"
+            )
+        if last:
+            return (lambda: (o.argmax(-1) == t).sum(dtype=torch.float32)), n
+        if first:
+            return (lambda: (o.argmax(1) == t).sum(dtype=torch.float32)), n
+    raise refuse("the shapes do not match any of these layouts (is the batch the same?)")
 
 
 def observe(
@@ -803,6 +1086,7 @@ def observe(
     capacity: int = 64,
     sinks: Iterable[Sink] = (),
     metrics: Iterable[str | Metric] = DEFAULT_METRICS,
+    close_timeout: float = 30.0,
 ) -> Watch:
     """Observe ``model``: summarise every selected layer's tensors on the device, one record per step.
 
@@ -811,27 +1095,36 @@ def observe(
         optimizer: enables the ``param`` (after each step), ``update`` and learning-rate taps.
         every: sample one step in ``every``; unsampled steps cost one flag check per hook.
         select: which modules — None (every leaf module), a glob, a module class, a tuple of classes
-            or a :class:`streamwatch.Select`.
+            or a :class:`streamwatch.Select`. It must match at least one module (else ``ValueError``,
+            listing module names); TorchScript modules cannot be observed (``TypeError``).
         taps: which kinds to capture (see ``streamwatch._taps.KINDS``); ``input`` and ``input_grad``
             are opt-in.
         cadence: per-kind multiples of ``every`` (default: weights and updates 10×, the rest 1×).
         stats: optional statistics: ``"dead"`` (dead-unit rate, default) and ``"nonfinite"`` (exact
             NaN/Inf counts; otherwise a free 0/1 flag).
-        channel_last: where units are for dead-unit rates; None picks per module (channels first for
-            convolutions/norms/pools, features last otherwise).
+        channel_last: where units are for dead-unit rates: True, False, or None to pick per module
+            (channels first for convolutions/norms/pools, features last otherwise).
         overflow: what to do when the worker is ``capacity`` records behind: ``"drop_oldest"``
             (default, never stalls training), ``"drop_newest"``, ``"block"`` (lossless) or ``"error"``.
         capacity: records in flight between the training thread and the worker.
-        sinks: extra sinks that receive every :class:`streamwatch.StepRecord`.
+        sinks: extra sinks that receive every :class:`streamwatch.StepRecord` (one sink alone is fine).
         metrics: worker-side metrics by name (default ``("update_ratio", "layer_mean")``: numpy over each
             record, nothing on the training thread) and opt-in metric objects from
             :mod:`streamwatch.metrics` (``GradientCosine``, ``SpectralNorm``, ``ConditionNumber``,
             ``Histogram``, ``PNorm``, ``ActivationSimilarity``, ``HessianMaxEig``, ``TestAccuracy``), each
             with its own ``every`` (a multiple of ``every`` above). Keep the defaults when adding one:
             ``metrics=[*streamwatch.DEFAULT_METRICS, streamwatch.metrics.SpectralNorm()]``.
+        close_timeout: the most seconds ``close()`` waits for the sinks to take the last records
+            (``math.inf``: forever). A sink that does not return in time is left behind on the daemon
+            worker thread; close() warns, naming it and the records not flushed, and returns (see
+            :meth:`Watch.close`).
 
     Raises:
         RuntimeError: the model is already observed.
+        TypeError, ValueError: an argument is not what it should be; the message names it. Every
+            argument is checked before anything is attached, and an observe() that fails part-way (a
+            metric's ``bind`` raising, a hook torch refuses) takes back every hook and binding it made
+            and starts no thread: the model can be observed again.
     """
     return Watch(
         model,
@@ -846,4 +1139,5 @@ def observe(
         capacity=capacity,
         sinks=sinks,
         metrics=metrics,
+        close_timeout=close_timeout,
     )

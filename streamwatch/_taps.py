@@ -24,18 +24,31 @@ Hooks never raise into the training step: an exception inside one is caught, cou
 ``Watch.close()``. Hooks do no work on steps no tap samples (one flag check). Forward passes under
 ``eval()`` or ``torch.no_grad()`` are summarised under ``phase="eval"`` on every step they happen,
 so evaluation loops are never lost and never mix into training series.
+
+Activation checkpointing (``torch.utils.checkpoint``, either ``use_reentrant`` mode) runs a block's
+forward twice; it is one training forward, summarised once, exactly as without checkpointing. The
+recomputation is recognised as a forward running inside a backward pass (its values are not summarised
+again); the first forward of a re-entrant checkpoint, which torch runs under ``no_grad``, is recognised
+by ``CheckpointFunction.forward`` on the stack (a training forward, not an evaluation), and its gradients
+are hooked in the recomputation, where backward flows.
+
+Installing is all or nothing: if torch refuses a registration half-way, every hook already installed is
+removed before the error propagates. TorchScript modules are refused up front (:func:`check_hookable`).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import itertools
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
+from types import FrameType
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -83,6 +96,9 @@ class Select:
         indices: positions in ``model.named_modules()`` order (torchfunc's ``indices``).
         leaves: only modules without children (default when no other criterion is given).
 
+    A single class, glob or index is read as a one-element tuple (``Select(names="fc")`` is
+    ``Select(names=("fc",))``); anything else that is not a criterion is refused with a ``TypeError``.
+
     Example:
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
@@ -97,6 +113,18 @@ class Select:
     depth: int | None = None
     indices: tuple[int, ...] = ()
     leaves: bool | None = None
+
+    def __post_init__(self) -> None:
+        types = _as_tuple(self.types, "types", lambda t: isinstance(t, type) and issubclass(t, nn.Module))
+        names = _as_tuple(self.names, "names", lambda n: isinstance(n, str))
+        indices = _as_tuple(self.indices, "indices", _is_index)
+        if self.depth is not None and not _is_index(self.depth):
+            raise TypeError(f"Expected `Select.depth` to be an integer >= 0 or None, got {self.depth!r}")
+        if self.leaves is not None and not isinstance(self.leaves, bool):
+            raise TypeError(f"Expected `Select.leaves` to be True, False or None, got {self.leaves!r}")
+        object.__setattr__(self, "types", types)
+        object.__setattr__(self, "names", names)
+        object.__setattr__(self, "indices", indices)
 
     def modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The selected ``(name, module)`` pairs, in ``named_modules()`` order."""
@@ -117,6 +145,56 @@ class Select:
                 continue
             picked.append((name, module))
         return picked
+
+
+_CRITERIA = {
+    "types": "module classes",
+    "names": "name globs (str)",
+    "indices": "integers >= 0 (positions in model.named_modules())",
+}
+
+
+def _is_index(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _as_tuple(value: object, field_name: str, ok: Callable[[object], bool]) -> tuple[Any, ...]:
+    """One criterion of :class:`Select` as a tuple: a single item is a one-element tuple."""
+    items = tuple(value) if isinstance(value, tuple | list) else (value,)
+    bad = [item for item in items if not ok(item)]
+    if bad:
+        raise TypeError(
+            f"Expected `Select.{field_name}` to be a tuple of {_CRITERIA[field_name]}, got {value!r}"
+        )
+    return items
+
+
+def describe_modules(model: nn.Module, limit: int = 8) -> str:
+    """A few of ``model``'s qualified module names, for error messages."""
+    names = [name for name, _ in model.named_modules()]
+    shown = ", ".join(repr(name) for name in names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def check_hookable(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
+    """Refuse TorchScript modules before any hook is installed: they run without Python hooks, so
+    streamwatch would observe nothing (and torch refuses the registration half-way)."""
+    script = torch.jit.ScriptModule
+    if isinstance(model, script):
+        raise TypeError(
+            f"Expected `model` to be an eager torch.nn.Module, got a TorchScript module "
+            f"({type(model).__name__}, from torch.jit.script or torch.jit.trace): TorchScript runs without "
+            "Python hooks, so nothing could be observed. Observe the eager model (torch.compile works)."
+        )
+    scripted = [name for name, module in model.named_modules() if isinstance(module, script)]
+    for name, module in modules:
+        if isinstance(module, script):
+            outer = next(s for s in scripted if name == s or name.startswith(f"{s}."))  # pre-order: outermost
+            raise TypeError(
+                f"Layer {outer!r} of `model` is a TorchScript module ({type(module).__name__}): TorchScript "
+                "runs without Python hooks, so it cannot be observed. Keep it eager, or leave it out with "
+                "`select=` (e.g. streamwatch.Select(names=...))."
+            )
 
 
 def resolve_select(select: object) -> Select:
@@ -300,6 +378,45 @@ def summarize_into(
             state.call(metric, state.buffer, key, prepared)
 
 
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)  # -1 outside a backward pass
+_CHECKPOINT_FUNCTION = getattr(torch.utils.checkpoint, "CheckpointFunction", None)
+_CHECKPOINT_FORWARD = getattr(getattr(_CHECKPOINT_FUNCTION, "forward", None), "__code__", None)
+_CHECKPOINT_BACKWARD = getattr(getattr(_CHECKPOINT_FUNCTION, "backward", None), "__code__", None)
+
+
+def _recomputing() -> bool:
+    """Whether a forward runs inside a backward pass: activation checkpointing recomputing it
+    (``torch.utils.checkpoint``, either mode). Never inside a compiled graph (the call would break the
+    graph; compiled checkpointing recomputes in its own graph, without module hooks)."""
+    if torch.compiler.is_compiling() or _GRAPH_TASK_ID is None:
+        return False
+    return bool(_GRAPH_TASK_ID() != -1)
+
+
+def _in_checkpoint(code: Any) -> bool:
+    """Whether a re-entrant checkpoint's ``forward`` (``code`` is ``CheckpointFunction.forward``: its first
+    forward, under ``no_grad``) or ``backward`` (the recomputation) is on the stack. Walks the stack; called
+    only for a training-mode module under ``no_grad``, or inside a backward pass."""
+    if code is None or torch.compiler.is_compiling():
+        return False
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(256):
+        if frame is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _steps_forward(module: nn.Module) -> bool:
+    """Whether the root module's forward is the training step's own (its wall-clock bounds): not
+    compiled (no clock inside a graph), not an evaluation pass, not a checkpoint's recomputation."""
+    if torch.compiler.is_compiling() or not (module.training and torch.is_grad_enabled()):
+        return False
+    return not _recomputing()
+
+
 def _guarded(state: TapState, fn: Callable[..., Any]) -> Callable[..., Any]:
     """Run a hook body so that nothing it raises reaches the training step (counted, kept)."""
 
@@ -331,6 +448,21 @@ class TapSet:
         self.params = params
         self.handles: list[RemovableHandle] = []
         self._before: list[torch.Tensor] | None = None
+        self.has_optimizer = optimizer is not None
+        try:
+            self._install(model, modules, params, optimizer)
+        except BaseException:
+            self.remove()  # all or nothing: a registration that failed half-way leaves no hook behind
+            raise
+
+    def _install(
+        self,
+        model: nn.Module,
+        modules: list[tuple[str, nn.Module]],
+        params: list[tuple[str, str, nn.Parameter]],
+        optimizer: torch.optim.Optimizer | None,
+    ) -> None:
+        state = self.state
         taps = state.taps
         for name, module in modules:
             channel_last = state.channel_last
@@ -358,7 +490,6 @@ class TapSet:
             self.handles.append(
                 optimizer.register_step_post_hook(_guarded(state, self._after_optimizer_step))
             )
-        self.has_optimizer = optimizer is not None
 
     # -- forward side ---------------------------------------------------------------------------------
 
@@ -377,19 +508,26 @@ class TapSet:
         def tap(module: nn.Module, leaves: Iterable[tuple[str, Any]]) -> None:
             if state.paused:
                 return
-            train = module.training and torch.is_grad_enabled()
+            grad = torch.is_grad_enabled()
+            train = module.training and (grad or _in_checkpoint(_CHECKPOINT_FORWARD))
             if train and not state.forward:
                 return
+            # Activation checkpointing (torch.utils.checkpoint) runs a training forward twice: the values
+            # are summarised once, in the first forward (a re-entrant one runs it under no_grad, so its
+            # gradients are hooked in the recomputation, where backward flows; a non-reentrant one keeps
+            # the first forward's graph, so nothing of the recomputation is hooked).
+            again = train and _recomputing()
+            hook_grads = train and grad and (not again or _in_checkpoint(_CHECKPOINT_BACKWARD))
             phase = "train" if train else "eval"
             on = state.on
             for leaf_name, leaf in leaves:
                 if not isinstance(leaf, torch.Tensor):
                     state.skip("non_tensor")
                     continue
-                if (not train and value_kind in state.taps) or (train and on[value_kind]):
+                if not again and ((not train and value_kind in state.taps) or (train and on[value_kind])):
                     key = SeriesKey(phase, name, value_kind, leaf_name)
                     summarize_into(state, key, leaf, channel_last, bounds=bounds)
-                if train and on[grad_kind] and leaf.requires_grad:
+                if hook_grads and on[grad_kind] and leaf.requires_grad:
                     if torch.compiler.is_compiling():
                         # A tensor hook registered inside a compiled forward breaks the graph; keep the
                         # graph whole and say what is missing instead.
@@ -445,14 +583,14 @@ class TapSet:
             summarize_into(self.state, SeriesKey("train", layer, "param", pname), param, None, replace=True)
 
     def _root_forward_start(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling() or not (module.training and torch.is_grad_enabled()):
+        if not _steps_forward(module):
             return  # (no wall clock inside a compiled graph; evaluation passes are not the step's forward)
         times = self.state.times
         if not times.forward_start:
             times.forward_start = times.clock()
 
     def _root_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling() or not (module.training and torch.is_grad_enabled()):
+        if not _steps_forward(module):
             return
         self.state.times.forward_end = self.state.times.clock()
 

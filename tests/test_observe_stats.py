@@ -928,7 +928,7 @@ def test_snapshot_equals_the_last_record_and_never_holds_nan() -> None:
     assert scalars == {
         ("streamwatch_loss", train): last.scalars["loss"],
         ("streamwatch_correct", train): last.scalars["correct"],
-        ("streamwatch_total", train): 8.0,
+        ("streamwatch_predictions", train): 8.0,
         ("streamwatch_accuracy", train): last.scalars["accuracy"],
         ("streamwatch_learning_rate", (("group", "0"),)): 0.1,
         ("streamwatch_batch_size", ()): 8.0,
@@ -997,11 +997,16 @@ def test_a_tensor_learning_rate_is_reported_like_a_float_one() -> None:
     assert recs.items[0].scalars["lr/0"] == pytest.approx(0.01, rel=1e-7)
 
 
-def test_a_loss_or_outputs_that_cannot_be_used_are_skipped_and_counted() -> None:
+def test_a_loss_or_outputs_that_cannot_be_used_are_refused_and_the_step_counted_as_failed() -> None:
+    # (never silently dropped: tests/test_observe_faults.py covers every refused argument)
     model = nn.Sequential(nn.Identity())
     recs = sw.sinks.collect()
     with sw.observe(model, sinks=[recs]) as watch:
-        watch.step(loss=torch.ones(3), outputs=torch.zeros(4, 2), targets=torch.zeros(3, dtype=torch.long))
-        assert watch.statistics().skipped == {"loss_not_scalar": 1, "accuracy_shapes": 1}
-    (record,) = recs.items
-    assert not {"loss", "correct", "total", "accuracy"} & set(record.scalars)
+        with pytest.raises(ValueError, match=r"^Expected `loss` to be a scalar"):
+            watch.step(loss=torch.ones(3))
+        refused = r"^Cannot score train accuracy from `outputs` of shape \[4, 2\]"
+        with pytest.raises(ValueError, match=refused):
+            watch.step(outputs=torch.zeros(4, 2), targets=torch.zeros(3, dtype=torch.long))
+        assert watch.statistics().failed_steps == 2
+        assert watch.statistics().skipped == {}
+    assert recs.items == []

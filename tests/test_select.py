@@ -81,3 +81,60 @@ def test_a_selected_container_is_summarised_as_a_whole_output() -> None:
     out = captured["out"].double()
     assert record.column("count")[row] == out.numel()
     assert record.column("sumsq")[row] == pytest.approx(float(out.pow(2).sum()), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("single", "tupled"),
+    [
+        (sw.Select(names="1.*"), sw.Select(names=("1.*",))),
+        (sw.Select(types=nn.Tanh), sw.Select(types=(nn.Tanh,))),
+        (sw.Select(indices=3), sw.Select(indices=(3,))),
+        (sw.Select(names=["0", "2"]), sw.Select(names=("0", "2"))),
+    ],
+    ids=["glob", "class", "index", "list"],
+)
+def test_a_single_criterion_reads_as_a_one_element_tuple(single: sw.Select, tupled: sw.Select) -> None:
+    # before: names="1.*" was read character by character (globs "1", "." and "*": every module)
+    net = model()
+    assert single == tupled
+    assert single.modules(net) == tupled.modules(net)
+    assert single.modules(net)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"types": (int,)}, "types"),
+        ({"types": (nn.Linear, "Conv2d")}, "types"),
+        ({"names": (1,)}, "names"),
+        ({"names": None}, "names"),
+        ({"indices": (-1,)}, "indices"),
+        ({"indices": (True,)}, "indices"),
+        ({"indices": 1.5}, "indices"),
+        ({"depth": "1"}, "depth"),
+        ({"depth": -1}, "depth"),
+        ({"depth": True}, "depth"),
+        ({"leaves": "yes"}, "leaves"),
+    ],
+    ids=lambda v: str(v) if isinstance(v, str) else None,
+)
+def test_a_criterion_of_the_wrong_type_is_refused_naming_the_field(
+    kwargs: dict[str, object], field: str
+) -> None:
+    with pytest.raises(TypeError, match=rf"^Expected `Select\.{field}` to be "):
+        sw.Select(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("select", [[], (), "nothing.*", sw.Select(names=("x",)), nn.Conv2d])
+def test_a_select_that_matches_no_module_is_refused_before_anything_is_attached(select: object) -> None:
+    net = model()
+    with pytest.raises((ValueError, TypeError), match=r"`select`") as info:
+        sw.observe(net, select=select)
+    if isinstance(info.value, ValueError):  # matched nothing: says what select was, lists module names
+        message = str(info.value)
+        assert repr(select) in message
+        assert "'0.0'" in message
+        assert "'1.1'" in message
+    assert not any(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in net.modules())
+    with sw.observe(net):
+        pass

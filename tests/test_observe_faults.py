@@ -1,0 +1,604 @@
+"""observe() and watch.step() under faults: refused arguments, failures part-way, checkpointing, accuracy.
+
+Each test trains a real (tiny) model through the public API and checks every number against a plain
+torch reference computed here. The rule under test: monitoring never changes training and never dies
+quietly — a bad argument gets a clear error naming it, and whatever fails leaves the watch consistent.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import streamwatch as sw
+import streamwatch._record
+from streamwatch._taps import KINDS
+
+
+class Boom(Exception):
+    pass
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _hooks(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Every hook streamwatch could have left behind, counted per place (zero everywhere: none)."""
+    counts: dict[str, int] = {}
+    for name, module in model.named_modules():
+        counts[f"module {name!r} forward"] = len(module._forward_hooks)
+        counts[f"module {name!r} forward_pre"] = len(module._forward_pre_hooks)
+        counts[f"module {name!r} backward"] = len(module._backward_hooks)
+        counts[f"module {name!r} backward_pre"] = len(module._backward_pre_hooks)
+    for name, param in model.named_parameters():
+        counts[f"param {name} post_accumulate_grad"] = len(param._post_accumulate_grad_hooks or {})
+        counts[f"param {name} tensor"] = len(param._backward_hooks or {})
+    if opt is not None:
+        counts["optimizer step_pre"] = len(opt._optimizer_step_pre_hooks)
+        counts["optimizer step_post"] = len(opt._optimizer_step_post_hooks)
+    counts["global forward"] = len(nn.modules.module._global_forward_hooks)
+    counts["global forward_pre"] = len(nn.modules.module._global_forward_pre_hooks)
+    return counts
+
+
+def _streamwatch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("streamwatch")]
+
+
+def _layer0(record: sw.StepRecord) -> tuple[float, float]:
+    """Count and sum of squares of layer 0's activation row."""
+    i = record.keys.index(sw.SeriesKey("train", "0", "activation", ""))
+    return float(record.column("count")[i]), float(record.column("sumsq")[i])
+
+
+# -- finding 1: a step() that raises leaves the watch consistent --------------------------------------
+
+STEP_FAULTS: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
+    "loss_string": ({"loss": "abc"}, TypeError, "`loss`"),
+    "loss_not_scalar": ({"loss": torch.ones(3)}, ValueError, "`loss`"),
+    "targets_list": ({"targets": [0, 1, 2]}, TypeError, "`targets`"),
+    "targets_wrong_batch": ({"targets": torch.zeros(5, dtype=torch.long)}, ValueError, "`targets`"),
+    "batch_size_zero": ({"batch_size": 0}, ValueError, "`batch_size`"),
+}
+
+
+@pytest.mark.parametrize(("bad", "error", "names"), STEP_FAULTS.values(), ids=STEP_FAULTS)
+def test_a_refused_step_is_dropped_and_never_merged_into_the_next(
+    bad: dict[str, Any], error: type[Exception], names: str
+) -> None:
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[torch.Tensor] = []
+    model[0].register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    recs = sw.sinks.collect()
+    with sw.observe(model, opt, sinks=[recs]) as watch:
+        for step in range(3):
+            x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+            logits = model(x)
+            loss = nn.functional.cross_entropy(logits, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            args: dict[str, Any] = {"loss": loss, "outputs": logits, "targets": y, "batch_size": 64}
+            if step == 1:
+                with pytest.raises(error, match=re.escape(names)):
+                    watch.step(**(args | bad))
+            else:
+                watch.step(**args)
+        stats = watch.statistics()
+    assert (stats.steps, stats.sampled, stats.failed_steps) == (3, 2, 1)
+    assert [r.step for r in recs.items] == [0, 2]  # step 1 has no record; its rows went nowhere
+    for record, activation in zip(recs.items, (seen[0], seen[2]), strict=True):
+        count, sumsq = _layer0(record)
+        assert count == activation.numel() == 512
+        assert sumsq == pytest.approx(float(activation.double().pow(2).sum()), rel=1e-6)
+        assert record.scalars["batch_size"] == 64
+
+
+def test_an_error_inside_step_drops_the_step_warns_and_is_raised_at_close(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[torch.Tensor] = []
+    model[0].register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    seal = streamwatch._record.StepBuffer.seal
+    calls = {"n": 0}
+
+    def flaky(self: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise Boom("sealing failed")
+        return seal(self, **kwargs)
+
+    monkeypatch.setattr(streamwatch._record.StepBuffer, "seal", flaky)
+    recs = sw.sinks.collect()
+    watch = sw.observe(model, opt, sinks=[recs])
+    for step in range(3):
+        x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step == 1:  # training goes on; the failure is warned about, never raised into the loop
+            with pytest.warns(RuntimeWarning, match=r"(?s)^streamwatch: .*Boom: sealing failed"):
+                watch.step(loss=loss)
+        else:
+            watch.step(loss=loss)
+    with pytest.raises(sw.PipelineError, match="sealing failed") as info:
+        watch.close()
+    assert isinstance(info.value.__cause__, Boom)
+    stats = watch.statistics()
+    assert (stats.steps, stats.sampled, stats.failed_steps) == (3, 2, 1)
+    assert [r.step for r in recs.items] == [0, 2]
+    count, sumsq = _layer0(recs.items[1])
+    assert count == 512
+    assert sumsq == pytest.approx(float(seen[2].double().pow(2).sum()), rel=1e-6)
+
+
+# -- finding 2: observe() that fails part-way undoes everything ---------------------------------------
+
+
+class BindFails(sw.metrics.PNorm):
+    def bind(self, binding: Any) -> None:
+        super().bind(binding)
+        raise Boom("bind failed")
+
+
+def _fail_registering_post_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise Boom("cannot register")
+
+    monkeypatch.setattr(torch.optim.Optimizer, "register_step_post_hook", refuse)
+
+
+def _fail_registering_grad_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    original = torch.Tensor.register_post_accumulate_grad_hook
+    calls = {"n": 0}
+
+    def flaky(self: torch.Tensor, hook: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise Boom("cannot register")
+        return original(self, hook)
+
+    monkeypatch.setattr(torch.Tensor, "register_post_accumulate_grad_hook", flaky)
+
+
+def _fail_starting_the_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(self: Any) -> Any:
+        raise Boom("cannot start")
+
+    monkeypatch.setattr(sw.Worker, "start", refuse)
+
+
+CONSTRUCTION_FAULTS: dict[str, tuple[Callable[[pytest.MonkeyPatch], None], dict[str, Any]]] = {
+    "metric_bind": (lambda mp: None, {"metrics": [BindFails(kinds=("activation",))]}),
+    "optimizer_hook": (_fail_registering_post_hooks, {}),
+    "param_grad_hook": (_fail_registering_grad_hooks, {}),
+    "worker_start": (_fail_starting_the_thread, {}),
+}
+
+
+@pytest.mark.parametrize(("inject", "kwargs"), CONSTRUCTION_FAULTS.values(), ids=CONSTRUCTION_FAULTS)
+def test_observe_that_fails_part_way_leaves_no_hook_no_thread_and_the_model_free(
+    monkeypatch: pytest.MonkeyPatch, inject: Callable[[pytest.MonkeyPatch], None], kwargs: dict[str, Any]
+) -> None:
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before, threads = _hooks(model, opt), _streamwatch_threads()
+    assert not any(before.values())
+    sink = sw.sinks.collect()
+    with monkeypatch.context() as mp:
+        inject(mp)
+        with pytest.raises(Boom):
+            sw.observe(model, opt, sinks=[sink], **kwargs)
+    assert _hooks(model, opt) == before
+    assert _streamwatch_threads() == threads
+    assert not sink.closed  # the user's sink was never touched: it can be passed again
+    metric = kwargs.get("metrics", [None])[0]
+    if metric is not None:
+        assert metric.binding is None
+    # the model is free, and observing it again works: one record per step, right numbers
+    with sw.observe(model, opt, sinks=[sink]) as watch:
+        x = torch.randn(16, 4)
+        out = model(x)
+        out.pow(2).mean().backward()
+        opt.step()
+        watch.step()
+    assert len(sink.items) == 1
+    count, _ = _layer0(sink.items[0])
+    assert count == 16 * 8
+
+
+def _scripted_whole() -> tuple[nn.Module, str]:
+    return torch.jit.script(_mlp()), "`model`"
+
+
+def _scripted_part() -> tuple[nn.Module, str]:
+    model = nn.Sequential(nn.Linear(4, 8), torch.jit.script(nn.Sequential(nn.ReLU(), nn.Linear(8, 3))))
+    return model, "'1'"
+
+
+def _traced() -> tuple[nn.Module, str]:
+    return torch.jit.trace(_mlp(), torch.randn(2, 4)), "`model`"
+
+
+@pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("build", [_scripted_whole, _scripted_part, _traced], ids=["script", "part", "trace"])
+def test_a_torchscript_model_is_refused_with_a_clear_error(
+    build: Callable[[], tuple[nn.Module, str]],
+) -> None:
+    model, named = build()
+    threads = _streamwatch_threads()
+    with pytest.raises(TypeError, match=r"TorchScript") as info:
+        sw.observe(model)
+    assert named in str(info.value)
+    assert "eager" in str(info.value)
+    assert _streamwatch_threads() == threads
+    eager = [m for m in model.modules() if not isinstance(m, torch.jit.ScriptModule)]
+    assert not any(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in eager)
+    with pytest.raises(TypeError, match=r"TorchScript"):  # refused again: never half-registered
+        sw.observe(model)
+
+
+# -- finding 3: train accuracy for every common target layout ------------------------------------------
+
+N = 12
+
+
+def _reference_accuracy(layout: str, outputs: torch.Tensor, targets: torch.Tensor) -> tuple[int, int]:
+    """(correct, total) the plain torch way, for each documented layout."""
+    o, t = outputs.detach(), targets.detach()
+    if layout in ("indices", "indices_class_last"):
+        hits = o.argmax(-1) == t
+    elif layout == "indices_class_first":
+        hits = o.argmax(1) == t
+    elif layout in ("one_hot", "probabilities"):
+        hits = o.argmax(-1) == t.argmax(-1)
+    elif layout in ("binary", "binary_float", "binary_n1", "binary_n1_n1", "multi_label", "mask"):
+        hits = (o.reshape(t.shape) > 0) == (t > 0.5)
+    elif layout == "predicted":
+        hits = o == t
+    else:
+        raise AssertionError(layout)
+    return int(hits.sum()), hits.numel()
+
+
+# layout -> (model output shape, make targets from a generator)
+LAYOUTS: dict[str, tuple[tuple[int, ...], Callable[[torch.Generator], torch.Tensor]]] = {
+    "indices": ((N, 4), lambda g: torch.randint(0, 4, (N,), generator=g)),
+    "indices_class_last": ((N, 5, 4), lambda g: torch.randint(0, 4, (N, 5), generator=g)),
+    "indices_class_first": ((N, 4, 3, 2), lambda g: torch.randint(0, 4, (N, 3, 2), generator=g)),
+    "one_hot": ((N, 4), lambda g: nn.functional.one_hot(torch.randint(0, 4, (N,), generator=g), 4).float()),
+    "probabilities": ((N, 4), lambda g: torch.rand(N, 4, generator=g).softmax(-1)),
+    "binary": ((N,), lambda g: torch.randint(0, 2, (N,), generator=g)),
+    "binary_float": ((N,), lambda g: torch.randint(0, 2, (N,), generator=g).float()),
+    "binary_n1": ((N, 1), lambda g: torch.randint(0, 2, (N,), generator=g)),
+    "binary_n1_n1": ((N, 1), lambda g: torch.randint(0, 2, (N, 1), generator=g).float()),
+    "multi_label": ((N, 4), lambda g: torch.randint(0, 2, (N, 4), generator=g).bool()),
+    "mask": ((N, 1, 3, 3), lambda g: torch.randint(0, 2, (N, 1, 3, 3), generator=g).float()),
+}
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "predicted"])
+def test_train_accuracy_of_every_supported_layout_matches_torch(layout: str) -> None:
+    torch.manual_seed(0)
+    shape, make_targets = LAYOUTS["indices" if layout == "predicted" else layout]
+    features = int(torch.Size(shape[1:]).numel())
+    shaped = nn.Unflatten(1, shape[1:]) if len(shape) > 1 else nn.Flatten(0)
+    model = nn.Sequential(nn.Linear(6, features), shaped)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(1)
+    recs = sw.sinks.collect()
+    expected = []
+    with sw.observe(model, opt, sinks=[recs]) as watch:
+        for _ in range(3):
+            x, targets = torch.randn(N, 6, generator=g), make_targets(g)
+            outputs = model(x)
+            loss = outputs.float().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if layout == "predicted":  # already-decided labels
+                outputs = outputs.argmax(-1)
+            expected.append(_reference_accuracy(layout, outputs, targets))
+            watch.step(loss=loss, outputs=outputs, targets=targets, batch_size=N)
+        assert watch.statistics().failed_steps == 0
+    for record, (correct, total) in zip(recs.items, expected, strict=True):
+        assert record.scalars["correct"] == correct
+        assert record.scalars["total"] == total
+        assert record.scalars["accuracy"] == pytest.approx(correct / total)
+        assert 0 <= record.scalars["accuracy"] <= 1
+
+
+REFUSED_LAYOUTS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {
+    "batch_mismatch": (torch.randn(8, 4), torch.zeros(7, dtype=torch.long)),
+    "class_dim_ambiguous": (torch.randn(8, 4, 4), torch.zeros(8, 4, dtype=torch.long)),
+    "float_indices": (torch.randn(8, 4), torch.zeros(8)),
+    "soft_targets_3d": (torch.randn(8, 4, 3), torch.rand(8, 4, 3)),
+    "complex_targets": (torch.randn(8, 4), torch.zeros(8, dtype=torch.complex64)),
+    "predicted_shape": (torch.zeros(8, dtype=torch.long), torch.zeros(8, 2, dtype=torch.long)),
+    "one_hot_integer": (torch.randn(8, 4), nn.functional.one_hot(torch.arange(8) % 4, 4)),
+    "integer_mask": (torch.randn(8, 3, 3), torch.zeros(8, 3, 3, dtype=torch.long)),
+}
+
+
+@pytest.mark.parametrize(("outputs", "targets"), REFUSED_LAYOUTS.values(), ids=REFUSED_LAYOUTS)
+def test_an_unreadable_accuracy_layout_is_refused_naming_the_shapes(
+    outputs: torch.Tensor, targets: torch.Tensor
+) -> None:
+    model = nn.Sequential(nn.Linear(4, 4))
+    recs = sw.sinks.collect()
+    with sw.observe(model, sinks=[recs]) as watch:
+        model(torch.randn(8, 4))
+        with pytest.raises(ValueError, match=r"`targets`") as info:
+            watch.step(outputs=outputs, targets=targets)
+        message = str(info.value)
+        assert str(list(outputs.shape)) in message
+        assert str(list(targets.shape)) in message
+        model(torch.randn(8, 4))
+        watch.step()
+    assert [r.step for r in recs.items] == [1]
+    assert _layer0(recs.items[0])[0] == 32  # one forward's activation, not two
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"outputs": torch.randn(4, 2)}, {"targets": torch.zeros(4, dtype=torch.long)}],
+    ids=["outputs_only", "targets_only"],
+)
+def test_outputs_without_targets_or_the_reverse_is_refused(kwargs: dict[str, Any]) -> None:
+    with sw.observe(nn.Linear(2, 2)) as watch, pytest.raises(ValueError, match=r"`outputs`.*`targets`"):
+        watch.step(**kwargs)
+
+
+# -- finding 4: activation checkpointing is one forward, not two ---------------------------------------
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.block = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.ReLU())
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reentrant is None:
+            h = self.block(x)
+        else:
+            h = checkpoint(self.block, x, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+def _run_checkpointed(reentrant: bool | None) -> list[sw.StepRecord]:
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recs = sw.sinks.collect()
+    every = dict.fromkeys(KINDS, 1)
+    with sw.observe(model, opt, taps=KINDS, cadence=every, sinks=[recs], metrics=()) as watch:
+        for _ in range(3):
+            x, y = torch.randn(16, 4, requires_grad=True), torch.randint(0, 3, (16,))
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            watch.step(loss=loss)
+        assert watch.statistics().hook_errors == 0
+    return list(recs.items)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_checkpointed_layers_are_summarised_once_like_without_checkpointing(reentrant: bool) -> None:
+    reference = _run_checkpointed(None)
+    observed = _run_checkpointed(reentrant)
+    assert len(observed) == len(reference) == 3
+    for ref, got in zip(reference, observed, strict=True):
+        assert {k.phase for k in got.keys} == {"train"}  # no phantom evaluation series
+        assert sorted(got.keys) == sorted(ref.keys)
+        for key in ref.keys:
+            i, j = ref.keys.index(key), got.keys.index(key)
+            assert got.column("count")[j] == ref.column("count")[i], key
+            assert got.stat("l2")[j] == pytest.approx(ref.stat("l2")[i], rel=1e-5), key
+            assert got.stat("mean")[j] == pytest.approx(ref.stat("mean")[i], rel=1e-5, abs=1e-9), key
+
+
+def test_a_checkpointed_block_in_evaluation_is_still_an_eval_forward() -> None:
+    torch.manual_seed(0)
+    model = Checkpointed(True)
+    recs = sw.sinks.collect()
+    with sw.observe(model, sinks=[recs], taps=("activation",)) as watch:
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(4, 4, requires_grad=True))
+        watch.step()
+    assert {k.phase for k in recs.items[0].keys} == {"eval"}
+
+
+# -- finding 5: argument validation ------------------------------------------------------------------
+
+
+class _Sink(sw.Sink):
+    def send(self, item: Any) -> None:
+        pass
+
+
+OBSERVE_BAD: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
+    "taps_none": ({"taps": None}, TypeError, "`taps`"),
+    "taps_number": ({"taps": 3}, TypeError, "`taps`"),
+    "taps_unhashable": ({"taps": [["activation"]]}, TypeError, "`taps`"),
+    "stats_none": ({"stats": None}, TypeError, "`stats`"),
+    "stats_number": ({"stats": 1}, TypeError, "`stats`"),
+    "sinks_none": ({"sinks": None}, TypeError, "`sinks`"),
+    "sinks_number": ({"sinks": 3}, TypeError, "`sinks`"),
+    "sinks_string": ({"sinks": "stdout"}, TypeError, "`sinks`"),
+    "metrics_none": ({"metrics": None}, TypeError, "`metrics`"),
+    "metrics_number": ({"metrics": 2}, TypeError, "`metrics`"),
+    "metrics_single_object": ({"metrics": sw.metrics.PNorm()}, TypeError, "`metrics`"),
+    "cadence_list": ({"cadence": [("param", 2)]}, TypeError, "`cadence`"),
+    "cadence_float": ({"cadence": {"param": 2.5}}, ValueError, "`cadence`"),
+    "channel_last_str": ({"channel_last": "no"}, TypeError, "`channel_last`"),
+    "channel_last_int": ({"channel_last": 0}, TypeError, "`channel_last`"),
+    "every_float": ({"every": 2.0}, ValueError, "`every`"),
+    "every_none": ({"every": None}, ValueError, "`every`"),
+    "overflow_none": ({"overflow": None}, ValueError, "`overflow`"),
+    "capacity_float": ({"capacity": 2.5}, ValueError, "`capacity`"),
+    "capacity_none": ({"capacity": None}, ValueError, "`capacity`"),
+    "select_matches_nothing": ({"select": "encoder.*"}, ValueError, "`select`"),
+    "select_empty_list": ({"select": []}, TypeError, "`select`"),
+}
+
+
+@pytest.mark.parametrize(("kwargs", "error", "names"), OBSERVE_BAD.values(), ids=OBSERVE_BAD)
+def test_bad_observe_arguments_are_refused_naming_them_and_leave_nothing_behind(
+    kwargs: dict[str, Any], error: type[Exception], names: str
+) -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    threads = _streamwatch_threads()
+    with pytest.raises(error, match=re.escape(names)):
+        sw.observe(model, opt, **kwargs)
+    assert not any(_hooks(model, opt).values())
+    assert _streamwatch_threads() == threads
+    with sw.observe(model, opt):  # the model is free
+        pass
+
+
+def test_a_select_that_matches_nothing_says_what_it_was_and_lists_module_names() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    with pytest.raises(ValueError, match=r"`select`") as info:
+        sw.observe(model, select="encoder.*")
+    message = str(info.value)
+    assert "encoder.*" in message
+    for name in ("'0'", "'1'", "'2'"):
+        assert name in message
+
+
+def test_a_single_sink_is_accepted_as_if_in_a_list() -> None:
+    model = _mlp()
+    recs = sw.sinks.collect()
+    with sw.observe(model, sinks=recs) as watch:
+        out = model(torch.randn(4, 4))
+        out.sum().backward()
+        watch.step()
+    assert len(recs.items) == 1
+    assert _layer0(recs.items[0])[0] == 32
+
+
+def test_taps_and_stats_given_as_generators_are_read_once_and_kept() -> None:
+    model = _mlp()
+    recs = sw.sinks.collect()
+    taps = (k for k in ("activation",))
+    stats = (s for s in ("dead", "nonfinite"))
+    with sw.observe(model, taps=taps, stats=stats, sinks=[recs]) as watch:
+        model(torch.randn(4, 4))
+        watch.step()
+    (record,) = recs.items
+    assert {k.kind for k in record.keys} == {"activation"}
+
+
+STEP_BAD: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
+    "loss_string": ({"loss": "0.5"}, TypeError, "`loss`"),
+    "loss_list": ({"loss": [0.5]}, TypeError, "`loss`"),
+    "loss_bool": ({"loss": True}, TypeError, "`loss`"),
+    "loss_complex_number": ({"loss": 1 + 2j}, TypeError, "`loss`"),
+    "loss_vector": ({"loss": torch.ones(3)}, ValueError, "`loss`"),
+    "loss_complex_tensor": ({"loss": torch.ones((), dtype=torch.complex64)}, ValueError, "`loss`"),
+    "batch_size_zero": ({"batch_size": 0}, ValueError, "`batch_size`"),
+    "batch_size_negative": ({"batch_size": -8}, ValueError, "`batch_size`"),
+    "batch_size_fractional": ({"batch_size": 2.5}, ValueError, "`batch_size`"),
+    "batch_size_float": ({"batch_size": 8.0}, ValueError, "`batch_size`"),
+    "batch_size_bool": ({"batch_size": True}, ValueError, "`batch_size`"),
+    "batch_size_string": ({"batch_size": "8"}, ValueError, "`batch_size`"),
+    "outputs_list": ({"outputs": [1.0, 2.0], "targets": torch.zeros(2)}, TypeError, "`outputs`"),
+}
+
+
+@pytest.mark.parametrize(("kwargs", "error", "names"), STEP_BAD.values(), ids=STEP_BAD)
+def test_bad_step_arguments_are_refused_naming_them(
+    kwargs: dict[str, Any], error: type[Exception], names: str
+) -> None:
+    model = _mlp()
+    recs = sw.sinks.collect()
+    with sw.observe(model, sinks=[recs]) as watch:
+        model(torch.randn(4, 4))
+        with pytest.raises(error, match=re.escape(names)):
+            watch.step(**kwargs)
+        model(torch.randn(4, 4))
+        watch.step(loss=0.5, batch_size=4)
+        assert watch.statistics().failed_steps == 1
+    (record,) = recs.items
+    assert _layer0(record)[0] == 32
+    assert record.scalars["loss"] == 0.5
+    assert record.scalars["samples_per_second"] > 0
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [torch.tensor([2.5]), torch.tensor(3), 0.25, 7, float("nan")],
+    ids=["one_element", "int_tensor", "float", "int", "nan"],
+)
+def test_every_scalar_loss_is_reported(loss: Any) -> None:
+    recs = sw.sinks.collect()
+    with sw.observe(nn.Linear(2, 2), sinks=[recs]) as watch:
+        watch.step(loss=loss)
+    expected = float(loss.reshape(()) if isinstance(loss, torch.Tensor) else loss)
+    assert recs.items[0].scalars["loss"] == pytest.approx(expected, nan_ok=True)
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), -1.0, "10", None, True], ids=repr)
+def test_flush_refuses_a_timeout_it_could_not_honour(timeout: Any) -> None:
+    # before: a NaN deadline never passes, so flush(nan) with a stuck worker waited forever
+    with sw.observe(nn.Linear(2, 2)) as watch, pytest.raises(ValueError, match=r"`timeout`"):
+        watch.flush(timeout)
+
+
+def test_overflow_error_raises_full_and_the_step_is_counted_not_reused() -> None:
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gate, entered = threading.Event(), threading.Event()
+
+    def held(record: sw.StepRecord) -> None:
+        entered.set()
+        assert gate.wait(10)
+
+    recs = sw.sinks.collect()
+    watch = sw.observe(model, opt, overflow="error", capacity=1, sinks=[recs])
+    watch.pipe(sw.source() | sw.sinks.callback(held))
+
+    def train_step() -> None:
+        out = model(torch.randn(16, 4))
+        opt.zero_grad()
+        out.pow(2).mean().backward()
+        opt.step()
+
+    train_step()
+    watch.step()  # step 0: taken by the worker, held in the pipeline
+    assert entered.wait(10)
+    train_step()
+    watch.step()  # step 1: waits in the channel (capacity 1)
+    train_step()
+    with pytest.raises(sw.Full):  # step 2: the policy the user chose
+        watch.step()
+    stats = watch.statistics()
+    assert (stats.steps, stats.sampled, stats.failed_steps) == (3, 2, 1)
+    gate.set()
+    assert watch.flush()
+    train_step()
+    watch.step()  # step 3: a fresh step with its own number and one forward's rows
+    watch.close()
+    assert [r.step for r in recs.items] == [0, 1, 3]
+    assert _layer0(recs.items[-1])[0] == 16 * 8
