@@ -590,7 +590,7 @@ class Watch:
                 scrape, explicitly (``""`` is refused rather than binding every interface).
             registry: a ``prometheus_client.CollectorRegistry`` to register in (default: a new one).
             run: the ``run`` label (default ``$STREAMWATCH_RUN``, else the script's name).
-            series_budget: the most ``streamwatch_tensor`` series to export (see README).
+            series_budget: the most ``streamwatch_tensor`` series to export (docs/prometheus.md).
             timeout: seconds a client has to send its request, and again to read the response, before
                 its connection is closed.
 

@@ -599,7 +599,7 @@ class TapSet:
         for metric in self.state.step_metrics:
             self.state.call(metric.before_optimizer_step, self.state.buffer)
         if self.state.on.get("update") and self.params:
-            # Costs one copy of the parameters, only on steps that sample updates (see README).
+            # Costs one copy of the parameters, only on steps that sample updates (docs/observe.md).
             with torch.no_grad():
                 self._before = [param.detach().clone() for _, _, param in self.params]
 

@@ -103,7 +103,7 @@ def test_metrics_served_equal_the_snapshot_and_statistics() -> None:
 
 
 def test_global_norm_from_exported_sums_of_squares_is_exact() -> None:
-    """README's PromQL sqrt(sum(sumsq)) over the exported rows equals the norm of all gradients."""
+    """The documented PromQL sqrt(sum(sumsq)) over the exported rows equals the norm of all gradients."""
     model, opt = _model()
     records = sw.sinks.collect()
     with sw.observe(model, opt, sinks=[records]) as watch:

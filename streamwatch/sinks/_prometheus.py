@@ -5,7 +5,7 @@ reads ``watch.snapshot()`` (the worker's latest values, under one lock) and ``wa
 builds the metric families then, so the hot path pays nothing for Prometheus and a scrape costs one pass
 over the series.
 
-Naming (README, "Prometheus and Grafana", has the full table): namespace ``streamwatch_``, base units,
+Naming (docs/prometheus.md has the full table): namespace ``streamwatch_``, base units,
 counters end in ``_total``; every series carries the process identity ``run``, ``rank``, ``local_rank``,
 ``world_size`` and ``host`` (Prometheus adds ``job`` and ``instance`` from the scrape config), and
 ``streamwatch_info`` holds the same identity with value 1 for dashboard variables. Sums of squares and
