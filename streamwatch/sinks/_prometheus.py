@@ -20,32 +20,20 @@ aggregate per (phase, kind) with ``layer="__all__"`` (sums of the additive colum
 maxima, statistics derived from those). A warning is logged once and ``streamwatch_series_reduced_total``
 counts the scrapes that had to reduce.
 
-**The server** (:class:`_MetricsServer`) has two threads whatever the load. One multiplexes every
-connection over non-blocking sockets: a client that connects and sends nothing, half a request or reads
-slowly holds a buffer, never a thread, and is closed after ``timeout`` (default 10 s) seconds; at most
-64 connections are open (a new one evicts the oldest still sending its request); only ``GET``/``HEAD
-/metrics`` are served (other methods 405 with ``Allow``, other paths 404, a bad request line 400,
-oversized headers 431). The other answers the waiting requests in batches, at most 4 a second, with one
-body per version of the values (rendered at most once however many scrapers ask, and at most 2 % of the
-time), so a scrape storm neither starts threads nor takes the training thread's GIL for long.
-``close()`` joins both threads and closes every connection. ``host=""`` is refused (it would bind every
-interface); unresolvable and foreign hosts and taken ports are errors that name the host or port and
-the fix. Every family passes ``promtool check metrics`` (the accuracy's denominator is the gauge
+**The server** is :class:`streamwatch.sinks._http.MetricsServer` (two threads whatever the load,
+bounded connections and timeouts, one render per version of the values). Every family passes
+``promtool check metrics`` (the accuracy's denominator is the gauge
 ``streamwatch_predictions``: ``_total`` is for counters).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import os
-import selectors
 import socket
 import sys
 import threading
-import time
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -63,6 +51,7 @@ from prometheus_client.utils import floatToGoString as _float_to_go
 
 from streamwatch._record import Sample
 from streamwatch._summary import COLUMNS, derive
+from streamwatch.sinks._http import MetricsServer, listen
 
 if TYPE_CHECKING:
     from streamwatch._observe import Watch
@@ -77,8 +66,6 @@ DEFAULT_PORT = 9400
 DEFAULT_TIMEOUT = 10.0
 """Seconds a /metrics client has to send its request, and again to read the response, before the
 connection is closed (``expose(timeout=...)``)."""
-
-_JOIN_S = 10.0  # bound on joining the server's threads at close()
 
 CORE_STATS = ("count", "sumsq", "l2", "mean", "min", "max", "nonfinite", "dead_fraction")
 """The statistics kept per layer when the series budget is exceeded."""
@@ -440,438 +427,6 @@ def _version() -> str:
         return "unknown"
 
 
-class _Conn:
-    """One client connection, owned by the server's I/O thread.
-
-    ``state``: ``read`` (until the request's headers are in), ``wait`` (for the render thread's body),
-    ``write`` (the response, non-blocking), ``drain`` (written; reading what the client still sends
-    until it closes, so unread request bytes do not turn the close into a reset that loses the response).
-    """
-
-    __slots__ = ("buffer", "closed", "deadline", "events", "head", "linger", "out", "sock", "state")
-
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
-        self.sock = sock
-        self.state = "read"
-        self.buffer = bytearray()
-        self.out = memoryview(b"")
-        self.deadline: float | None = deadline
-        self.head = False
-        self.linger = False
-        self.closed = False
-        self.events = 0  # what the selector watches for (0: not registered)
-
-
-class _Cached:
-    """A rendered body and the full responses to GET and HEAD, for one version of the values."""
-
-    __slots__ = ("get", "head", "version")
-
-    def __init__(self, version: object, status: str, body: bytes, content_type: str) -> None:
-        self.version = version
-        header = _response_head(status, content_type, len(body))
-        self.head = header
-        self.get = header + body
-
-
-def _response_head(status: str, content_type: str, length: int, extra: str = "") -> bytes:
-    return (
-        f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {length}\r\n{extra}"
-        "Connection: close\r\n\r\n"
-    ).encode("latin-1")
-
-
-def _plain(status: str, text: str, extra: str = "") -> bytes:
-    body = text.encode()
-    return _response_head(status, "text/plain; charset=utf-8", len(body), extra) + body
-
-
-_NOT_ALLOWED = _plain("405 Method Not Allowed", "Only GET and HEAD are served.\n", "Allow: GET, HEAD\r\n")
-_NOT_FOUND = _plain("404 Not Found", "Not found: streamwatch serves /metrics only.\n")
-_BAD_REQUEST = _plain("400 Bad Request", "Bad request.\n")
-_TOO_LARGE = _plain("431 Request Header Fields Too Large", "Request headers too large.\n")
-_BUSY = _plain("503 Service Unavailable", "Too many connections; retry.\n", "Retry-After: 1\r\n")
-
-
-class _MetricsServer:
-    """``GET /metrics`` over one listening socket, with two threads whatever the load.
-
-    The I/O thread multiplexes every connection with a selector (non-blocking sockets: a connection that
-    sends nothing, half a request line or reads its response slowly holds a few bytes of buffer, never a
-    thread), closes each one whose request or response is not through within ``timeout`` seconds, keeps
-    at most :attr:`max_connections` (a new one evicts the oldest still sending its request), and answers
-    anything but ``GET``/``HEAD`` with 405 and paths other than ``/metrics`` with 404 itself.
-
-    The render thread answers the requests for ``/metrics`` in batches: every request waiting when a
-    batch starts gets the same body, rendered then (values at least as new as the request) unless
-    ``version()`` is unchanged since the cached body was rendered, so a scrape storm costs one render per
-    change of the values. Batches are spaced: at least :attr:`min_interval` seconds apart, and renders
-    take at most :attr:`render_share` of the time, so scrapers cannot keep the process busy beside the
-    training loop (requests wait for the next batch instead; Prometheus' default scrape timeout is 10 s).
-
-    ``close()`` stops both threads, joins them and closes every socket, the selector and the wake pipe.
-    """
-
-    backlog = 64
-    """Connections the kernel queues before they are accepted."""
-    max_connections = 64
-    """Connections open at once; past it a new one evicts the oldest still sending its request."""
-    max_request_bytes = 8192
-    """The largest request head (request line and headers); past it: 431."""
-    min_interval = 0.25
-    """Seconds between two batches of responses (requests meanwhile wait for the next batch): at most
-    ``max_connections / min_interval`` responses a second, whatever the clients do."""
-    render_share = 0.02
-    """The largest fraction of the time spent rendering: after a render of ``d`` seconds, the next batch
-    waits at least ``d * (1 / render_share - 1)`` (up to :attr:`max_interval`)."""
-    max_interval = 2.0
-    """The longest wait between batches however slow renders are (a caller's registry of 10 k series
-    renders in about 0.4 s): well inside Prometheus' default scrape timeout of 10 s."""
-
-    def __init__(
-        self,
-        sock: socket.socket,
-        render: Callable[[], bytes],
-        version: Callable[[], object] | None,
-        *,
-        timeout: float,
-        name: str = "streamwatch-metrics",
-    ) -> None:
-        self._listener = sock
-        self._render = render
-        self._version = version
-        self.timeout = timeout
-        self._conns: dict[socket.socket, _Conn] = {}  # in accept order: the first is the oldest
-        self._cond = threading.Condition()
-        self._pending: list[_Conn] = []  # requests for /metrics, waiting for a body (under _cond)
-        self._done: deque[tuple[list[_Conn], _Cached | None]] = deque()  # bodies for the I/O thread
-        self._stopping = False
-        self._cache: _Cached | None = None
-        self._next_batch = 0.0
-        self._render_errors = 0
-        self.renders = 0
-        sock.setblocking(False)
-        self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._selector.register(sock, selectors.EVENT_READ)
-        self._selector.register(self._wake_r, selectors.EVENT_READ)
-        self._threads = [
-            threading.Thread(target=self._serve_io, name=name, daemon=True),
-            threading.Thread(target=self._serve_renders, name=f"{name}-render", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    # -- the I/O thread ------------------------------------------------------------------------------
-
-    def _serve_io(self) -> None:
-        selector = self._selector
-        try:
-            while not self._stopping:
-                deadlines = [c.deadline for c in self._conns.values() if c.deadline is not None]
-                wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
-                for key, mask in selector.select(wait):
-                    if key.fileobj is self._listener:
-                        self._accept()
-                    elif key.fileobj is self._wake_r:
-                        self._drain_wake()
-                    else:
-                        conn: _Conn = key.data
-                        if mask & selectors.EVENT_WRITE and not conn.closed:
-                            self._send(conn)
-                        if mask & selectors.EVENT_READ and not conn.closed:
-                            self._read(conn)
-                self._deliver()
-                self._expire()
-        except Exception:  # pragma: no cover - a bug here must not pass silently
-            log.exception("streamwatch: the /metrics server stopped")
-        finally:  # (the wake pair and the selector are closed by close(), after both threads ended)
-            for conn in list(self._conns.values()):
-                self._close(conn)
-            self._listener.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as err:  # out of file descriptors, ...: try again at the next event
-                log.debug("streamwatch: /metrics accept failed: %s", err)
-                return
-            sock.setblocking(False)
-            if len(self._conns) >= self.max_connections:
-                oldest = next((c for c in self._conns.values() if c.state in ("read", "drain")), None)
-                if oldest is None:  # every slot has a request in progress: refuse this one
-                    try:
-                        sock.send(_BUSY)
-                    except OSError:
-                        pass
-                    sock.close()
-                    continue
-                self._close(oldest)
-            conn = _Conn(sock, time.monotonic() + self.timeout)
-            self._conns[sock] = conn
-            self._watch(conn, selectors.EVENT_READ)
-
-    def _drain_wake(self) -> None:
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except (BlockingIOError, InterruptedError):
-            pass
-
-    def _read(self, conn: _Conn) -> None:
-        try:
-            data = conn.sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._close(conn)
-            return
-        if not data:
-            if conn.state == "wait":  # a half-close after the request (printf ... | nc): still answered
-                self._watch(conn, 0)
-            else:  # the client closed or gave up
-                self._close(conn)
-            return
-        if conn.state != "read":  # a body, a pipelined request, or bytes after the response: dropped
-            conn.linger = True
-            if len(data) + len(conn.buffer) > 16 * self.max_request_bytes:
-                self._close(conn)  # a client streaming at us: not worth reading
-            return
-        conn.buffer += data
-        end = conn.buffer.find(b"\r\n\r\n")
-        if end < 0:
-            end = conn.buffer.find(b"\n\n")
-        if end < 0:
-            if len(conn.buffer) > self.max_request_bytes:
-                conn.linger = True
-                self._respond(conn, _TOO_LARGE)
-            return
-        if end > self.max_request_bytes:
-            conn.linger = True
-            self._respond(conn, _TOO_LARGE)
-            return
-        tail = len(conn.buffer) - end - (4 if conn.buffer[end : end + 2] == b"\r\n" else 2)
-        line = bytes(conn.buffer[: conn.buffer.find(b"\n")]).decode("latin-1").strip()
-        conn.buffer = bytearray()  # what follows is dropped; nothing more is parsed
-        conn.linger = tail > 0
-        parts = line.split()
-        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
-            conn.linger = True
-            self._respond(conn, _BAD_REQUEST)
-            return
-        method, target, _ = parts
-        if method not in ("GET", "HEAD"):
-            conn.linger = True  # a body may follow
-            self._respond(conn, _NOT_ALLOWED)
-            return
-        if "://" in target:  # an absolute URI (as proxies send)
-            target = "/" + target.split("://", 1)[1].partition("/")[2]
-        if target.split("?", 1)[0] != "/metrics":
-            self._respond(conn, _NOT_FOUND)
-            return
-        conn.head = method == "HEAD"
-        conn.state = "wait"
-        conn.deadline = None  # the render thread's spacing bounds the wait
-        with self._cond:
-            self._pending.append(conn)
-            self._cond.notify()
-
-    def _respond(self, conn: _Conn, response: bytes) -> None:
-        conn.state = "write"
-        conn.out = memoryview(response)
-        conn.deadline = time.monotonic() + self.timeout
-        self._send(conn)
-        if not conn.closed and conn.state == "write":
-            self._watch(conn, selectors.EVENT_WRITE)
-
-    def _send(self, conn: _Conn) -> None:
-        if conn.state != "write":
-            return
-        try:
-            sent = conn.sock.send(conn.out)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._close(conn)
-            return
-        conn.out = conn.out[sent:]
-        if conn.out:
-            return
-        if not conn.linger:
-            self._close(conn)
-            return
-        try:  # lingering close: our side is done; read (and drop) until the client closes
-            conn.sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            self._close(conn)
-            return
-        conn.state = "drain"
-        conn.deadline = time.monotonic() + min(self.timeout, 2.0)
-        self._watch(conn, selectors.EVENT_READ)
-
-    def _deliver(self) -> None:
-        while self._done:
-            conns, cached = self._done.popleft()
-            for conn in conns:
-                if conn.closed:
-                    continue
-                if cached is None:
-                    self._respond(
-                        conn, _plain("500 Internal Server Error", "Rendering failed; see the log.\n")
-                    )
-                else:
-                    self._respond(conn, cached.head if conn.head else cached.get)
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for conn in [c for c in self._conns.values() if c.deadline is not None and c.deadline <= now]:
-            self._close(conn)
-
-    def _close(self, conn: _Conn) -> None:
-        if conn.closed:
-            return
-        conn.closed = True
-        conn.out = memoryview(b"")
-        self._conns.pop(conn.sock, None)
-        self._watch(conn, 0)
-        conn.sock.close()
-
-    def _watch(self, conn: _Conn, events: int) -> None:
-        """Have the selector watch ``conn`` for ``events`` (0: not at all)."""
-        if events == conn.events:
-            return
-        if not events:
-            self._selector.unregister(conn.sock)
-        elif not conn.events:
-            self._selector.register(conn.sock, events, conn)
-        else:
-            self._selector.modify(conn.sock, events, conn)
-        conn.events = events
-
-    # -- the render thread ---------------------------------------------------------------------------
-
-    def _serve_renders(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending and not self._stopping:
-                    self._cond.wait()
-                if self._stopping:
-                    return
-                delay = self._next_batch - time.monotonic()
-                if delay > 0:  # too soon after the last batch: this one waits (and grows) until then
-                    self._cond.wait_for(lambda: self._stopping, timeout=delay)
-                    continue
-                batch, self._pending = self._pending, []
-            start = time.monotonic()
-            cached = self._cache
-            try:
-                version = self._version() if self._version is not None else None
-            except Exception:  # a broken version: render every time
-                version = None
-            if cached is None or version is None or version != cached.version:
-                cached = self._render_once(version)
-            end = time.monotonic()
-            spacing = min(self.max_interval, (end - start) * (1 / self.render_share - 1))
-            self._next_batch = end + max(self.min_interval, spacing)
-            self._done.append((batch, cached))
-            try:
-                self._wake_w.send(b"\0")
-            except (BlockingIOError, InterruptedError):
-                pass  # the pipe is full: the I/O thread is already woken
-
-    def _render_once(self, version: object) -> _Cached | None:
-        try:
-            body = self._render()
-        except Exception:
-            self._render_errors += 1
-            if self._render_errors == 1:
-                log.warning(
-                    "streamwatch: rendering /metrics failed (500); further failures at DEBUG", exc_info=True
-                )
-            else:
-                log.debug("streamwatch: rendering /metrics failed", exc_info=True)
-            return None
-        self.renders += 1
-        cached = self._cache = _Cached(version, "200 OK", body, CONTENT_TYPE_LATEST)
-        return cached
-
-    def close(self) -> None:
-        """Stop both threads, join them and close every socket. Idempotent."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        try:
-            self._wake_w.send(b"\0")
-        except OSError:
-            pass
-        for thread in self._threads:
-            thread.join(timeout=_JOIN_S)
-        stuck = [t.name for t in self._threads if t.is_alive()]
-        if stuck:  # pragma: no cover - a render stuck in a collector of the caller's registry
-            log.warning("streamwatch: %s did not stop within %s s", ", ".join(stuck), _JOIN_S)
-            return
-        self._wake_r.close()
-        self._wake_w.close()
-        self._selector.close()
-
-
-def _listen(host: str, port: int, backlog: int) -> socket.socket:
-    """A listening socket on ``host:port``, or an error that says what is wrong and what to do."""
-    if not isinstance(host, str):
-        raise ValueError(f"Expected `host` to be a str (an address of this machine), got {host!r}")
-    if host == "":
-        raise ValueError(
-            "streamwatch: host='' binds every interface; pass '0.0.0.0' explicitly if that is what you "
-            "want, or leave the default '127.0.0.1' (this machine only)"
-        )
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as err:
-        raise socket.gaierror(
-            err.errno,
-            f"streamwatch: cannot resolve host {host!r} ({err.strerror}); pass an address of this "
-            "machine: '127.0.0.1' (the default, this machine only), '0.0.0.0' (every interface) or the "
-            "address of one interface",
-        ) from err
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        if os.name == "posix":  # rebind over TIME_WAIT after a restart; never over a live listener
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(backlog)
-    except OSError as err:
-        sock.close()
-        if err.errno == errno.EADDRINUSE:
-            raise OSError(
-                errno.EADDRINUSE,
-                f"streamwatch: port {port} on {host} is already in use (this process's /metrics port is "
-                f"the base port + LOCAL_RANK = {port}); pass expose(port=...) another base port, or stop "
-                "the process that holds it",
-            ) from err
-        if err.errno == errno.EADDRNOTAVAIL:
-            shown = host if host == address[0] else f"{host} ({address[0]})"
-            raise OSError(
-                errno.EADDRNOTAVAIL,
-                f"streamwatch: host {shown!r} is not an address of this machine, so /metrics cannot "
-                "listen there; pass '127.0.0.1' (the default, this machine only), '0.0.0.0' (every "
-                "interface) or the address of one of this machine's interfaces",
-            ) from err
-        if err.errno == errno.EACCES:
-            raise OSError(
-                errno.EACCES,
-                f"streamwatch: not allowed to listen on port {port} of {host} (ports below 1024 need "
-                "privileges); pass expose(port=...) a port of 1024 or more, such as the default 9400",
-            ) from err
-        raise OSError(err.errno, f"streamwatch: cannot listen on {host} port {port}: {err.strerror}") from err
-    return sock
-
-
 class Exporter:
     """A running ``/metrics`` endpoint for one Watch. Create it with :meth:`streamwatch.Watch.expose`.
 
@@ -916,8 +471,8 @@ class Exporter:
         self._own_registry = registry is None
         self.registry = registry if registry is not None else CollectorRegistry()
         self.collector = _Collector(watch, self.labels, series_budget)
-        self._server: _MetricsServer | None = None
-        sock = _listen(host, self.port, _MetricsServer.backlog) if serve else None
+        self._server: MetricsServer | None = None
+        sock = listen(host, self.port, MetricsServer.backlog) if serve else None
         self.registry.register(self.collector)
         if sock is not None:
             self.port = sock.getsockname()[1]
@@ -929,7 +484,7 @@ class Exporter:
                 version: Callable[[], object] | None = self.collector.version
             else:
                 render, version = (lambda: generate_latest(self.registry)), None
-            self._server = _MetricsServer(sock, render, version, timeout=self.timeout)
+            self._server = MetricsServer(sock, render, version, timeout=self.timeout)
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self.port}/metrics"
 
