@@ -23,15 +23,26 @@ leaves the VM's second core to that process. The three variants run round-robin 
 order rotating), ``STORM_STEPS`` steps each; a variant's speed is the median over the cycles, and the
 headline ratio the median over the cycles of storm / unscraped within the cycle (drift cancels).
 The scraper process starts once and idles between storms (it scrapes only during the storm rounds).
+
+``/metrics gzip``: the bytes a scrape moves and the time the server takes per scrape (a raw-socket GET
+over 127.0.0.1 until the server closes, values unchanged so the cached body is served), without and with
+``Accept-Encoding: gzip`` (Prometheus always asks for it, with the ``Accept`` header Prometheus sends);
+the time to gzip a rendered body at zlib levels 1 (what the server uses) and 6, with prometheus_client's
+own gzipped body (``generate_latest``, ``gzip.compress`` at level 9, as its WSGI app does) as the bytes
+to compare; and render + compress, the render thread's work per version of the values for a gzip scrape.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
+import resource
+import socket
 import statistics
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +53,7 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from torch import nn
 
 import streamwatch as sw
+from streamwatch.sinks._http import GZIP_LEVEL, _Cached
 
 STATS_PER_ROW = 29  # streamwatch_tensor series per tapped tensor (COLUMNS + derived + update_ratio)
 
@@ -104,6 +116,180 @@ def test_plain_gauges(benchmark: Any, series: int, bench_report: list[str]) -> N
             f"/metrics render, plain Gauge.labels: {len(samples)} series, "
             f"median {benchmark.stats.stats.median * 1e3:.1f} ms"
         )
+
+
+# -- bytes and time per scrape, with and without gzip ----------------------------------------------------
+
+PROMETHEUS_ACCEPT = (  # what Prometheus 2.x sends with every scrape, beside Accept-Encoding: gzip
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+
+
+SCRAPE_ROUNDS = 100
+
+# One scrape per stdin line, over a fresh connection, read until the server closes it; answers the bytes
+# read. A separate process, so that the client's reading is neither in the server's CPU time nor
+# competing with the server's threads for the GIL.
+SCRAPE_ONE = r"""
+import json, socket, sys
+port, request = int(sys.argv[1]), json.loads(sys.argv[2]).encode("latin-1")
+for _ in sys.stdin:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(request)
+        n = 0
+        while chunk := sock.recv(1 << 16):
+            n += len(chunk)
+    print(n, flush=True)
+"""
+
+
+def _scrape(port: int, request: bytes) -> bytes:
+    """One GET over a fresh connection, read until the server closes it: the whole response."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(request)
+        chunks = []
+        while chunk := sock.recv(1 << 16):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _cpu_s() -> float:
+    """This process's CPU time (every thread, user and system)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@pytest.mark.parametrize("encoding", ["identity", "gzip"])
+@pytest.mark.parametrize("series", [1_000, 10_000])
+@pytest.mark.benchmark(group="/metrics gzip: per scrape")
+def test_bytes_per_scrape(benchmark: Any, series: int, encoding: str, bench_report: list[str]) -> None:
+    """One scrape of an unchanged body (no render: the cached response is sent) through
+    ``watch.expose()``'s real server, from a client in another process: the time until the client has
+    read the whole response (each scrape once the server's batch spacing has passed, so that the time is
+    the serving's, not the rate limit's), the server's CPU time, and the bytes sent."""
+    watch, exporter = _watch(series)
+    try:
+        server = exporter._server
+        assert server is not None
+        server.min_interval = 0.0
+        headers = f"Accept: {PROMETHEUS_ACCEPT}\r\nAccept-Encoding: gzip\r\n" if encoding == "gzip" else ""
+        request = f"GET /metrics HTTP/1.1\r\nHost: bench\r\n{headers}\r\n"
+        response = _scrape(exporter.port, request.encode())  # renders (and compresses) once
+        renders, compressions = server.renders, server.compressions
+        client = subprocess.Popen(
+            [sys.executable, "-c", SCRAPE_ONE, str(exporter.port), json.dumps(request)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert client.stdin is not None
+        assert client.stdout is not None
+        stdin, stdout = client.stdin, client.stdout
+        cpu, scrapes = [0.0], [0]
+
+        def scrape() -> int:
+            start = _cpu_s()
+            stdin.write("\n")
+            stdin.flush()
+            size = int(stdout.readline())
+            cpu[0] += _cpu_s() - start
+            scrapes[0] += 1
+            return size
+
+        def after_the_spacing() -> None:
+            time.sleep(max(0.0, server._next_batch - time.monotonic()))
+
+        try:
+            size = benchmark.pedantic(scrape, setup=after_the_spacing, rounds=SCRAPE_ROUNDS, warmup_rounds=3)
+        finally:
+            client.communicate(timeout=60)  # closes its stdin (it exits) and its stdout
+        assert size == len(response)
+        assert (server.renders, server.compressions) == (renders, compressions)  # served from the cache
+        assert compressions == (1 if encoding == "gzip" else 0)
+        head, _, body = response.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+        plain = gzip.decompress(body) if encoding == "gzip" else body
+        exported = plain.count(b"streamwatch_tensor{")
+        info = {
+            "series": exported,
+            "encoding": encoding,
+            "body_bytes": len(body),
+            "response_bytes": len(response),
+            "plain_body_bytes": len(plain),
+            "compression_ratio": round(len(plain) / len(body), 2),
+            "server_cpu_ms_per_scrape": round(cpu[0] / scrapes[0] * 1e3, 3),
+        }
+        benchmark.extra_info.update(info)
+        if not benchmark.disabled:
+            bench_report.append(
+                f"/metrics scrape, {encoding}: {exported} series, {len(body):,} body bytes "
+                f"({len(plain):,} plain, ratio {info['compression_ratio']}), "
+                f"median {benchmark.stats.stats.median * 1e3:.2f} ms per scrape (cached body), "
+                f"server CPU {info['server_cpu_ms_per_scrape']} ms per scrape"
+            )
+    finally:
+        watch.close()
+
+
+@pytest.mark.parametrize("level", [1, 6])
+@pytest.mark.parametrize("series", [1_000, 10_000])
+@pytest.mark.benchmark(group="/metrics gzip: compress")
+def test_gzip_level(benchmark: Any, series: int, level: int, bench_report: list[str]) -> None:
+    """gzip of one rendered body at zlib level 1 (the server's) and 6 (zlib's default)."""
+    watch, exporter = _watch(series)
+    try:
+        body = exporter.collector.render()
+        reference = gzip.compress(generate_latest(exporter.registry))  # prometheus_client's app: level 9
+    finally:
+        watch.close()
+    packed = benchmark(zlib.compress, body, level, wbits=31)
+    assert gzip.decompress(packed) == body
+    exported = body.count(b"streamwatch_tensor{")
+    benchmark.extra_info.update(
+        {
+            "series": exported,
+            "level": level,
+            "server_level": GZIP_LEVEL,
+            "plain_bytes": len(body),
+            "gzip_bytes": len(packed),
+            "prometheus_client_gzip_bytes": len(reference),
+        }
+    )
+    if not benchmark.disabled:
+        bench_report.append(
+            f"gzip level {level}: {exported} series, {len(body):,} -> {len(packed):,} bytes "
+            f"(prometheus_client's app: {len(reference):,}), median "
+            f"{benchmark.stats.stats.median * 1e3:.2f} ms"
+        )
+
+
+@pytest.mark.parametrize("series", [1_000, 10_000])
+@pytest.mark.benchmark(group="/metrics gzip: render + compress")
+def test_render_and_gzip(benchmark: Any, series: int, bench_report: list[str]) -> None:
+    """The render thread's work for one version of the values when a scraper asks for gzip: render,
+    the cached responses, and their gzip (at the server's level)."""
+    watch, exporter = _watch(series)
+    try:
+        render = exporter.collector.render
+
+        def render_and_compress() -> _Cached:
+            cached = _Cached(None, render())
+            cached.compress()
+            return cached
+
+        cached = benchmark(render_and_compress)
+        assert cached.gzip_get is not None
+        exported = cached.get.count(b"streamwatch_tensor{")
+        gzip_bytes = len(cached.gzip_get) - len(cached.gzip_head or b"")
+        benchmark.extra_info.update({"series": exported, "level": GZIP_LEVEL, "gzip_bytes": gzip_bytes})
+        if not benchmark.disabled:
+            bench_report.append(
+                f"render + gzip (level {GZIP_LEVEL}): {exported} series, "
+                f"median {benchmark.stats.stats.median * 1e3:.1f} ms"
+            )
+    finally:
+        watch.close()
 
 
 # -- training under a scrape storm ------------------------------------------------------------------------
