@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from streamwatch import _kernel
+from tests import training
 
 
 @pytest.fixture(params=["fused", "torch"])
@@ -20,3 +21,21 @@ def summary_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
         monkeypatch.delenv("STREAMWATCH_KERNEL", raising=False)
         assert _kernel.load() is not None, _kernel.status()
     return str(request.param)
+
+
+@pytest.fixture
+def train() -> training.Train:
+    """The tests' training loop, ``tests.training.train``: real optimizer steps under a watch.
+
+    ``train(model, opt, watch, steps, *, data=None, shape=(8, 4), classes=3, seed=None, generator=None,
+    loss=default_loss, report_outputs=True, before_opt_step=None, after_opt_step=None,
+    after_watch_step=None, flush=False) -> list[float]`` (the losses); see ``tests/training.py``::
+
+        def test_something(train):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            with sw.observe(model, opt) as watch:
+                train(model, opt, watch, 3, shape=(16, 6), seed=1)  # 16 samples, 6 features, 3 classes
+    """
+    return training.train

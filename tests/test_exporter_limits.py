@@ -19,13 +19,13 @@ import urllib.request
 
 import pytest
 import torch
-import torch.nn.functional as F
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 import streamwatch as sw
 from tests.promserver import REQUIRE_ENV
 from tests.threads import JOIN_S, spawn
+from tests.training import Train
 
 HALF_OPEN = 200
 
@@ -34,19 +34,6 @@ def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
-
-
-def _train(watch: sw.Watch, model: nn.Module, opt: torch.optim.Optimizer, steps: int = 2) -> None:
-    g = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
-        out = model(x)
-        loss = F.cross_entropy(out, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        watch.step(loss=loss, outputs=out, targets=y, batch_size=16)
-    assert watch.flush()
 
 
 def _get(url: str) -> bytes:
@@ -89,25 +76,25 @@ def _closed_by_peer(sock: socket.socket) -> bool:
     return True
 
 
-def _warm_up() -> None:
+def _warm_up(train: Train) -> None:
     """One full observe/expose/scrape/close cycle first, so lazily opened files (torch, the kernel
     library, urllib) are open before a test counts file descriptors."""
     model, opt = _model()
     with sw.observe(model, opt) as watch:
         exporter = watch.expose(port=0)
-        _train(watch, model, opt, steps=1)
+        train(model, opt, watch, 1, shape=(16, 6), seed=0, flush=True)
         _get(exporter.url)
 
 
-def test_half_open_connections_hold_no_thread_and_close_releases_every_thread_and_fd() -> None:
-    _warm_up()
+def test_half_open_connections_hold_no_thread_and_close_releases_every_thread_and_fd(train: Train) -> None:
+    _warm_up(train)
     threads_before, fds_before = _threads(), _fds()
     model, opt = _model()
     clients: list[socket.socket] = []
     try:
         with sw.observe(model, opt) as watch:
             exporter = watch.expose(port=0)
-            _train(watch, model, opt)
+            train(model, opt, watch, 2, shape=(16, 6), seed=0, flush=True)
             serving = _threads()  # the watch's worker and the server's own threads
             assert len([t for t in serving - threads_before if t.name.startswith("streamwatch-metrics")]) <= 2
             for i in range(HALF_OPEN):  # half send nothing, half a partial request line
@@ -145,12 +132,12 @@ def test_a_connection_that_sends_no_request_is_closed_after_the_timeout() -> Non
 
 
 def test_a_scrape_storm_costs_one_render_per_snapshot_and_fresh_values_after_a_step(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, train: Train
 ) -> None:
     model, opt = _model()
     with sw.observe(model, opt) as watch:
         exporter = watch.expose(port=0)
-        _train(watch, model, opt)
+        train(model, opt, watch, 2, shape=(16, 6), seed=0, flush=True)
         renders = []
         render = exporter.collector.render
 
@@ -163,7 +150,8 @@ def test_a_scrape_storm_costs_one_render_per_snapshot_and_fresh_values_after_a_s
         bodies = {body for scraper in scrapers for body in scraper.finish()}
         assert len(bodies) == 1  # every scraper saw the same snapshot ...
         assert len(renders) == 1  # ... rendered once
-        _train(watch, model, opt, steps=1)  # a new record: the next scrape renders again
+        # a new record: the next scrape renders again
+        train(model, opt, watch, 1, shape=(16, 6), seed=0, flush=True)
         step = [
             s.value
             for f in text_string_to_metric_families(_get(exporter.url).decode())
@@ -174,11 +162,11 @@ def test_a_scrape_storm_costs_one_render_per_snapshot_and_fresh_values_after_a_s
         assert len(renders) == 2
 
 
-def test_methods_other_than_get_and_head_get_405_and_unknown_paths_404() -> None:
+def test_methods_other_than_get_and_head_get_405_and_unknown_paths_404(train: Train) -> None:
     model, opt = _model()
     with sw.observe(model, opt) as watch:
         exporter = watch.expose(port=0)
-        _train(watch, model, opt, steps=1)
+        train(model, opt, watch, 1, shape=(16, 6), seed=0, flush=True)
         port = exporter.port
         status, headers, body = _raw(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
         assert status == 200
@@ -209,12 +197,12 @@ def test_methods_other_than_get_and_head_get_405_and_unknown_paths_404() -> None
 
 
 def test_a_failing_render_is_a_500_and_the_server_goes_on(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, train: Train
 ) -> None:
     model, opt = _model()
     with sw.observe(model, opt) as watch:
         exporter = watch.expose(port=0)
-        _train(watch, model, opt, steps=1)
+        train(model, opt, watch, 1, shape=(16, 6), seed=0, flush=True)
         render = exporter.collector.render
 
         def broken() -> bytes:
@@ -250,7 +238,7 @@ def test_unresolvable_and_foreign_hosts_are_clear_errors() -> None:
         assert b"streamwatch_info" in _get(exporter.url)
 
 
-def test_promtool_accepts_what_a_real_training_run_serves() -> None:
+def test_promtool_accepts_what_a_real_training_run_serves(train: Train) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         if os.environ.get(REQUIRE_ENV) == "1":
@@ -260,7 +248,7 @@ def test_promtool_accepts_what_a_real_training_run_serves() -> None:
     metrics = [*sw.DEFAULT_METRICS, sw.metrics.Histogram(kinds=("param_grad",))]
     with sw.observe(model, opt, metrics=metrics) as watch:
         exporter = watch.expose(port=0)
-        _train(watch, model, opt, steps=3)
+        train(model, opt, watch, 3, shape=(16, 6), seed=0, flush=True)
         body = _get(exporter.url)
     families = {f.name for f in text_string_to_metric_families(body.decode())}
     assert {"streamwatch_loss", "streamwatch_accuracy", "streamwatch_tensor_values"} <= families

@@ -20,8 +20,10 @@ from rich.console import Console, RenderableType
 
 from streamwatch import _live
 from streamwatch._live import LiveView, format_count, format_percent, format_value
+from tests.training import Train
 
 URL = "http://127.0.0.1:9400/metrics"
+BATCH = (32, 8)  # 32 samples of MLP's 8 features (3 classes)
 
 
 class MLP(nn.Module):
@@ -39,17 +41,6 @@ class MLP(nn.Module):
         for block in self.blocks:
             x = torch.relu(block(x))
         return self.head(x)  # type: ignore[no-any-return]
-
-
-def train(model: nn.Module, opt: torch.optim.Optimizer, watch: sw.Watch, steps: int) -> None:
-    for _ in range(steps):
-        x, y = torch.randn(32, 8), torch.randint(0, 3, (32,))
-        logits = model(x)
-        loss = nn.functional.cross_entropy(logits, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        watch.step(loss=loss, outputs=logits, targets=y, batch_size=32)
 
 
 def text_of(renderable: RenderableType) -> str:
@@ -90,13 +81,12 @@ def scalar(watch: sw.Watch, name: str) -> float:
 
 
 @pytest.fixture
-def trained() -> Iterator[sw.Watch]:
+def trained(train: Train) -> Iterator[sw.Watch]:
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with sw.observe(model, opt, cadence={"param": 1, "update": 1}) as watch:
-        train(model, opt, watch, 5)
-        assert watch.flush()
+        train(model, opt, watch, 5, shape=BATCH, flush=True)
         yield watch
 
 
@@ -182,13 +172,12 @@ def test_nonfinite_counts_sum_over_the_layers_series() -> None:
     assert row(text, "fc_in")[5] == format_count(expected)
 
 
-def test_more_layers_than_top() -> None:
+def test_more_layers_than_top(train: Train) -> None:
     torch.manual_seed(0)
     model = MLP(depth=4)  # fc_in, act, blocks.0-2, head
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with sw.observe(model, opt) as watch:
-        train(model, opt, watch, 2)
-        assert watch.flush()
+        train(model, opt, watch, 2, shape=BATCH, flush=True)
         text = text_of(LiveView(watch, total_steps=2, top=3).render(2))
     assert "… 3 more" in text
     rows = [line for line in text.splitlines() if line.startswith("│")]
@@ -201,16 +190,14 @@ def test_more_layers_than_top() -> None:
     ]
 
 
-def test_live_updates_in_place_and_shows_the_last_frame() -> None:
+def test_live_updates_in_place_and_shows_the_last_frame(train: Train) -> None:
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     console = Console(record=True, file=io.StringIO(), force_terminal=True, width=100)
     with sw.observe(model, opt) as watch:
         with LiveView(watch, total_steps=4, url=URL, console=console) as view:
-            for step in range(4):
-                train(model, opt, watch, 1)
-                view.update(step + 1)
+            train(model, opt, watch, 4, shape=BATCH, after_watch_step=lambda s: view.update(s.index + 1))
             watch.flush()
         text = console.export_text()
     assert "streamwatch demo" in text

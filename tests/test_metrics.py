@@ -9,7 +9,6 @@ the same tensors the model trained with, captured by this test's own clones.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,6 +19,7 @@ from torch import nn
 
 import streamwatch as sw
 from streamwatch import SeriesKey, ops
+from tests.training import Step, Train
 
 EVERY_STEP = {"param": 1, "update": 1}
 
@@ -32,31 +32,6 @@ def _model(seed: int = 0) -> nn.Module:
 def _batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g)) for _ in range(n)]
-
-
-def _train(
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
-    watch: sw.Watch | None,
-    batches: list[tuple[torch.Tensor, torch.Tensor]],
-    after: Callable[[int], None] | None = None,
-    before: Callable[[int], None] | None = None,
-) -> list[float]:
-    losses = []
-    for i, (x, y) in enumerate(batches):
-        out = model(x)
-        loss = F.cross_entropy(out, y)
-        opt.zero_grad()
-        loss.backward()
-        if before is not None:
-            before(i)
-        opt.step()
-        if after is not None:
-            after(i)
-        if watch is not None:
-            watch.step(loss=loss, outputs=out, targets=y, batch_size=len(y))
-        losses.append(loss.item())
-    return losses
 
 
 def _extras(
@@ -75,17 +50,17 @@ def _extras(
 # -- worker-side metrics ---------------------------------------------------------------------------------
 
 
-def test_update_ratio_and_layer_mean_match_the_trained_tensors() -> None:
+def test_update_ratio_and_layer_mean_match_the_trained_tensors(train: Train) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before: dict[str, torch.Tensor] = {}
     ratios: list[dict[tuple[str, str], float]] = []
     named = dict(model.named_parameters())
 
-    def snap(i: int) -> None:
+    def snap(_: Step) -> None:
         before.update({n: p.detach().clone() for n, p in named.items()})
 
-    def ratio(i: int) -> None:
+    def ratio(_: Step) -> None:
         ratios.append(
             {
                 tuple(n.split(".")): float((p.detach() - before[n]).norm() / p.detach().norm())  # type: ignore[misc]
@@ -95,7 +70,7 @@ def test_update_ratio_and_layer_mean_match_the_trained_tensors() -> None:
 
     records = sw.sinks.collect()
     with sw.observe(model, opt, cadence=EVERY_STEP, sinks=[records]) as watch:
-        _train(model, opt, watch, _batches(3), after=ratio, before=snap)
+        train(model, opt, watch, data=_batches(3), after_opt_step=ratio, before_opt_step=snap)
     snapshot = watch.snapshot()  # after close(): every record processed
     served = {
         (s.labels["layer"], s.labels["param"]): s.value
@@ -141,7 +116,7 @@ def test_worker_metrics_can_be_switched_off_and_unknown_names_are_refused() -> N
 
 @pytest.mark.parametrize("every", [1, 3])
 @pytest.mark.parametrize("of", ["param_grad", "update"])
-def test_cosine_of_consecutive_gradients_and_updates(of: str, every: int) -> None:
+def test_cosine_of_consecutive_gradients_and_updates(of: str, every: int, train: Train) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # momentum: updates ≠ −lr·grad
     named = dict(model.named_parameters())
@@ -149,17 +124,17 @@ def test_cosine_of_consecutive_gradients_and_updates(of: str, every: int) -> Non
     updates: list[dict[str, torch.Tensor]] = []
     before: dict[str, torch.Tensor] = {}
 
-    def pre(i: int) -> None:
+    def pre(_: Step) -> None:
         grads.append({n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None})
         before.update({n: p.detach().clone() for n, p in named.items()})
 
-    def post(i: int) -> None:
+    def post(_: Step) -> None:
         updates.append({n: p.detach() - before[n] for n, p in named.items()})
 
     records = sw.sinks.collect()
     metric = sw.metrics.GradientCosine(of=of, every=every)
     with sw.observe(model, opt, metrics=[metric], sinks=[records]) as watch:
-        _train(model, opt, watch, _batches(8), after=post, before=pre)
+        train(model, opt, watch, data=_batches(8), after_opt_step=post, before_opt_step=pre)
     series = grads if of == "param_grad" else updates
     got = _extras(records.items, "cosine", of)
     sampled = [s for s in range(8) if s % every == 0 and s > 0]
@@ -199,20 +174,14 @@ def test_cosine_without_an_optimizer_runs_at_the_step_boundary() -> None:
 # -- spectral norm, condition number, histograms, p-norms -------------------------------------------------
 
 
-def test_spectral_norm_and_condition_number_of_every_weight_matrix() -> None:
+def test_spectral_norm_and_condition_number_of_every_weight_matrix(train: Train) -> None:
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 5))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     records = sw.sinks.collect()
     metrics = [sw.metrics.SpectralNorm(iterations=2), sw.metrics.ConditionNumber(every=5)]
-    g = torch.Generator().manual_seed(3)
     with sw.observe(model, opt, metrics=metrics, sinks=[records]) as watch:
-        for _ in range(40):  # warm-started power iteration converges over the steps
-            x, y = torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 5, (8,), generator=g)
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            watch.step(loss=loss)
+        # 40 steps: warm-started power iteration converges over the steps
+        train(model, opt, watch, 40, shape=(8, 3, 6, 6), classes=5, seed=3, report_outputs=False)
     last = records.items[-1]
     spectral = {k.layer: float(v[0]) for (k, s), v in last.extras.items() if s == "spectral_norm"}
     assert set(spectral) == {"0", "2"}  # weights only: biases are vectors
@@ -224,25 +193,25 @@ def test_spectral_norm_and_condition_number_of_every_weight_matrix() -> None:
     # (the values themselves: test_condition_number_matches_svdvals_at_the_sampled_step)
 
 
-def test_condition_number_matches_svdvals_at_the_sampled_step() -> None:
+def test_condition_number_matches_svdvals_at_the_sampled_step(train: Train) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     singular: list[torch.Tensor] = []
     records = sw.sinks.collect()
     with sw.observe(model, opt, metrics=[sw.metrics.ConditionNumber()], sinks=[records]) as watch:
-        _train(
+        train(
             model,
             opt,
             watch,
-            _batches(2),
-            after=lambda i: singular.append(torch.linalg.svdvals(model[2].weight.detach())),
+            data=_batches(2),
+            after_opt_step=lambda _: singular.append(torch.linalg.svdvals(model[2].weight.detach())),
         )
     for record, s in zip(records.items, singular, strict=True):
         got = record.extras[(SeriesKey("train", "2", "param", "weight"), "condition_number")][0]
         assert got == pytest.approx(float(s.max() / s.min()), rel=1e-4)
 
 
-def test_histograms_count_every_element_by_sign_and_magnitude() -> None:
+def test_histograms_count_every_element_by_sign_and_magnitude(train: Train) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     buckets = sw.metrics.Buckets(lo=-6, hi=2, per_decade=2)
@@ -251,7 +220,7 @@ def test_histograms_count_every_element_by_sign_and_magnitude() -> None:
     records = sw.sinks.collect()
     metric = sw.metrics.Histogram(kinds=("activation", "param_grad"), buckets=buckets)
     with sw.observe(model, opt, metrics=[metric], sinks=[records]) as watch:
-        _train(model, opt, watch, _batches(2))
+        train(model, opt, watch, data=_batches(2))
     counts = records.items[-1].extras[(SeriesKey("train", "1", "activation", ""), "histogram")]
     x = acts[-1].numpy()
     assert counts.shape == (len(buckets),)
@@ -269,19 +238,19 @@ def test_histograms_count_every_element_by_sign_and_magnitude() -> None:
 
 
 @pytest.mark.parametrize("p", [0.5, 1, 3, math.inf])
-def test_p_norms_of_tapped_tensors(p: float) -> None:
+def test_p_norms_of_tapped_tensors(p: float, train: Train) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     grads: list[torch.Tensor] = []
     records = sw.sinks.collect()
     metric = sw.metrics.PNorm(p=p, kinds=("param_grad",))
     with sw.observe(model, opt, metrics=[metric], sinks=[records]) as watch:
-        _train(
+        train(
             model,
             opt,
             watch,
-            _batches(2),
-            before=lambda i: grads.append(model[2].weight.grad.detach().clone()),
+            data=_batches(2),
+            before_opt_step=lambda _: grads.append(model[2].weight.grad.detach().clone()),
         )
     got = records.items[-1].extras[(SeriesKey("train", "2", "param_grad", "weight"), metric.name)][0]
     assert got == pytest.approx(float(torch.linalg.vector_norm(grads[-1].double(), ord=p)), rel=1e-5)
@@ -292,19 +261,19 @@ def test_p_norms_of_tapped_tensors(p: float) -> None:
 # -- metrics that run the model ---------------------------------------------------------------------------
 
 
-def test_activation_similarity_between_checkpoints_and_training_unchanged() -> None:
+def test_activation_similarity_between_checkpoints_and_training_unchanged(train: Train) -> None:
     from streamwatch.metrics._cca import flatten_samples, svcca
 
     probe = torch.randn(200, 6, generator=torch.Generator().manual_seed(5))
     batches = _batches(4)
     model = _model()
-    reference = _train(model, torch.optim.SGD(model.parameters(), lr=0.5), None, batches)
+    reference = train(model, torch.optim.SGD(model.parameters(), lr=0.5), None, data=batches)
 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     seen: list[torch.Tensor] = []
 
-    def capture(i: int) -> None:  # the layer's output on the probe, without calling the (tapped) module
+    def capture(_: Step) -> None:  # the layer's output on the probe, without calling the (tapped) module
         with torch.no_grad():
             seen.append(F.linear(probe, model[0].weight, model[0].bias).relu())
 
@@ -312,7 +281,7 @@ def test_activation_similarity_between_checkpoints_and_training_unchanged() -> N
     # the ReLU's output: a Linear layer's is a linear map of the probe, so its CCA is always 1
     metric = sw.metrics.ActivationSimilarity(probe, layers=["1"], every=1, against="first")
     with sw.observe(model, opt, metrics=[metric], sinks=[records]) as watch:
-        losses = _train(model, opt, watch, batches, after=capture)
+        losses = train(model, opt, watch, data=batches, after_opt_step=capture)
     assert losses == reference  # the probe pass changes nothing in training
     got = {
         r.step: r.extras.get((SeriesKey("eval", "1", "activation", ""), "cca_similarity"))
@@ -357,7 +326,7 @@ def test_hessian_max_eigenvalue_matches_a_direct_eigendecomposition() -> None:
     assert all(p.grad is None for p in params)  # nothing accumulated into .grad
 
 
-def test_test_accuracy_every_n_steps_labelled_eval() -> None:
+def test_test_accuracy_every_n_steps_labelled_eval(train: Train) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x_test, y_test = torch.randn(50, 6), torch.randint(0, 3, (50,))
@@ -372,7 +341,7 @@ def test_test_accuracy_every_n_steps_labelled_eval() -> None:
     records = sw.sinks.collect()
     step_counter = iter(range(100))
 
-    def reference(i: int) -> None:
+    def reference(_: Step) -> None:
         step = next(step_counter)
         if step % 2 == 0:
             with torch.no_grad():
@@ -385,7 +354,7 @@ def test_test_accuracy_every_n_steps_labelled_eval() -> None:
     with sw.observe(
         model, opt, metrics=[sw.metrics.TestAccuracy(evaluate, every=2)], sinks=[records]
     ) as watch:
-        _train(model, opt, watch, _batches(5), after=reference)
+        train(model, opt, watch, data=_batches(5), after_opt_step=reference)
         assert model.training  # the evaluation's eval() was undone
     got = {r.step: (r.scalars.get("eval/accuracy"), r.scalars.get("eval/loss")) for r in records.items}
     for step in range(5):
@@ -405,7 +374,7 @@ def test_test_accuracy_every_n_steps_labelled_eval() -> None:
 # -- failure, binding, serving ----------------------------------------------------------------------------
 
 
-def test_a_failing_metric_is_counted_and_raised_at_close_never_into_training() -> None:
+def test_a_failing_metric_is_counted_and_raised_at_close_never_into_training(train: Train) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -417,7 +386,7 @@ def test_a_failing_metric_is_counted_and_raised_at_close_never_into_training() -
         model, opt, metrics=[sw.metrics.TestAccuracy(broken, every=1), sw.metrics.SpectralNorm()]
     )
     with pytest.warns(RuntimeWarning, match="the evaluation broke"):
-        _train(model, opt, watch, batches)
+        train(model, opt, watch, data=batches)
     assert watch.statistics().hook_errors == 3
     assert any(s.labels.get("stat") == "spectral_norm" for s in watch.snapshot())  # the others kept going
     with pytest.raises(sw.PipelineError, match="the evaluation broke"):
@@ -435,7 +404,7 @@ def test_a_metric_object_serves_one_watch_at_a_time() -> None:
         sw.metrics.SpectralNorm(every=0)
 
 
-def test_a_z_score_spike_detector_served_next_to_the_built_in_series() -> None:
+def test_a_z_score_spike_detector_served_next_to_the_built_in_series(train: Train) -> None:
     """docs/metrics.md's example: window + map over the gradient norm, published with watch.serve()."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -458,7 +427,7 @@ def test_a_z_score_spike_detector_served_next_to_the_built_in_series() -> None:
             | watch.serve("grad_zscore")
         )
         watch.pipe(sw.source() | ops.map(grad_norm) | sw.sinks.callback(norms.append))
-        _train(model, opt, watch, _batches(8))
+        train(model, opt, watch, data=_batches(8))
     served = [s for s in watch.snapshot() if s.name == "streamwatch_grad_zscore"]
     window = norms[-5:]
     assert len(served) == 1
@@ -467,7 +436,7 @@ def test_a_z_score_spike_detector_served_next_to_the_built_in_series() -> None:
         watch.serve("bad name")
 
 
-def test_zero_weights_a_single_unit_and_nan_inputs_are_measured_not_crashing() -> None:
+def test_zero_weights_a_single_unit_and_nan_inputs_are_measured_not_crashing(train: Train) -> None:
     model = nn.Sequential(nn.Linear(4, 1))  # one unit: a 1×4 weight, one singular value
     with torch.no_grad():
         model[0].weight.zero_()
@@ -482,15 +451,13 @@ def test_zero_weights_a_single_unit_and_nan_inputs_are_measured_not_crashing() -
     records = sw.sinks.collect()
     inputs = [torch.ones(5, 4), torch.full((5, 4), float("nan"))]
     weights = []
+
+    def keep(_: Step) -> None:
+        weights.append(model[0].weight.detach().clone())
+
     with sw.observe(model, opt, metrics=metrics, sinks=[records]) as watch:
-        for x in inputs:
-            out = model(x)
-            loss = out.pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            weights.append(model[0].weight.detach().clone())
-            watch.step(loss=loss)
+        # no targets: the loss is the outputs' mean square
+        train(model, opt, watch, data=[(x, None) for x in inputs], after_opt_step=keep)
         assert watch.statistics().hook_errors == 0
     first, second = records.items
     key = SeriesKey("train", "0", "param", "weight")
@@ -562,7 +529,7 @@ def _probe_metric(name: str) -> sw.metrics.Metric:
 
 
 @pytest.mark.parametrize("name", ["ActivationSimilarity", "TestAccuracy", "HessianMaxEig"])
-def test_probe_metrics_keep_every_modules_own_training_flag(name: str) -> None:
+def test_probe_metrics_keep_every_modules_own_training_flag(name: str, train: Train) -> None:
     """Restoring only ``model.train(was_training)`` would unfreeze the frozen BatchNorm (its statistics
     then move on every later step) — or, after an ``eval()`` in a loss closure, leave dropout off."""
     model = _frozen_bn_model()
@@ -570,7 +537,7 @@ def test_probe_metrics_keep_every_modules_own_training_flag(name: str) -> None:
     stats = [b.clone() for b in model[1].buffers()]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with sw.observe(model, opt, metrics=[_probe_metric(name)]) as watch:
-        _train(model, opt, watch, _batches(3))
+        train(model, opt, watch, data=_batches(3))
         assert watch.statistics().hook_errors == 0
         assert {n: m.training for n, m in model.named_modules()} == modes
     assert all(torch.equal(a, b) for a, b in zip(model[1].buffers(), stats, strict=True))  # still frozen

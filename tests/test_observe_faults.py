@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 import streamwatch as sw
 import streamwatch._record
 from streamwatch._taps import KINDS
+from tests.training import Train
 
 
 class Boom(Exception):
@@ -382,28 +383,26 @@ class Checkpointed(nn.Module):
         return self.head(h)
 
 
-def _run_checkpointed(reentrant: bool | None) -> list[sw.StepRecord]:
+def _run_checkpointed(train: Train, reentrant: bool | None) -> list[sw.StepRecord]:
     torch.manual_seed(0)
     model = Checkpointed(reentrant)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     recs = sw.sinks.collect()
     every = dict.fromkeys(KINDS, 1)
+    # inputs that require grad (the reentrant checkpoint needs one), drawn step by step from the global RNG
+    batches = ((torch.randn(16, 4, requires_grad=True), torch.randint(0, 3, (16,))) for _ in range(3))
     with sw.observe(model, opt, taps=KINDS, cadence=every, sinks=[recs], metrics=()) as watch:
-        for _ in range(3):
-            x, y = torch.randn(16, 4, requires_grad=True), torch.randint(0, 3, (16,))
-            loss = nn.functional.cross_entropy(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            watch.step(loss=loss)
+        train(model, opt, watch, data=batches, report_outputs=False)
         assert watch.statistics().hook_errors == 0
     return list(recs.items)
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
-def test_checkpointed_layers_are_summarised_once_like_without_checkpointing(reentrant: bool) -> None:
-    reference = _run_checkpointed(None)
-    observed = _run_checkpointed(reentrant)
+def test_checkpointed_layers_are_summarised_once_like_without_checkpointing(
+    reentrant: bool, train: Train
+) -> None:
+    reference = _run_checkpointed(train, None)
+    observed = _run_checkpointed(train, reentrant)
     assert len(observed) == len(reference) == 3
     for ref, got in zip(reference, observed, strict=True):
         assert {k.phase for k in got.keys} == {"train"}  # no phantom evaluation series

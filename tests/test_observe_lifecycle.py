@@ -17,6 +17,7 @@ import streamwatch._taps
 from streamwatch._observe import STATS
 from streamwatch._taps import KINDS
 from tests.threads import JOIN_S, spawn, wait_until
+from tests.training import Train
 
 
 class Boom(Exception):
@@ -25,18 +26,6 @@ class Boom(Exception):
 
 def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
-
-
-def _train(model: nn.Module, opt: torch.optim.Optimizer, watch: sw.Watch | None, steps: int) -> None:
-    for _ in range(steps):
-        x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-        logits = model(x)
-        loss = nn.functional.cross_entropy(logits, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if watch is not None:
-            watch.step(loss=loss, outputs=logits, targets=y, batch_size=8)
 
 
 def _hooks(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
@@ -59,7 +48,7 @@ def _hooks(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
 # -- hooks and references ------------------------------------------------------------------------------
 
 
-def test_close_removes_every_hook_and_later_training_records_nothing() -> None:
+def test_close_removes_every_hook_and_later_training_records_nothing(train: Train) -> None:
     torch.manual_seed(0)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -71,13 +60,13 @@ def test_close_removes_every_hook_and_later_training_records_nothing() -> None:
     assert during["optimizer step_pre"] == during["optimizer step_post"] == 1
     assert during["module '0' forward"] == 1
     assert during["param 0.weight post_accumulate_grad"] == 1
-    _train(model, opt, watch, 2)
+    train(model, opt, watch, 2)
     watch.close()
     assert watch.closed
     assert _hooks(model, opt) == before
     received = len(recs.items)
     assert received == 2
-    _train(model, opt, None, 2)  # training after close works, and nothing is summarised any more
+    train(model, opt, None, 2)  # training after close works, and nothing is summarised any more
     assert len(recs.items) == received
     assert watch.statistics().steps == 2
     assert watch.statistics().hook_errors == 0
@@ -88,7 +77,7 @@ def test_close_removes_every_hook_and_later_training_records_nothing() -> None:
     watch.close()  # idempotent
 
 
-def test_with_block_exception_propagates_and_hooks_are_removed() -> None:
+def test_with_block_exception_propagates_and_hooks_are_removed(train: Train) -> None:
     torch.manual_seed(0)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -98,7 +87,7 @@ def test_with_block_exception_propagates_and_hooks_are_removed() -> None:
 
     def loop() -> None:
         with watch:
-            _train(model, opt, watch, 2)
+            train(model, opt, watch, 2)
             model(torch.randn(8, 4)).sum().backward()  # an unfinished step: never sent
             raise Boom("mid-training")
 
@@ -112,7 +101,7 @@ def test_with_block_exception_propagates_and_hooks_are_removed() -> None:
         pass
 
 
-def test_with_block_exception_keeps_pipeline_failures_as_a_note() -> None:
+def test_with_block_exception_keeps_pipeline_failures_as_a_note(train: Train) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
@@ -127,7 +116,7 @@ def test_with_block_exception_keeps_pipeline_failures_as_a_note() -> None:
 
     def loop() -> None:
         with watch:
-            _train(model, opt, watch, 1)
+            train(model, opt, watch, 1)
             go.set()
             wait_until(lambda: watch.statistics().pipeline_failures == 1, "the pipeline failed")
             raise KeyError("the loop's own error")
@@ -140,11 +129,11 @@ def test_with_block_exception_keeps_pipeline_failures_as_a_note() -> None:
     assert "Boom: sink failed" in notes[0]
 
 
-def test_closed_watch_lets_the_model_be_garbage_collected() -> None:
+def test_closed_watch_lets_the_model_be_garbage_collected(train: Train) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     watch = sw.observe(model, opt, cadence={"param": 1, "update": 1})
-    _train(model, opt, watch, 2)
+    train(model, opt, watch, 2)
     watch.close()
     ref = weakref.ref(model)
     del model, opt
@@ -155,11 +144,11 @@ def test_closed_watch_lets_the_model_be_garbage_collected() -> None:
     assert any(s.name == "streamwatch_tensor" for s in watch.snapshot())
 
 
-def test_closed_watch_lets_the_parameters_be_garbage_collected() -> None:
+def test_closed_watch_lets_the_parameters_be_garbage_collected(train: Train) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     watch = sw.observe(model, opt)
-    _train(model, opt, watch, 1)
+    train(model, opt, watch, 1)
     watch.close()
     ref = weakref.ref(model[0].weight)
     del model, opt
@@ -168,7 +157,7 @@ def test_closed_watch_lets_the_parameters_be_garbage_collected() -> None:
     assert ref() is None
 
 
-def test_observing_an_observed_model_raises_until_the_first_watch_closes() -> None:
+def test_observing_an_observed_model_raises_until_the_first_watch_closes(train: Train) -> None:
     model = _model()
     first = sw.observe(model)
     with pytest.raises(
@@ -184,7 +173,7 @@ def test_observing_an_observed_model_raises_until_the_first_watch_closes() -> No
     first.close()
     recs = sw.sinks.collect()
     with sw.observe(model, opt, sinks=[recs]) as second:
-        _train(model, opt, second, 1)
+        train(model, opt, second, 1)
     assert len(recs.items) == 1
 
 
@@ -210,14 +199,14 @@ def _watch_with_a_held_pipeline(overflow: Any, capacity: int) -> tuple[Any, ...]
     return model, opt, watch, recs, gate, entered, slow
 
 
-def test_close_flushes_every_completed_step_through_a_slow_pipeline_with_block() -> None:
+def test_close_flushes_every_completed_step_through_a_slow_pipeline_with_block(train: Train) -> None:
     model, opt, watch, recs, gate, entered, slow = _watch_with_a_held_pipeline("block", 2)
 
-    def train() -> None:
-        _train(model, opt, watch, 6)
+    def run() -> None:
+        train(model, opt, watch, 6)
         model(torch.randn(8, 4)).sum().backward()  # a step that is never completed with step()
 
-    trainer = spawn(train)
+    trainer = spawn(run)
     assert entered.wait(JOIN_S)  # the worker holds step 0 in the slow pipeline
     # steps 1 and 2 fill the channel, so step 3 must wait for room: nothing is dropped
     wait_until(lambda: watch.statistics().queue_len == 2, "the channel is full")
@@ -235,11 +224,11 @@ def test_close_flushes_every_completed_step_through_a_slow_pipeline_with_block()
     assert stats.queue_high_water == 2
 
 
-def test_drop_oldest_keeps_training_going_and_counts_every_drop() -> None:
+def test_drop_oldest_keeps_training_going_and_counts_every_drop(train: Train) -> None:
     model, opt, watch, recs, gate, entered, slow = _watch_with_a_held_pipeline("drop_oldest", 1)
-    _train(model, opt, watch, 1)
+    train(model, opt, watch, 1)
     assert entered.wait(JOIN_S)  # step 0 is in the worker's hands, out of the channel
-    _train(model, opt, watch, 5)  # never blocks: steps 1..4 are each evicted by the next one
+    train(model, opt, watch, 5)  # never blocks: steps 1..4 are each evicted by the next one
     stats = watch.statistics()
     assert (stats.steps, stats.sampled, stats.dropped_oldest, stats.dropped_newest) == (6, 6, 4, 0)
     assert stats.queue_len == 1
@@ -255,7 +244,7 @@ def test_drop_oldest_keeps_training_going_and_counts_every_drop() -> None:
 # -- failures -----------------------------------------------------------------------------------------
 
 
-def test_failing_pipeline_warns_at_the_next_step_and_raises_at_close() -> None:
+def test_failing_pipeline_warns_at_the_next_step_and_raises_at_close(train: Train) -> None:
     torch.manual_seed(0)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -272,12 +261,12 @@ def test_failing_pipeline_warns_at_the_next_step_and_raises_at_close() -> None:
     healthy = sw.sinks.collect()
     watch.pipe(sw.source() | sw.sinks.callback(explode))
     watch.pipe(sw.source() | healthy)
-    _train(model, opt, watch, 2)
+    train(model, opt, watch, 2)
     go.set()
     wait_until(lambda: watch.statistics().pipeline_failures == 1, "the pipeline failed")
     with pytest.warns(RuntimeWarning, match=r"(?s)^streamwatch: 1 pipeline failed .*Boom: pipeline exploded"):
-        _train(model, opt, watch, 1)  # the next step() surfaces it; training goes on
-    _train(model, opt, watch, 2)  # warned once only (filterwarnings=error would fail a second warning)
+        train(model, opt, watch, 1)  # the next step() surfaces it; training goes on
+    train(model, opt, watch, 2)  # warned once only (filterwarnings=error would fail a second warning)
     with pytest.raises(sw.PipelineError, match=r"^1 pipeline failed on the worker thread") as info:
         watch.close()
     assert info.value.__cause__ is original
@@ -349,17 +338,19 @@ def test_hook_error_messages_blame_the_hook_not_a_pipeline() -> None:
     assert watch.statistics().hook_errors == 1
 
 
-def test_failing_summaries_leave_training_bit_for_bit_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failing_summaries_leave_training_bit_for_bit_unchanged(
+    monkeypatch: pytest.MonkeyPatch, train: Train
+) -> None:
     def trained(observe: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         if not observe:
-            _train(model, opt, None, 3)
+            train(model, opt, None, 3)
             return [p.detach().clone() for p in model.parameters()]
         watch = sw.observe(model, opt, cadence={"param": 1, "update": 1})
         with pytest.warns(RuntimeWarning, match="(?s)^streamwatch: .*Boom: summaries are broken"):
-            _train(model, opt, watch, 3)
+            train(model, opt, watch, 3)
         assert watch.statistics().hook_errors > 0
         with pytest.raises(sw.PipelineError, match="summaries are broken") as info:
             watch.close()

@@ -21,6 +21,7 @@ from torch import nn
 import streamwatch as sw
 from streamwatch._summary import COLUMNS, DERIVED
 from streamwatch._taps import KINDS
+from tests.training import Step, Train
 
 # Every test runs with the fused CPU kernel and with the eager torch summaries.
 pytestmark = pytest.mark.usefixtures("summary_kernel")
@@ -591,7 +592,7 @@ NONFINITE = {
 @pytest.mark.parametrize("counted", [False, True], ids=["flag", "exact_count"])
 @pytest.mark.parametrize("where", NONFINITE.values(), ids=NONFINITE)
 def test_nonfinite_activations_are_flagged_or_counted_and_training_goes_on(
-    where: dict[tuple[int, int], float], counted: bool
+    where: dict[tuple[int, int], float], counted: bool, train: Train
 ) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), Poison(where))
@@ -599,13 +600,8 @@ def test_nonfinite_activations_are_flagged_or_counted_and_training_goes_on(
     recs = sw.sinks.collect()
     stats = ("dead", "nonfinite") if counted else ("dead",)
     with sw.observe(model, opt, stats=stats, sinks=[recs]) as watch:
-        for _ in range(3):
-            out = model(torch.randn(5, 3))
-            loss = out[1:].pow(2).mean()  # row 0 holds the non-finite values
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            watch.step(loss=loss)
+        # row 0 holds the non-finite values: the loss leaves it out
+        train(model, opt, watch, 3, shape=(5, 3), classes=None, loss=lambda out, _: out[1:].pow(2).mean())
         assert watch.statistics().hook_errors == 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert [r.step for r in recs.items] == [0, 1, 2]
@@ -792,18 +788,14 @@ def test_every_and_cadence_pick_the_sampled_steps(
     sampled: list[int],
     param_steps: list[int],
     update_steps: list[int],
+    train: Train,
 ) -> None:
     torch.manual_seed(0)
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     recs = sw.sinks.collect()
     with sw.observe(model, opt, every=every, cadence=cadence, sinks=[recs]) as watch:
-        for _ in range(steps):
-            loss = model(torch.randn(4, 4)).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            watch.step(loss=loss)
+        train(model, opt, watch, steps, shape=(4, 4), classes=None)  # loss: the outputs' mean square
         assert watch.statistics().steps == steps
         assert watch.statistics().sampled == len(sampled)
     assert [r.step for r in recs.items] == sampled
@@ -819,26 +811,25 @@ def test_every_and_cadence_pick_the_sampled_steps(
 # -- step scalars -------------------------------------------------------------------------------------
 
 
-def test_loss_accuracy_learning_rates_and_throughput_match_references() -> None:
+def test_loss_accuracy_learning_rates_and_throughput_match_references(train: Train) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3))
     opt = torch.optim.SGD([{"params": [model[0].weight], "lr": 0.1}, {"params": [model[0].bias], "lr": 0.01}])
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     recs = sw.sinks.collect()
     expected = []
+    lrs: list[float] = []
+
+    def learning_rates(_: Step) -> None:  # the ones opt.step() just used
+        lrs[:] = [g["lr"] for g in opt.param_groups]
+
+    def reference(step: Step) -> None:
+        correct = int((step.outputs.argmax(-1) == step.targets).sum())
+        expected.append((step.loss.item(), correct, list(lrs)))
+        schedule.step()  # after watch.step(): the next step's learning rates
+
     with sw.observe(model, opt, sinks=[recs]) as watch:
-        for _ in range(4):
-            x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
-            logits = model(x)
-            loss = nn.functional.cross_entropy(logits, y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            lrs = [g["lr"] for g in opt.param_groups]
-            watch.step(loss=loss, outputs=logits, targets=y, batch_size=16)
-            correct = int((logits.argmax(-1) == y).sum())
-            expected.append((loss.item(), correct, lrs))
-            schedule.step()
+        train(model, opt, watch, 4, shape=(16, 4), after_opt_step=learning_rates, after_watch_step=reference)
     for record, (loss, correct, lrs) in zip(recs.items, expected, strict=True):
         s = record.scalars
         assert s["loss"] == pytest.approx(loss, rel=1e-7)
@@ -876,7 +867,7 @@ def test_accuracy_of_known_outputs(outputs: list[Any], targets: list[Any], corre
 # -- snapshot -----------------------------------------------------------------------------------------
 
 
-def test_snapshot_equals_the_last_record_and_never_holds_nan() -> None:
+def test_snapshot_equals_the_last_record_and_never_holds_nan(train: Train) -> None:
     torch.manual_seed(0)
     model = _mlp()
     with torch.no_grad():
@@ -885,14 +876,7 @@ def test_snapshot_equals_the_last_record_and_never_holds_nan() -> None:
     recs = sw.sinks.collect()
     # metrics=(): the summaries alone (update_ratio's values are tested in test_metrics.py)
     with sw.observe(model, opt, cadence=EVERY_STEP, sinks=[recs], metrics=()) as watch:
-        for _ in range(3):
-            x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-            logits = model(x)
-            loss = nn.functional.cross_entropy(logits, y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            watch.step(loss=loss, outputs=logits, targets=y, batch_size=8)
+        train(model, opt, watch, 3)  # batches of 8 samples, 4 features, 3 classes
     samples = watch.snapshot()
     last = recs.items[-1]
     assert not any(math.isnan(s.value) for s in samples)

@@ -29,11 +29,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import streamwatch as sw
 from tests.promserver import MISSING_MESSAGE, REQUIRE_ENV, PrometheusServer, require_prometheus
+from tests.training import Train
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "dashboards" / "rules" / "streamwatch.rules.yml"
@@ -200,30 +200,19 @@ def alert_states(prom: PrometheusServer, alertname: str, run: str) -> list[str]:
     ]
 
 
-def test_injected_nans_fire_the_non_finite_alert_in_a_real_prometheus(tmp_path: Path) -> None:
+def test_injected_nans_fire_the_non_finite_alert_in_a_real_prometheus(tmp_path: Path, train: Train) -> None:
     require_prometheus()
     rules = tmp_path / "streamwatch.rules.yml"
     rules.write_text(rules_with_short_for(RULES.read_text(encoding="utf-8"), ALERT, "2s"), encoding="utf-8")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    g = torch.Generator().manual_seed(1)
-
-    def train(watch: sw.Watch, steps: int) -> None:
-        for _ in range(steps):
-            x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
-            out = model(x)
-            loss = F.cross_entropy(out, y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            watch.step(loss=loss, outputs=out, targets=y, batch_size=16)
-        assert watch.flush()
+    g = torch.Generator().manual_seed(1)  # one stream of batches for both stretches of training
 
     with sw.observe(model, opt) as watch:
         exporter = watch.expose(port=0, run="faults")
         with PrometheusServer(tmp_path / "prom", [f"127.0.0.1:{exporter.port}"], rule_files=[rules]) as prom:
-            train(watch, 12)
+            train(model, opt, watch, 12, shape=(16, 8), generator=g, flush=True)
             # healthy: the rules have evaluated over scraped data, and the alert is not even pending
             prom.wait_for('streamwatch_step{run="faults"} == 11', bool)
             prom.wait_for('streamwatch:grad_norm:global{run="faults"} > 0', bool)
@@ -241,7 +230,7 @@ def test_injected_nans_fire_the_non_finite_alert_in_a_real_prometheus(tmp_path: 
             first = model[0]
             assert isinstance(first, nn.Linear)
             first.weight.register_hook(lambda grad: torch.full_like(grad, float("nan")))
-            train(watch, 4)
+            train(model, opt, watch, 4, shape=(16, 8), generator=g, flush=True)
             deadline = time.monotonic() + 30.0
             states = alert_states(prom, ALERT, "faults")
             while "firing" not in states:

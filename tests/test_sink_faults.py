@@ -24,6 +24,7 @@ from torch import nn
 import streamwatch as sw
 from streamwatch.sinks import RunFile
 from tests.threads import JOIN_S, spawn, wait_until
+from tests.training import Step, train
 
 STEPS = 8
 
@@ -78,16 +79,12 @@ def _latest_step(watch: sw.Watch) -> float | None:
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, watch: sw.Watch, steps: int) -> None:
     """Real training; after every step, the snapshot must reach that step (it never freezes)."""
-    for _ in range(steps):
-        x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-        logits = model(x)
-        loss = nn.functional.cross_entropy(logits, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        step = watch.statistics().steps
-        watch.step(loss=loss, outputs=logits, targets=y, batch_size=8)
-        wait_until(lambda step=step: _latest_step(watch) == step, f"snapshot() reaches step {step}")
+
+    def reached(_: Step) -> None:
+        step = watch.statistics().steps - 1  # the one just taken
+        wait_until(lambda: _latest_step(watch) == step, f"snapshot() reaches step {step}")
+
+    train(model, opt, watch, steps, after_watch_step=reached)
 
 
 @pytest.fixture
@@ -242,9 +239,9 @@ def test_close_gives_up_on_a_sink_that_never_returns(stuck: Stuck, where: str) -
         watch = sw.observe(model, opt, sinks=[healthy, stuck], close_timeout=0.2)
     else:
         watch = sw.observe(model, opt, sinks=[healthy, stuck])
-    _train_steps(model, opt, watch, 1)
+    train(model, opt, watch, 1, report_outputs=False)
     assert stuck.entered.wait(JOIN_S)  # the worker is inside the stuck sink with step 0
-    _train_steps(model, opt, watch, 2)  # steps 1 and 2 wait in the channel (training does not)
+    train(model, opt, watch, 2, report_outputs=False)  # steps 1, 2 wait in the channel (training does not)
     started = time.monotonic()
     close = watch.close if where == "observe" else lambda: watch.close(timeout=0.2)
     with pytest.warns(RuntimeWarning) as caught:
@@ -271,7 +268,7 @@ def test_close_waits_as_long_as_the_sinks_are_working() -> None:
     model, opt = _model()
     slow = sw.sinks.callback(lambda record: time.sleep(0.05))
     watch = sw.observe(model, opt, sinks=[slow], overflow="block", close_timeout=math.inf)
-    _train_steps(model, opt, watch, 4)
+    train(model, opt, watch, 4, report_outputs=False)
     watch.close(timeout=None)  # the observe() default: here, forever
     stats = watch.statistics()
     assert stats.records_received == 4
@@ -287,12 +284,3 @@ def test_a_bad_close_timeout_is_refused(timeout: object) -> None:
     with sw.observe(model, opt) as watch, pytest.raises(ValueError, match=message.replace("close_", "")):
         watch.close(timeout=timeout)  # type: ignore[arg-type]
     assert watch.closed  # refused before closing anything: the with block then closed it
-
-
-def _train_steps(model: nn.Module, opt: torch.optim.Optimizer, watch: sw.Watch, steps: int) -> None:
-    for _ in range(steps):
-        loss = nn.functional.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 3, (8,)))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        watch.step(loss=loss)

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import streamwatch as sw
 from streamwatch import SeriesKey
+from tests.training import Train
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
 
-def test_scalars_and_histograms_reach_tensorboard(tmp_path: Path) -> None:
+def test_scalars_and_histograms_reach_tensorboard(tmp_path: Path, train: Train) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -25,15 +25,7 @@ def test_scalars_and_histograms_reach_tensorboard(tmp_path: Path) -> None:
     records = sw.sinks.collect()
     metrics = [*sw.DEFAULT_METRICS, sw.metrics.Histogram(kinds=("activation",), buckets=buckets)]
     with sw.observe(model, opt, metrics=metrics, sinks=[board, records]) as watch:
-        g = torch.Generator().manual_seed(1)
-        for _ in range(3):
-            x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
-            out = model(x)
-            loss = F.cross_entropy(out, y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            watch.step(loss=loss, outputs=out, targets=y, batch_size=16)
+        train(model, opt, watch, 3, shape=(16, 6), seed=1)
     reader = event_accumulator.EventAccumulator(
         str(tmp_path / "tb"), size_guidance={"scalars": 0, "histograms": 0}
     )
