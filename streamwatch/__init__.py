@@ -24,9 +24,10 @@ from streamwatch._exceptions import (
     StreamwatchError,
     WouldBlock,
 )
-from streamwatch._observe import DEFAULT_METRICS, Sample, Watch, WatchStatistics, observe
+from streamwatch._observe import DEFAULT_METRICS, Sample, Watch, observe
 from streamwatch._pipeline import Chain, Node, Operator, Pipeline, Sink, Source, Stream, source
 from streamwatch._record import SeriesKey, StepRecord
+from streamwatch._store import SeriesSource, SeriesStore, WatchStatistics
 from streamwatch._taps import Select
 from streamwatch._worker import Worker, WorkerStatistics
 
@@ -53,6 +54,8 @@ __all__ = [
     "SendTimeout",
     "Sender",
     "SeriesKey",
+    "SeriesSource",
+    "SeriesStore",
     "Sink",
     "Source",
     "StepRecord",

@@ -1,4 +1,4 @@
-"""The live console view of ``streamwatch demo``: a :class:`Watch`'s latest values rendered with ``rich``.
+"""The live console view of ``streamwatch demo``: a series store's latest values rendered with ``rich``.
 
 ``rich`` is an optional dependency (the ``demo`` extra); it is imported here only, never by
 ``import streamwatch``.
@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Protocol
 
 try:
     from rich.console import Console, Group, RenderableType
@@ -34,9 +35,10 @@ except ImportError as _err:  # pragma: no cover - rich is installed wherever the
         f"streamwatch's live view needs rich: pip install 'streamwatch[demo]' ({_err})"
     ) from _err
 
-from streamwatch._observe import Sample, Watch, WatchStatistics
+from streamwatch._record import Sample
+from streamwatch._store import SeriesSource, WatchStatistics
 
-__all__ = ["MISSING", "LiveView", "format_count", "format_ms", "format_percent", "format_value"]
+__all__ = ["MISSING", "LiveView", "Observed", "format_count", "format_ms", "format_percent", "format_value"]
 
 MISSING = "—"
 """Shown for a value that is not known (yet)."""
@@ -44,6 +46,20 @@ MISSING = "—"
 _TENSOR = "streamwatch_tensor"
 _MIN_INTERVAL = 0.1  # seconds between frames: at most ~10 refreshes per second
 _now = time.monotonic  # the throttle's clock (a seam for tests)
+
+
+class Observed(Protocol):
+    """What the view reads: a series store (:class:`streamwatch.SeriesSource`) and the statistics of the
+    monitoring that feeds it — a :class:`streamwatch.Watch` has both."""
+
+    @property
+    def store(self) -> SeriesSource:
+        """The latest values."""
+        ...
+
+    def statistics(self) -> WatchStatistics:
+        """How the monitoring is doing."""
+        ...
 
 
 def format_value(value: float | None) -> str:
@@ -154,7 +170,7 @@ def _scalar(samples: Iterable[Sample], name: str, **labels: str) -> float | None
 
 
 class LiveView:
-    """Renders a Watch's latest values as a rich console view, updated in place.
+    """Renders a Watch's latest values (its store, its statistics) as a rich console view.
 
     Sections: a header (``streamwatch demo`` and the ``/metrics`` URL); a progress bar with
     ``step/total`` and steps per second; the latest train loss and accuracy; a per-layer table (the
@@ -163,7 +179,7 @@ class LiveView:
     streamwatch's own health (records dropped, queue, worker lag, overhead per step, hook errors).
     Missing values show ``—``.
 
-    :meth:`render` is pure (it reads ``watch.snapshot()`` and ``watch.statistics()``). As a context
+    :meth:`render` is pure (it reads ``watch.store.samples()`` and ``watch.statistics()``). As a context
     manager the view runs a :class:`rich.live.Live` display; :meth:`update` redraws it at most ~10 times
     per second and the last step passed is always drawn on exit.
 
@@ -183,7 +199,7 @@ class LiveView:
 
     def __init__(
         self,
-        watch: Watch,
+        watch: Observed,
         *,
         total_steps: int,
         url: str | None = None,
@@ -208,7 +224,7 @@ class LiveView:
 
     def render(self, step: int) -> RenderableType:
         """The whole view for ``step`` (steps completed), from the watch's latest values."""
-        samples = self.watch.snapshot()
+        samples = self.watch.store.samples()
         stats = self.watch.statistics()
         step_seconds = _scalar(samples, "streamwatch_step_seconds")
         return Group(

@@ -26,21 +26,21 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from types import TracebackType
+from types import MappingProxyType, TracebackType
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 from prometheus_client import CollectorRegistry
 from torch import nn
 
-from streamwatch import _kernel, ops
+from streamwatch import _kernel
 from streamwatch._channel import OVERFLOW_POLICIES, OverflowPolicy, channel
 from streamwatch._exceptions import Full, PipelineError, SendTimeout
+from streamwatch._families import check_served
 from streamwatch._pipeline import Pipeline, Sink, source
-from streamwatch._record import PendingRecord, Sample, SeriesKey, SlotPool, StepRecord
-from streamwatch._summary import COLUMNS, derive, release_scratch
+from streamwatch._record import PendingRecord, Sample, SlotPool
+from streamwatch._store import SeriesStore, WatchStatistics
+from streamwatch._summary import release_scratch
 from streamwatch._taps import (
     DEFAULT_CADENCE,
     DEFAULT_TAPS,
@@ -54,10 +54,10 @@ from streamwatch._taps import (
 )
 from streamwatch._worker import Worker, seconds_or_forever
 from streamwatch.metrics._base import Binding, Metric
-from streamwatch.metrics._derived import DERIVED
+from streamwatch.metrics._derived import DEFAULT_METRICS, DERIVED
 from streamwatch.sinks._prometheus import DEFAULT_PORT, Exporter
 
-__all__ = ["STATS", "Sample", "Watch", "WatchStatistics", "observe"]
+__all__ = ["DEFAULT_METRICS", "STATS", "Sample", "Watch", "WatchStatistics", "observe"]
 
 STATS = ("dead", "nonfinite")
 """Optional summary statistics: ``dead`` (per-unit activity → dead-unit rate; on by default) and
@@ -67,144 +67,6 @@ flag is reported instead)."""
 _FORWARD_KINDS = ("input", "activation", "output_grad", "input_grad")
 _OBSERVED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _OBSERVED_LOCK = threading.Lock()
-
-
-@dataclass(frozen=True, slots=True)
-class WatchStatistics:
-    """How the monitoring itself is doing.
-
-    Attributes:
-        steps: ``watch.step()`` calls.
-        sampled: steps whose record was sent to the worker.
-        records_received: records the worker turned into step records.
-        dropped_oldest: queued records evicted because the worker fell behind (``overflow="drop_oldest"``).
-        dropped_newest: records discarded at send (``overflow="drop_newest"``).
-        slots_exhausted: CUDA steps dropped because every pinned slot was still in flight.
-        queue_len: records waiting for the worker now; ``queue_high_water`` the most ever waiting.
-        worker_lag_seconds: from the step boundary to the worker having processed the record (latest).
-        skipped: tensors not summarised, by reason (``non_tensor``, ``complex``, ``sparse``, ``empty``, ...).
-        hook_errors: exceptions caught inside hooks or inside ``watch.step()`` (never raised into
-            training; re-raised at close).
-        pipeline_failures: pipelines stopped by an exception.
-        kernel: how CPU tensors are summarised: ``"fused: <library>"`` (one pass, exact non-finite
-            counts) or ``"torch: <why the fused kernel is not used>"``.
-        overhead_seconds: streamwatch's own time on the training thread in the last step (its hooks and
-            ``watch.step()``; torch's dispatch of the hooks is not included): an in-process estimate.
-        overhead_seconds_total: the same, summed over every step.
-        failed_steps: steps whose ``watch.step()`` failed, so they have no record: an argument it refused
-            (the error was raised to the caller) or an error inside streamwatch (warned about, raised
-            again at close). Their rows are dropped, never merged into the next step.
-        stuck_pipelines: the pipeline(s) still running a call that did not return when ``close()`` gave
-            up waiting (``close_timeout``); empty unless it gave up.
-        unflushed_records: records that had not reached every sink when ``close()`` gave up.
-    """
-
-    steps: int
-    sampled: int
-    records_received: int
-    dropped_oldest: int
-    dropped_newest: int
-    slots_exhausted: int
-    queue_len: int
-    queue_high_water: int
-    worker_lag_seconds: float
-    skipped: Mapping[str, int]
-    hook_errors: int
-    pipeline_failures: int
-    kernel: str = ""
-    overhead_seconds: float = 0.0
-    overhead_seconds_total: float = 0.0
-    failed_steps: int = 0
-    stuck_pipelines: tuple[str, ...] = ()
-    unflushed_records: int = 0
-
-
-class _Latest(Sink):
-    """The built-in sink behind ``snapshot()``: the latest row of every series and the latest scalars."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.rows: dict[SeriesKey, np.ndarray] = {}
-        self.extras: dict[tuple[SeriesKey, str], np.ndarray] = {}
-        self.derived: dict[tuple[str, tuple[tuple[str, str], ...]], Sample] = {}  # and user-served series
-        self.scalars: dict[str, float] = {}
-        self.step: int | None = None
-        self.records = 0
-        self.lag = math.nan
-
-    def send(self, item: Any) -> None:
-        record: StepRecord = item
-        with self.lock:
-            for key, row in zip(record.keys, record.table, strict=True):
-                self.rows[key] = row
-            self.extras.update(record.extras)
-            self.scalars.update(record.scalars)
-            self.step = record.step
-            self.records += 1
-            self.lag = time.time() - record.time
-
-    def table(self) -> tuple[np.ndarray, list[SeriesKey]]:
-        """The latest row of every series as one table (``COLUMNS``), and the series' keys."""
-        with self.lock:
-            keys = list(self.rows)
-            table = np.array([self.rows[k] for k in keys]) if keys else np.empty((0, len(COLUMNS)))
-        return table, keys
-
-    def put(self, samples: Iterable[Sample]) -> None:
-        """Latest values of derived or user-served series (replacing those with the same name and labels)."""
-        with self.lock:
-            for sample in samples:
-                self.derived[(sample.name, tuple(sorted(sample.labels.items())))] = sample
-
-    def samples(self, table_rows: bool = True) -> list[Sample]:
-        """Every latest value as a Sample; without ``table_rows``, all but the per-tensor statistics of
-        the summary table (the exporter formats those itself)."""
-        with self.lock:
-            keys = list(self.rows) if table_rows else []
-            table = np.array([self.rows[k] for k in keys]) if keys else np.empty((0, len(COLUMNS)))
-            scalars = dict(self.scalars)
-            extras = dict(self.extras)
-            derived = list(self.derived.values())
-            step = self.step
-        out: list[Sample] = []
-        stats = {name: table[:, i] for i, name in enumerate(COLUMNS)} | derive(table)
-        for i, key in enumerate(keys):
-            labels = key.labels()
-            for stat, values in stats.items():
-                value = float(values[i])
-                if not math.isnan(value):  # absent, never a NaN placeholder
-                    out.append(Sample("streamwatch_tensor", {**labels, "stat": stat}, value))
-        for (key, stat), vector in extras.items():
-            labels = {**key.labels(), "stat": stat}
-            if stat == "histogram":  # bucket counts, in streamwatch.metrics.Buckets order
-                for bucket, count in enumerate(vector):
-                    out.append(
-                        Sample(
-                            "streamwatch_tensor_histogram", {**labels, "bucket": str(bucket)}, float(count)
-                        )
-                    )
-            elif not math.isnan(value := float(vector[0])):
-                out.append(Sample("streamwatch_tensor", labels, value))
-        out.extend(derived)
-        for name, value in scalars.items():
-            out.append(_scalar_sample(name, value))
-        if step is not None:
-            out.append(Sample("streamwatch_step", {}, float(step)))
-        return out
-
-
-def _scalar_sample(name: str, value: float) -> Sample:
-    if name.startswith("part/"):
-        return Sample("streamwatch_step_phase_seconds", {"part": name[5:]}, value)
-    if name.startswith("eval/"):
-        return Sample(f"streamwatch_{name[5:]}", {"phase": "eval"}, value)
-    if name.startswith("lr/"):
-        return Sample("streamwatch_learning_rate", {"group": name[3:]}, value)
-    if name == "total":  # a gauge: "_total" is the suffix of counters (promtool check metrics)
-        return Sample("streamwatch_predictions", {"phase": "train"}, value)
-    if name in ("loss", "accuracy", "correct"):
-        return Sample(f"streamwatch_{name}", {"phase": "train"}, value)
-    return Sample(f"streamwatch_{name}", {}, value)
 
 
 def _on_cpu(model: nn.Module) -> bool:
@@ -313,13 +175,18 @@ class Watch:
             self._closed = False
             self._stream: Any = None
             self._pool: SlotPool | None = None
-            self._latest = _Latest()
+            # everything after the channel reads the store; it runs the worker-side metrics itself
+            self._store = SeriesStore(metrics=derived)
+            self._reported_store_failures = 0
+            edges: dict[str, tuple[float, ...]] = {}
+            for metric in objects:
+                edges.update(metric.edges())
+            self._edges = MappingProxyType(edges)  # carried by every record: rendering needs no metric
             self._tx, rx = channel(capacity, on_drop=_release_dropped)
             self._rx = rx  # the worker's once it starts; closed here only if observe() fails before
-            derived_pipelines = [source() | ops.map(DERIVED[name]) | _Put(self._latest) for name in derived]
             self._worker = Worker(
                 rx,
-                [source() | self._latest, *derived_pipelines, *(source() | sink for sink in sinks)],
+                [source() | self._store, *(source() | sink for sink in sinks)],
                 name="streamwatch-worker",
                 prepare=PendingRecord.resolve,
             )
@@ -476,6 +343,7 @@ class Watch:
             step_scalars=device,
             host_scalars=host,
             nonfinite_counted=self._state.count_nonfinite,
+            edges=self._edges,
             stream=self._stream,
             pool=self._pool,
         )
@@ -542,13 +410,20 @@ class Watch:
 
     def _surface_errors(self) -> None:
         """Warn (once each) about new hook and pipeline errors; they are raised again at close()."""
-        if not self._worker.has_errors and len(self._state.errors) == self._reported_hook_errors:
+        failures = self._store.failures
+        if (
+            not self._worker.has_errors
+            and len(self._state.errors) == self._reported_hook_errors
+            and len(failures) == self._reported_store_failures
+        ):
             return  # the common case, without taking the worker's lock
         new: list[tuple[str, BaseException]] = []
         try:
             self._worker.check()
         except PipelineError as err:
             new.extend(err.errors)
+        new.extend(failures[self._reported_store_failures :])
+        self._reported_store_failures = len(failures)
         hook_errors = self._state.errors
         for exc in hook_errors[self._reported_hook_errors :]:
             new.append(("<tap>", exc))
@@ -611,7 +486,8 @@ class Watch:
             True
         """
         exporter = Exporter(
-            self,
+            self._store,
+            self.statistics,
             port=port,
             host=host,
             registry=registry,
@@ -661,28 +537,48 @@ class Watch:
         The pipeline's items are numbers (one series), or mappings ``{label value: number}`` (one series
         per value, under the label ``series``).
 
+        Raises:
+            ValueError: ``name`` is a built-in family's (``info``, ``tensor``, ``queue_length``,
+                ``steps``, ... — anything streamwatch serves itself), ends in ``_total``, ``_count``,
+                ``_sum`` or ``_bucket``, or is not a metric name; a label is reserved (``le``,
+                ``quantile``, the identity ``run``/``rank``/``local_rank``/``world_size``/``host``, any
+                ``__`` label) or not a label name. The message names the clash.
+            TypeError: a label key or value is not a string.
+
         Example:
             >>> import torch, streamwatch as sw
             >>> from streamwatch import ops
             >>> model = torch.nn.Linear(2, 1)
             >>> with sw.observe(model) as watch:
+            ...     try:
+            ...         watch.serve("queue_length")
+            ...     except ValueError as err:
+            ...         print(str(err).split(':')[0])
             ...     _ = watch.pipe(sw.source() | ops.map(lambda r: r.step * 10.0) | watch.serve("tenfold"))
             ...     watch.step(); watch.step()
+            Expected `name` not to be a built-in family's, got 'queue_length'
             >>> [s.value for s in watch.snapshot() if s.name == "streamwatch_tenfold"]
             [10.0]
         """
-        if not isinstance(name, str) or not name.replace("_", "a").isalnum() or name[:1].isdigit():
-            raise ValueError(f"Expected `name` to be a metric name of letters, digits and _, got {name!r}")
-        return _Served(self._latest, f"streamwatch_{name}", dict(labels or {}))
+        full, checked = check_served(name, labels)
+        return _Served(self._store, full, checked)
+
+    @property
+    def store(self) -> SeriesStore:
+        """The :class:`streamwatch.SeriesStore` the worker feeds: the latest value of every series, read
+        through its protocol (``samples()``, ``table()``, ``edges``, ``step``, ``version()``) by
+        :meth:`snapshot`, :meth:`expose` and the console view."""
+        return self._store
 
     def snapshot(self) -> list[Sample]:
-        """The latest value of every series (the data ``/metrics`` serves). Thread-safe.
+        """The latest value of every series (the data ``/metrics`` serves): ``watch.store.samples()``.
+        Thread-safe.
 
         Tensor statistics are one family, ``streamwatch_tensor``, labelled ``phase``, ``layer``, ``kind``,
         ``param`` (parameter kinds), ``index`` (leaf of a tuple/dict output) and ``stat``. Series whose
         value is unknown (e.g. dead units of a weight) are absent, never NaN.
         """
-        return self._latest.samples()
+        return self._store.samples()
 
     def statistics(self) -> WatchStatistics:
         """Steps seen and sampled, records sent and dropped by reason, worker lag, skips, errors."""
@@ -691,16 +587,16 @@ class Watch:
         return WatchStatistics(
             steps=self._step,
             sampled=self._sampled,
-            records_received=self._latest.records,
+            records_received=self._store.records,
             dropped_oldest=channel_stats.dropped_oldest,
             dropped_newest=channel_stats.dropped_newest,
             slots_exhausted=self._pool.exhausted if self._pool is not None else 0,
             queue_len=channel_stats.len,
             queue_high_water=channel_stats.high_water,
-            worker_lag_seconds=self._latest.lag,
+            worker_lag_seconds=self._store.lag,
             skipped=dict(self._state.skipped),
             hook_errors=self._state.hook_errors,
-            pipeline_failures=worker_stats.failed,
+            pipeline_failures=worker_stats.failed + len(self._store.failures),
             kernel=self._kernel_status,
             overhead_seconds=self._overhead,
             overhead_seconds_total=self._overhead_total,
@@ -763,6 +659,8 @@ class Watch:
             self._give_up(wait or math.inf)  # a TimeoutError means wait was a number
         for exc in self._state.errors[self._reported_hook_errors :]:
             self._errors.append(("<tap>", exc))
+        self._errors.extend(self._store.failures[self._reported_store_failures :])
+        self._reported_store_failures = len(self._store.failures)
         if self._errors:
             errors, self._errors = self._errors, []
             raise PipelineError(errors) from errors[0][1]
@@ -828,10 +726,10 @@ class _Preparing:
 
 
 class _Served(Sink):
-    """The sink :meth:`Watch.serve` returns."""
+    """The sink :meth:`Watch.serve` returns: its items become the store's latest values."""
 
-    def __init__(self, latest: _Latest, name: str, labels: dict[str, str]) -> None:
-        self.latest, self.name, self.labels = latest, name, labels
+    def __init__(self, store: SeriesStore, name: str, labels: dict[str, str]) -> None:
+        self.store, self.name, self.labels = store, name, labels
 
     def send(self, item: Any) -> None:
         if isinstance(item, Mapping):
@@ -840,21 +738,7 @@ class _Served(Sink):
             ]
         else:
             samples = [Sample(self.name, self.labels, float(item))]
-        self.latest.put(samples)
-
-
-class _Put(Sink):
-    """The sink of a derived metric's pipeline: its samples become latest values."""
-
-    def __init__(self, latest: _Latest) -> None:
-        self.latest = latest
-
-    def send(self, item: Any) -> None:
-        self.latest.put(item)
-
-
-DEFAULT_METRICS = ("update_ratio", "layer_mean")
-"""Worker-side metrics on by default (numpy over each record's table: no training-thread cost)."""
+        self.store.put(samples)
 
 
 def _names(value: object, name: str, allowed: tuple[str, ...]) -> frozenset[str]:

@@ -88,6 +88,9 @@ class StepRecord:
             ``part/optimizer``).
         extras: values of opt-in tensor metrics, by ``(key, stat)``: a float64 vector (length 1 for a
             scalar such as ``spectral_norm`` or ``cosine``; the bucket counts for ``histogram``).
+        edges: what it takes to render the extras without the metric objects: the ``histogram``
+            buckets' upper bounds (Prometheus ``le``, ascending, the last ``inf``) by tap kind, aligned
+            with the counts after the non-finite bucket. The same mapping for every record of a run.
 
     Example:
         >>> import numpy as np
@@ -104,6 +107,7 @@ class StepRecord:
     table: np.ndarray
     scalars: Mapping[str, float] = field(default_factory=dict)
     extras: Mapping[tuple[SeriesKey, str], np.ndarray] = field(default_factory=dict)
+    edges: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
 
     def column(self, name: str) -> np.ndarray:
         """One column of :attr:`table` by name (see ``streamwatch._summary.COLUMNS``)."""
@@ -189,6 +193,7 @@ class PendingRecord:
     host_scalars: dict[str, float]
     data: torch.Tensor  # flat: device rows x 5 (6) stats, step scalars, then per-unit counts per unit-row
     nonfinite_counted: bool  # exact non-finite counts asked for (fused rows always have them; else a flag)
+    edges: Mapping[str, tuple[float, ...]] = field(default_factory=dict)  # StepRecord.edges
     event: Any = None  # torch.cuda.Event on CUDA
     release: Callable[[], None] | None = None  # gives the pinned slot back to its pool
 
@@ -251,7 +256,7 @@ class PendingRecord:
             value.setflags(write=False)
             extras[extra] = value
             start += length
-        return StepRecord(self.step, self.time, self.rank, keys, table, scalars, extras)  # type: ignore[arg-type]
+        return StepRecord(self.step, self.time, self.rank, keys, table, scalars, extras, self.edges)  # type: ignore[arg-type]
 
 
 class StepBuffer:
@@ -444,6 +449,7 @@ class StepBuffer:
         step_scalars: Mapping[str, torch.Tensor],
         host_scalars: dict[str, float],
         nonfinite_counted: bool,
+        edges: Mapping[str, tuple[float, ...]] | None = None,
         stream: Any = None,
         pool: SlotPool | None = None,
     ) -> PendingRecord | None:
@@ -528,6 +534,7 @@ class StepBuffer:
             host_scalars=host_scalars,
             data=data,
             nonfinite_counted=nonfinite_counted,
+            edges=edges if edges is not None else {},
             event=event,
             release=release,
         )

@@ -1,12 +1,15 @@
 """Replay a recorded run on ``/metrics``, so Prometheus and Grafana dashboards work after the fact.
 
-A :class:`Replay` feeds the run's step records, one at a time at ``speed`` steps per second, into the
-same "latest values" sink a live :class:`streamwatch.Watch` keeps, and serves it with the live exporter's
-collector: the families, names and labels are those the exporter would have served at that record
-(``streamwatch_tensor``, ``streamwatch_loss``, ``streamwatch_step``, ...), with the identity labels
-``run`` (``run=``, else the run file's directory name), ``rank`` (the records'), ``local_rank``,
-``world_size`` and ``host``. The monitoring's own counters (records dropped, queue length, ...) report the
-replay: records replayed so far, nothing dropped.
+A :class:`Replay` feeds the run's step records, one at a time at ``speed`` steps per second, into a
+:class:`streamwatch.SeriesStore` — the store a live :class:`streamwatch.Watch` keeps, running the same
+worker-side metrics (``update_ratio``, ``layer_mean``), with the histogram edges the run file carries —
+and serves it through the live exporter's collector and server (:class:`StoreCollector`,
+:class:`streamwatch.sinks._http.MetricsServer`). So the families, names, labels and values are those the
+live exporter served at that record (``streamwatch_tensor``, ``streamwatch_tensor_values``,
+``streamwatch_layer_mean``, ``streamwatch_loss``, ...), with the identity labels ``run`` (``run=``,
+else the run file's directory name), ``rank`` (the records'), ``local_rank``, ``world_size`` and
+``host``. The monitoring's own counters (records dropped, queue length, ...) report the replay: records
+replayed so far, nothing dropped.
 
 Looping never spins a core: a pass through the records, with the pause before the next one, lasts at
 least :data:`MIN_PASS_SECONDS`; with ``speed=0`` there is no timeline to repeat, so the last record is
@@ -20,14 +23,17 @@ import errno
 import math
 import threading
 import time
+from collections.abc import Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from streamwatch._observe import WatchStatistics, _Latest
-from streamwatch._record import Sample
-from streamwatch.sinks._prometheus import _Collector, _render_app, identity
+from streamwatch._store import SeriesStore, WatchStatistics
+from streamwatch.metrics._derived import DEFAULT_METRICS
+from streamwatch.sinks._http import MetricsServer, listen
+from streamwatch.sinks._prometheus import DEFAULT_TIMEOUT, StoreCollector, identity
 
 if TYPE_CHECKING:
+    from streamwatch._record import StepRecord
     from streamwatch.sinks._runfile import RunData
 
 __all__ = ["MIN_PASS_SECONDS", "Replay"]
@@ -36,35 +42,6 @@ MIN_PASS_SECONDS = 1.0
 """With ``loop=True``, the shortest a pass through the records (and the pause after it) may take."""
 
 _MAX_WAIT = 3600.0  # Event.wait overflows for huge timeouts: wait in pieces this long at most
-
-
-class _ReplayWatch:
-    """The part of a Watch the exporter's collector reads: ``_latest``, ``snapshot()``, ``statistics()``."""
-
-    def __init__(self) -> None:
-        self._latest = _Latest()
-        self._metrics: tuple[Any, ...] = ()
-
-    def snapshot(self) -> list[Sample]:
-        return self._latest.samples()
-
-    def statistics(self) -> WatchStatistics:
-        n = self._latest.records
-        return WatchStatistics(
-            steps=n,
-            sampled=n,
-            records_received=n,
-            dropped_oldest=0,
-            dropped_newest=0,
-            slots_exhausted=0,
-            queue_len=0,
-            queue_high_water=0,
-            worker_lag_seconds=math.nan,
-            skipped={},
-            hook_errors=0,
-            pipeline_failures=0,
-            kernel="replay",
-        )
 
 
 class Replay:
@@ -81,6 +58,8 @@ class Replay:
             :meth:`close` (and :meth:`wait_until_done` waits until then, as for any loop).
         run_name: the ``run`` label (default: the name of the run file's directory).
         series_budget: as for :meth:`streamwatch.Watch.expose`.
+        metrics: the worker-side metrics the store runs on the records (default
+            ``streamwatch.DEFAULT_METRICS``, as ``observe()``).
 
     Raises:
         ValueError: a bad argument.
@@ -103,6 +82,7 @@ class Replay:
         loop: bool = False,
         run_name: str | None = None,
         series_budget: int = 5000,
+        metrics: Sequence[str] = DEFAULT_METRICS,
     ) -> None:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
             raise ValueError(f"Expected `port` to be an int in [0, 65535], got {port!r}")
@@ -126,9 +106,11 @@ class Replay:
         if run.records:
             labels["rank"] = str(run.records[0].rank)
         self.labels = labels
-        self._watch = _ReplayWatch()
-        self._collector = _Collector(self._watch, labels, series_budget)  # type: ignore[arg-type]
-        self._server: Any = None
+        self._metrics = tuple(metrics)
+        self._store = SeriesStore(self._metrics)
+        self._served = 0  # records served, over every pass
+        self._collector = StoreCollector(self._store, self.statistics, labels, series_budget)
+        self._server: MetricsServer | None = None
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._done = threading.Event()
@@ -139,7 +121,17 @@ class Replay:
     @property
     def current_step(self) -> int | None:
         """The step of the record served now (None before the first)."""
-        return self._watch._latest.step
+        return self._store.step
+
+    @property
+    def store(self) -> SeriesStore:
+        """The series store served now (a fresh one each pass of a loop)."""
+        return self._store
+
+    def statistics(self) -> WatchStatistics:
+        """The replay's own statistics, served as the monitoring's: records replayed so far (over every
+        pass of a loop), nothing dropped or queued."""
+        return WatchStatistics.replayed(self._served)
 
     def start(self) -> Replay:
         """Start serving (an HTTP server thread) and stepping (a thread advancing through the records).
@@ -158,18 +150,8 @@ class Replay:
         return self
 
     def _serve(self) -> None:
-        from wsgiref.simple_server import make_server
-
-        from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
-
         try:
-            self._server = make_server(
-                self.host,
-                self.port,
-                _render_app(self._collector),
-                ThreadingWSGIServer,
-                handler_class=_SilentHandler,
-            )
+            sock = listen(self.host, self.port, MetricsServer.backlog)
         except OSError as err:
             if err.errno == errno.EADDRINUSE:
                 raise OSError(
@@ -179,13 +161,15 @@ class Replay:
                     "holds it",
                 ) from err
             raise
-        self.port = self._server.server_address[1]
+        self.port = sock.getsockname()[1]
         self.url = f"http://{self.host}:{self.port}/metrics"
-        server = threading.Thread(
-            target=self._server.serve_forever, name="streamwatch-replay-metrics", daemon=True
+        self._server = MetricsServer(
+            sock,
+            self._collector.render,
+            self._collector.version,
+            timeout=DEFAULT_TIMEOUT,
+            name="streamwatch-replay-metrics",
         )
-        self._threads.append(server)
-        server.start()
 
     def _wait_until(self, deadline: float) -> bool:
         """Sleep until ``time.monotonic()`` reaches ``deadline`` (which may be inf); True if stopped."""
@@ -196,18 +180,17 @@ class Replay:
 
     def _step_through(self) -> None:
         records = self.run.records
-        latest = self._watch._latest
         try:
             while not self._stop.is_set():
                 start = time.monotonic()
                 if self.speed == 0:
                     for record in records:
-                        latest.send(record)
+                        self._send(record)
                 else:
                     for i, record in enumerate(records):
                         if self._wait_until(start + i / self.speed):
                             return
-                        latest.send(record)
+                        self._send(record)
                 if not self.loop:
                     return
                 if self.speed == 0 or not records:  # nothing to repeat: serve this state until close()
@@ -216,11 +199,14 @@ class Replay:
                 pause = start + max(len(records) / self.speed, MIN_PASS_SECONDS)
                 if self._wait_until(pause):
                     return
-                fresh = _Latest()  # start over: the first record's values, not the last run's
-                fresh.records = latest.records
-                self._watch._latest = latest = fresh
+                # start over: the first record's values, not the last pass's
+                self._store = self._collector.store = SeriesStore(self._metrics)
         finally:
             self._done.set()
+
+    def _send(self, record: StepRecord) -> None:
+        self._store.send(record)
+        self._served += 1
 
     def wait_until_done(self, timeout: float | None = None) -> bool:
         """Wait until the last record is served (never, with ``loop=True``, until :meth:`close`).
@@ -235,11 +221,10 @@ class Replay:
         with self._lock:
             self._closed = True
             self._stop.set()
-            if self._server is not None:
-                self._server.shutdown()
-                self._server.server_close()
-                self._server = None
+            server, self._server = self._server, None
             threads, self._threads = self._threads, []
+        if server is not None:
+            server.close()
         for thread in threads:
             thread.join(timeout=5)
 

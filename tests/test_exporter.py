@@ -24,6 +24,7 @@ from torch import nn
 
 import streamwatch as sw
 from streamwatch import SeriesKey
+from tests.promtool import check_metrics
 
 IDENTITY = ("run", "rank", "local_rank", "world_size", "host")
 
@@ -189,14 +190,17 @@ def test_the_series_budget_reduces_to_core_statistics_then_to_aggregates(
         snapshot = [s for s in watch.snapshot() if s.name == "streamwatch_tensor"]
         rows = {tuple(sorted((k, v) for k, v in s.labels.items() if k != "stat")) for s in snapshot}
         core = sw.sinks.Exporter(
-            watch, serve=False, series_budget=len(rows) * len(sw.sinks._prometheus.CORE_STATS)
+            watch.store,
+            watch.statistics,
+            serve=False,
+            series_budget=len(rows) * len(sw.sinks._prometheus.CORE_STATS),
         )
-        tight = sw.sinks.Exporter(watch, serve=False, series_budget=20)
+        tight = sw.sinks.Exporter(watch.store, watch.statistics, serve=False, series_budget=20)
         with caplog.at_level(logging.WARNING, logger="streamwatch"):
             core_text = generate_latest(core.registry).decode()
             tight_text = generate_latest(tight.registry).decode()
             generate_latest(tight.registry)
-        table, keys = watch._latest.table()
+        table, keys = watch.store.table()
     core_stats = {
         s.labels["stat"]
         for f in text_string_to_metric_families(core_text)
@@ -311,3 +315,96 @@ def test_the_fast_formatter_serves_exactly_what_prometheus_client_would() -> Non
     assert fast_samples == reference_samples
     assert sum(1 for name, _ in fast_samples if name == "streamwatch_tensor") > 100
     assert fast_body.count("# TYPE streamwatch_tensor gauge") == 1  # one contiguous family
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("info", r"^Expected `name` not to be a built-in family's, got 'info': streamwatch_info is served"),
+        ("queue_length", r"got 'queue_length': streamwatch_queue_length is served by streamwatch itself"),
+        ("steps", r"got 'steps': streamwatch_steps is served"),
+        ("tensor", r"got 'tensor': streamwatch_tensor is served"),
+        ("tensor_values", r"got 'tensor_values': streamwatch_tensor_values is served"),
+        ("tensor_histogram", r"got 'tensor_histogram': streamwatch_tensor_histogram is served"),
+        ("loss", r"got 'loss': streamwatch_loss is served"),
+        ("layer_mean", r"got 'layer_mean': streamwatch_layer_mean is served"),
+        ("hits_total", r"^Expected `name` not to end in _total, _count, _sum, _bucket .*got 'hits_total'$"),
+        ("latency_count", r"not to end in .*got 'latency_count'$"),
+        ("latency_sum", r"not to end in .*got 'latency_sum'$"),
+        ("latency_bucket", r"not to end in .*got 'latency_bucket'$"),
+        ("bad-name", r"^Expected `name` to be a metric name of letters, digits and _, got 'bad-name'$"),
+        ("", r"got ''$"),
+        ("a:b", r"got 'a:b'$"),
+    ],
+)
+def test_serve_refuses_names_that_would_corrupt_the_exposition(name: str, message: str) -> None:
+    with sw.observe(_model()[0]) as watch, pytest.raises(ValueError, match=message):
+        watch.serve(name)
+
+
+@pytest.mark.parametrize(
+    ("labels", "error", "message"),
+    [
+        ({"le": "1"}, ValueError, r"^Expected `labels` not to use the reserved label 'le'"),
+        ({"quantile": "0.5"}, ValueError, r"reserved label 'quantile'"),
+        ({"run": "x"}, ValueError, r"reserved label 'run'"),
+        ({"rank": "0"}, ValueError, r"reserved label 'rank'"),
+        ({"local_rank": "0"}, ValueError, r"reserved label 'local_rank'"),
+        ({"world_size": "1"}, ValueError, r"reserved label 'world_size'"),
+        ({"host": "h"}, ValueError, r"reserved label 'host'"),
+        (
+            {"__name__": "x"},
+            ValueError,
+            r"^Expected `labels` to have Prometheus label names .*got '__name__'$",
+        ),
+        ({"bad-label": "x"}, ValueError, r"got 'bad-label'$"),
+        ({1: "x"}, TypeError, r"^Expected `labels` to map str to str, got 1: 'x'$"),
+        ({"model": 1}, TypeError, r"^Expected `labels` to map str to str, got 'model': 1$"),
+        (["model"], TypeError, r"^Expected `labels` to be a mapping of str to str \(or None\)"),
+    ],
+    ids=lambda v: repr(v) if isinstance(v, dict | list) else "",
+)
+def test_serve_refuses_reserved_and_malformed_labels(
+    labels: Any, error: type[Exception], message: str
+) -> None:
+    with sw.observe(_model()[0]) as watch, pytest.raises(error, match=message):
+        watch.serve("tenfold", labels)
+
+
+def _served_run(**expose: Any) -> tuple[str, sw.Watch]:
+    """A run with a histogram and a served family, scraped through ``expose(**expose)``."""
+    model, opt = _model()
+    registry = expose.pop("registry", None)
+    metrics = [*sw.DEFAULT_METRICS, sw.metrics.Histogram(kinds=("param_grad",))]
+    with sw.observe(model, opt, metrics=metrics, cadence={"param": 1, "update": 1}) as watch:
+        pipe = sw.source() | sw.ops.map(lambda r: {"a": r.step, "b": 2.0})
+        watch.pipe(pipe | watch.serve("custom_ratio", {"model": "mlp"}))
+        if registry is None and "series_budget" not in expose:
+            exporter = watch.expose(port=0, **expose)
+            _train(watch, model, opt)
+            body = urllib.request.urlopen(exporter.url, timeout=10).read().decode()
+        else:
+            exporter = sw.sinks.Exporter(
+                watch.store, watch.statistics, serve=False, registry=registry, **expose
+            )
+            _train(watch, model, opt)
+            body = generate_latest(exporter.registry).decode()
+            exporter.close()
+    return body, watch
+
+
+@pytest.mark.parametrize(
+    "route",
+    [{}, {"registry": CollectorRegistry()}, {"series_budget": 150}, {"series_budget": 10}],
+    ids=["expose", "caller registry", "budget: core statistics", "budget: aggregates"],
+)
+def test_promtool_accepts_every_route(route: dict[str, Any]) -> None:
+    body, _ = _served_run(**route)
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    served = families["streamwatch_custom_ratio"]
+    assert served.type == "gauge"
+    assert {s.labels["series"]: s.labels["model"] for s in served.samples} == {"a": "mlp", "b": "mlp"}
+    assert families["streamwatch_tensor_values"].type == "histogram"
+    assert families["streamwatch_steps"].type == "counter"
+    assert body.count("# HELP ") == len(families)  # one HELP per family, never a second one
+    check_metrics(body)

@@ -150,10 +150,10 @@ def test_loop_with_nothing_to_repeat_serves_until_close_without_spinning(
         run = read_run(path)
     with Replay(run, port=0, speed=0, loop=True) as replay:
         time.sleep(0.3)
-        records = replay._watch.statistics().records_received
+        records = replay.statistics().records_received
         assert records == len(run.records)  # one pass, not one per spin
         time.sleep(0.3)
-        assert replay._watch.statistics().records_received == records
+        assert replay.statistics().records_received == records
         assert replay.current_step == (None if empty else STEPS - 1)
         assert not replay.wait_until_done(timeout=0)
         assert "streamwatch_info" in {n for n, _ in _scrape(replay.url)}
@@ -167,7 +167,7 @@ def test_a_fast_loop_pauses_between_passes(run: RunData) -> None:
 
     with Replay(run, port=0, speed=1e9, loop=True) as replay:
         time.sleep(0.5)
-        passes = replay._watch.statistics().records_received / STEPS
+        passes = replay.statistics().records_received / STEPS
     assert passes <= 0.5 / MIN_PASS_SECONDS + 1
 
 

@@ -286,6 +286,14 @@ def test_a_corrupt_middle_line_names_the_line(trained: tuple[Path, list[StepReco
         (b'{"format": "other", "version": 1}\n', "header format 'other'"),
         (b'{"format": "streamwatch-run", "version": 2, "columns": []}\n', "unsupported run file version 2"),
         (b'{"step": 0, "time": 0, "rank": 0, "rows": [], "scalars": {}}\n', "header format None"),
+        (
+            b'{"format": "streamwatch-run", "version": 1, "columns": [], "edges": [1, 2]}\n',
+            "'edges' must be an object of tap kind -> list of bounds",
+        ),
+        (
+            b'{"format": "streamwatch-run", "version": 1, "columns": [], "edges": {"param": [1, "x"]}}\n',
+            "expected a number or 'nan'/'inf'/'-inf', got 'x'",
+        ),
     ],
 )
 def test_a_bad_header_is_an_error(tmp_path: Path, content: bytes, message: str) -> None:

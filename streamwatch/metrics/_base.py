@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -200,6 +200,11 @@ class Metric:
     def on_step(self, buffer: StepBuffer, device_scalars: dict[str, torch.Tensor]) -> None:
         """In ``watch.step()``, before the record is sealed; step-level values go into ``device_scalars``
         (0-d tensors, read on the worker)."""
+
+    def edges(self) -> Mapping[str, tuple[float, ...]]:
+        """What rendering its values takes besides the values (carried by every record as
+        :attr:`streamwatch.StepRecord.edges`): a histogram's bucket upper bounds by tap kind."""
+        return {}
 
     @property
     def requires_optimizer(self) -> bool:

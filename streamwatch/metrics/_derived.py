@@ -1,6 +1,7 @@
 """Metrics derived on the worker from whole step records: pure numpy over a record's table, no torch,
-nothing on the training thread. Each is a function ``StepRecord -> list[Sample]``, run as a pipeline
-``source() | ops.map(fn) | <the latest-values sink>`` and named in ``observe(metrics=...)``.
+nothing on the training thread. Each is a function ``StepRecord -> list[Sample]``, named in
+``observe(metrics=...)`` and run on every record by the series store (``streamwatch.SeriesStore``), so a
+replayed run file gets them too.
 
 * ``update_ratio`` — per parameter, ‖Δw‖ / ‖w‖ = √(Σ update²) / √(Σ weight²), from the ``update`` and
   ``param`` rows of the same step (the two kinds share their cadence, so they come aligned by step);
@@ -16,9 +17,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from streamwatch._families import LAYER_MEAN, TENSOR
 from streamwatch._record import Sample, SeriesKey, StepRecord
 
-__all__ = ["DERIVED", "layer_mean", "update_ratio"]
+__all__ = ["DEFAULT_METRICS", "DERIVED", "layer_mean", "update_ratio"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -54,9 +56,7 @@ def update_ratio(record: StepRecord) -> list[Sample]:
     with np.errstate(divide="ignore", invalid="ignore"):
         ratios = np.sqrt(sumsq[updates] / sumsq[params])
     # 0/0 (an empty or all-zero weight): absent, never NaN
-    return [
-        Sample("streamwatch_tensor", lab, float(r)) for lab, r in zip(labels, ratios, strict=True) if r == r
-    ]
+    return [Sample(TENSOR.name, lab, float(r)) for lab, r in zip(labels, ratios, strict=True) if r == r]
 
 
 _LAYER_MEAN_STATS = ("mean", "l2", "rms")
@@ -98,9 +98,7 @@ def layer_mean(record: StepRecord) -> list[Sample]:
             for (phase, kind), m in zip(groups, means, strict=True):
                 if m == m:  # no known layer, or +inf and -inf: absent
                     out.append(
-                        Sample(
-                            "streamwatch_layer_mean", {"phase": phase, "kind": kind, "stat": name}, float(m)
-                        )
+                        Sample(LAYER_MEAN.name, {"phase": phase, "kind": kind, "stat": name}, float(m))
                     )
     return out
 
@@ -110,3 +108,7 @@ DERIVED: dict[str, Callable[[StepRecord], list[Sample]]] = {
     "layer_mean": layer_mean,
 }
 """Worker-side metrics by the name ``observe(metrics=...)`` takes."""
+
+DEFAULT_METRICS = ("update_ratio", "layer_mean")
+"""Worker-side metrics on by default (numpy over each record's table: no training-thread cost); the
+series store (``streamwatch.SeriesStore``) runs them on every record, live and replayed."""

@@ -12,7 +12,7 @@ one copy of the weights on the two steps around a sampled one, and the previous 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -231,6 +231,16 @@ class Histogram(Metric):
 
     def on_tensor(self, buffer: StepBuffer, key: SeriesKey, x: torch.Tensor) -> None:
         buffer.add_extra(key, self.name, histogram(x, self.buckets))
+
+    def edges(self) -> Mapping[str, tuple[float, ...]]:
+        """The buckets' upper bounds for each kind it reads (``Buckets.upper_bounds()``).
+
+        Example:
+            >>> Histogram(kinds=("activation",), buckets=Buckets(lo=0, hi=1, per_decade=1)).edges()
+            {'activation': (-10.0, -1.0, -5e-324, 0.0, 1.0, 10.0, inf)}
+        """
+        bounds = tuple(self.buckets.upper_bounds())
+        return dict.fromkeys(self.kinds, bounds)
 
 
 class PNorm(Metric):

@@ -1,29 +1,36 @@
-"""The Prometheus exporter: a custom ``Collector`` over a Watch's latest values, served per process.
+"""The Prometheus exporter: a ``Collector`` over a series store's latest values, served per process.
 
-Nothing here runs on the training thread or keeps a ``Gauge`` per series: at each scrape, the collector
-reads ``watch.snapshot()`` (the worker's latest values, under one lock) and ``watch.statistics()`` and
-builds the metric families then, so the hot path pays nothing for Prometheus and a scrape costs one pass
-over the series.
+Nothing here runs on the training thread or keeps a ``Gauge`` per series: at each scrape the collector
+reads a :class:`streamwatch.SeriesStore` through its read protocol (:class:`streamwatch._store.SeriesSource`:
+``table()``, ``samples()``, ``edges``, ``version()``) and a statistics callable (``watch.statistics``,
+or a replay's), and builds the families then, so the hot path pays nothing for Prometheus and a scrape
+costs one pass over the series. It knows nothing of a Watch: ``watch.expose()`` hands it the watch's
+store and statistics, ``streamwatch replay`` a store fed from a run file.
 
-Naming (docs/prometheus.md has the full table): namespace ``streamwatch_``, base units,
-counters end in ``_total``; every series carries the process identity ``run``, ``rank``, ``local_rank``,
-``world_size`` and ``host`` (Prometheus adds ``job`` and ``instance`` from the scrape config), and
-``streamwatch_info`` holds the same identity with value 1 for dashboard variables. Sums of squares and
-counts are exported beside norms (``stat="sumsq"``, ``stat="count"``), so a global norm across layers,
-shards or ranks is exact in PromQL: ``sqrt(sum by (run) (streamwatch_tensor{kind="param_grad",
-stat="sumsq"}))``.
+**One render path.** Every route — ``watch.expose()``'s endpoint, a caller-supplied registry, a scrape
+over the series budget, replay — goes through :meth:`StoreCollector.exposition`: one list of families,
+each one of ``streamwatch._families.FAMILIES`` (names, types, help and labels live there and nowhere
+else) or a family served with ``watch.serve()``. :meth:`StoreCollector.render` writes it as the text
+format (the per-tensor statistics from cached label strings: ~1 µs a sample); :meth:`StoreCollector.collect`
+hands the same families to prometheus_client's registry. Floats are written as Go (and prometheus_client)
+write them: ``+Inf``, ``-Inf``, ``NaN``, else the shortest round-trip repr (:func:`format_float`).
+
+Naming (docs/prometheus.md has the full table): namespace ``streamwatch_``, base units, counters end in
+``_total``; every series carries the process identity ``run``, ``rank``, ``local_rank``, ``world_size``
+and ``host`` (Prometheus adds ``job`` and ``instance``), and ``streamwatch_info`` holds the same identity
+with value 1 for dashboard variables. Sums of squares and counts are exported beside norms
+(``stat="sumsq"``, ``stat="count"``), so a global norm across layers, shards or ranks is exact in PromQL:
+``sqrt(sum by (run) (streamwatch_tensor{kind="param_grad", stat="sumsq"}))``.
 
 **Series budget**: past ``series_budget`` (default 5 000) ``streamwatch_tensor`` series per process, the
-per-layer statistics are reduced to :data:`CORE_STATS` (norms, sums of squares, counts, mean, extremes,
-non-finite counts, dead fraction); if that is still too many, the per-layer series are replaced by one
-aggregate per (phase, kind) with ``layer="__all__"`` (sums of the additive columns, min of minima, max of
-maxima, statistics derived from those). A warning is logged once and ``streamwatch_series_reduced_total``
-counts the scrapes that had to reduce.
+per-layer statistics are reduced to :data:`CORE_STATS`; if that is still too many, the per-layer series
+are replaced by one aggregate per (phase, kind) with ``layer="__all__"`` (sums of the additive columns,
+min of minima, max of maxima, statistics derived from those). A warning is logged once and
+``streamwatch_series_reduced_total`` counts the scrapes that had to reduce.
 
 **The server** is :class:`streamwatch.sinks._http.MetricsServer` (two threads whatever the load,
 bounded connections and timeouts, one render per version of the values). Every family passes
-``promtool check metrics`` (the accuracy's denominator is the gauge
-``streamwatch_predictions``: ``_total`` is for counters).
+``promtool check metrics``.
 """
 
 from __future__ import annotations
@@ -34,29 +41,41 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    InfoMetricFamily,
-)
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString as _float_to_go
 
-from streamwatch._record import Sample
+from streamwatch._families import (
+    DATA_FAMILIES,
+    HISTOGRAM_SAMPLE,
+    IDENTITY,
+    INFO,
+    SELF_FAMILIES,
+    TENSOR,
+    TENSOR_VALUES,
+    Family,
+    served_family,
+)
+from streamwatch._record import Sample, SeriesKey
+from streamwatch._store import SeriesSource, StatisticsSource, WatchStatistics
 from streamwatch._summary import COLUMNS, derive
 from streamwatch.sinks._http import MetricsServer, listen
 
-if TYPE_CHECKING:
-    from streamwatch._observe import Watch
-
-__all__ = ["CORE_STATS", "DEFAULT_PORT", "DEFAULT_TIMEOUT", "Exporter", "identity"]
+__all__ = [
+    "CORE_STATS",
+    "DEFAULT_PORT",
+    "DEFAULT_TIMEOUT",
+    "Exporter",
+    "StoreCollector",
+    "format_float",
+    "identity",
+]
 
 log = logging.getLogger("streamwatch")
 
@@ -69,24 +88,6 @@ connection is closed (``expose(timeout=...)``)."""
 
 CORE_STATS = ("count", "sumsq", "l2", "mean", "min", "max", "nonfinite", "dead_fraction")
 """The statistics kept per layer when the series budget is exceeded."""
-
-_IDENTITY = ("run", "rank", "local_rank", "world_size", "host")
-
-_HELP = {
-    "streamwatch_tensor": "Statistics of a tapped tensor (stat: count, sum, sumsq, min, max, l2, ...)",
-    "streamwatch_layer_mean": "Mean over layers of a per-layer statistic, per phase and kind",
-    "streamwatch_loss": "The step's loss",
-    "streamwatch_accuracy": "Accuracy (ratio): train from the step's outputs, eval from the evaluation",
-    "streamwatch_learning_rate": "Learning rate of a parameter group",
-    "streamwatch_step_seconds": "Wall time of the last step (seconds)",
-    "streamwatch_samples_per_second": "Training throughput of the last step (samples per second)",
-    "streamwatch_batch_size": "Samples in the last step",
-    "streamwatch_step": "Index of the last step processed by the worker",
-    "streamwatch_correct": "Correct predictions in the last step",
-    "streamwatch_predictions": "Predictions in the last step (the denominator of the train accuracy)",
-    "streamwatch_hessian_max_eig": "Largest-magnitude eigenvalue of the loss Hessian",
-    "streamwatch_step_phase_seconds": "Host wall time of a part of the last sampled step (seconds)",
-}
 
 
 def identity(run: str | None = None) -> dict[str, str]:
@@ -109,269 +110,27 @@ def identity(run: str | None = None) -> dict[str, str]:
     }
 
 
-class _Collector(Collector):
-    """Builds every family at scrape time from the Watch's latest values and statistics."""
+def format_float(value: float) -> str:
+    """A sample value as Prometheus' text format (Go, and prometheus_client) writes it.
 
-    def __init__(self, watch: Watch, labels: dict[str, str], series_budget: int) -> None:
-        self.watch = watch
-        self.identity = labels
-        self.series_budget = series_budget
-        self.reductions = 0
-        self._warned = False
-        self._lock = threading.RLock()
-        self._prefixes: dict[tuple[Any, str], str] = {}  # (series key, stat) -> 'name{labels}'
-
-    def collect(self) -> Iterator[Any]:
-        with self._lock:  # concurrent scrapes: one at a time (the reduction counter)
-            yield from self._collect()
-
-    def version(self) -> object:
-        """A value that changes whenever :meth:`render` would render something else: the latest values'
-        record count and step, the derived and served values, and the watch's statistics (steps, queue,
-        overhead, ...). Cheap: no formatting, one short lock."""
-        latest = self.watch._latest
-        with latest.lock:
-            values = (
-                id(latest),
-                latest.records,
-                latest.step,
-                len(latest.rows),
-                len(latest.extras),
-                tuple(s.value for s in latest.derived.values()),
-            )
-        return values, self.watch.statistics()
-
-    def render(self) -> bytes:
-        """The text exposition of every family, the per-tensor statistics formatted here from cached
-        label strings (prometheus_client formats ~15 µs per sample on a small VM; this ~1 µs)."""
-        with self._lock:
-            latest = self.watch._latest
-            table, keys = latest.table()
-            samples = latest.samples(table_rows=False)
-            extra = [s for s in samples if s.name == "streamwatch_tensor"]
-            stats = {name: table[:, i] for i, name in enumerate(COLUMNS)} | derive(table)
-            count = sum(int(np.count_nonzero(~np.isnan(v))) for v in stats.values()) + len(extra)
-            if count > self.series_budget:  # the reduction path (rare): prometheus_client's formatter
-                return generate_latest(self)
-            lines = (
-                []
-                if not count
-                else [
-                    f"# HELP streamwatch_tensor {_HELP['streamwatch_tensor']}",
-                    "# TYPE streamwatch_tensor gauge",
-                ]
-            )
-            prefixes = self._prefixes
-            if len(prefixes) > 4 * self.series_budget:  # layers came and went: start over
-                prefixes.clear()
-            for stat, values in stats.items():
-                for key, value in zip(keys, values.tolist(), strict=True):
-                    if value != value:  # NaN: unknown, absent
-                        continue
-                    prefix = prefixes.get((key, stat))
-                    if prefix is None:
-                        prefix = prefixes[(key, stat)] = self._prefix({**key.labels(), "stat": stat})
-                    lines.append(f"{prefix} {floatToGoString(value)}")
-            for sample in extra:
-                lines.append(f"{self._prefix(dict(sample.labels))} {floatToGoString(sample.value)}")
-            text = "\n".join(lines) + "\n" if lines else ""
-            rest = generate_latest(_Families(list(self._collect(samples=samples, counts=(count, count)))))
-            return text.encode() + rest
-
-    def _prefix(self, labels: Mapping[str, str]) -> str:
-        merged = {**self.identity, **labels}
-        body = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(merged.items()))
-        return f"streamwatch_tensor{{{body}}}"
-
-    def _collect(
-        self, samples: list[Sample] | None = None, counts: tuple[int, int] | None = None
-    ) -> Iterator[Any]:
-        """Every family; with ``samples`` (all but the table's statistics) and their ``counts``, all but
-        ``streamwatch_tensor``, which :meth:`render` formatted."""
-        ident_names, ident_values = list(self.identity), list(self.identity.values())
-        info = InfoMetricFamily(
-            "streamwatch", "Process identity of a streamwatch exporter", labels=ident_names
-        )
-        info.add_metric(ident_values, {"version": _version()})
-        yield info
-        if samples is None:
-            samples = self.watch.snapshot()
-            tensors = [s for s in samples if s.name == "streamwatch_tensor"]
-            wanted = len(tensors)
-            tensors = self._budget(tensors)
-            exported = len(tensors)
-        else:
-            tensors, (wanted, exported) = [], counts or (0, 0)
-        families: dict[str, list[Sample]] = {"streamwatch_tensor": tensors}
-        histograms: list[Sample] = []
-        for sample in samples:
-            if sample.name == "streamwatch_tensor":
-                continue
-            if sample.name == "streamwatch_tensor_histogram":
-                histograms.append(sample)
-            else:
-                families.setdefault(sample.name, []).append(sample)
-        for name, members in families.items():
-            if not members:
-                continue
-            label_names = sorted({k for s in members for k in s.labels} - set(ident_names))
-            family = GaugeMetricFamily(
-                name,
-                _HELP.get(name, f"{name} (served by a streamwatch pipeline)"),
-                labels=[*ident_names, *label_names],
-            )
-            for s in members:
-                family.add_metric([*ident_values, *(s.labels.get(k, "") for k in label_names)], s.value)
-            yield family
-        if histograms:
-            yield self._histograms(histograms, ident_names, ident_values)
-        yield from self._self_metrics(ident_names, ident_values, wanted, exported)
-
-    def _budget(self, tensors: list[Sample]) -> list[Sample]:
-        if len(tensors) <= self.series_budget:
-            return tensors
-        self.reductions += 1
-        core = [s for s in tensors if s.labels["stat"] in CORE_STATS]
-        level = "core statistics per layer"
-        if len(core) > self.series_budget:
-            core = _aggregate(self.watch)
-            level = 'one aggregate per phase and kind (layer="__all__")'
-        if not self._warned:
-            self._warned = True
-            log.warning(
-                "streamwatch: %d tensor series exceed the series budget of %d per process; exporting %s "
-                "(%d series). Select fewer modules (observe(select=...)) or raise expose(series_budget=...).",
-                len(tensors),
-                self.series_budget,
-                level,
-                len(core),
-            )
-        return core
-
-    def _histograms(
-        self, samples: list[Sample], names: list[str], values: list[str]
-    ) -> HistogramMetricFamily:
-        """Bucket counts (streamwatch.metrics.Buckets order) as cumulative ``le`` buckets."""
-        bounds = _histogram_bounds(self.watch)
-        series: dict[tuple[tuple[str, str], ...], dict[int, float]] = {}
-        for s in samples:
-            labels = {k: v for k, v in s.labels.items() if k not in ("bucket", "stat")}
-            series.setdefault(tuple(sorted(labels.items())), {})[int(s.labels["bucket"])] = s.value
-        label_names = ["phase", "layer", "kind", "param", "index"]
-        family = HistogramMetricFamily(
-            "streamwatch_tensor_values",
-            "Values of a tapped tensor in fixed log-spaced buckets (non-finite values excluded: see "
-            'streamwatch_tensor{stat="nonfinite"})',
-            labels=[*names, *label_names],
-        )
-        for key, counts in series.items():
-            labels = dict(key)
-            upper = bounds.get(labels.get("kind", ""))
-            if upper is None:
-                continue
-            vector = np.array([counts.get(i, 0.0) for i in range(len(upper) + 1)])
-            cumulative = np.cumsum(vector[1:])  # bucket 0 (non-finite) is not a value; the last bound is +inf
-            buckets = [(_le(b), float(c)) for b, c in zip(upper, cumulative, strict=True)]
-            # negative buckets: no _sum/_count (the Prometheus convention); the +Inf bucket is the count
-            family.add_metric([*values, *(labels.get(k, "") for k in label_names)], buckets, None)
-        return family
-
-    def _self_metrics(self, names: list[str], values: list[str], wanted: int, exported: int) -> Iterator[Any]:
-        stats = self.watch.statistics()
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=names)
-            family.add_metric(values, value)
-            return family
-
-        def counter(
-            name: str, doc: str, value: float, extra: Mapping[str, float] | None = None, label: str = ""
-        ) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc, labels=[*names, label] if label else names)
-            if extra is None:
-                family.add_metric(values, value)
-            else:
-                for key, v in extra.items():
-                    family.add_metric([*values, key], v)
-            return family
-
-        yield counter("streamwatch_steps", "Steps seen (watch.step() calls)", stats.steps)
-        yield counter("streamwatch_steps_sampled", "Steps whose record was sent to the worker", stats.sampled)
-        yield counter(
-            "streamwatch_records", "Records the worker turned into step records", stats.records_received
-        )
-        dropped = {
-            "drop_oldest": float(stats.dropped_oldest),
-            "drop_newest": float(stats.dropped_newest),
-            "slots_exhausted": float(stats.slots_exhausted),
-        }
-        yield counter("streamwatch_records_dropped", "Records dropped, by reason", 0, dropped, "reason")
-        yield gauge("streamwatch_queue_length", "Records waiting for the worker", stats.queue_len)
-        yield gauge(
-            "streamwatch_queue_high_water", "Most records ever waiting for the worker", stats.queue_high_water
-        )
-        if not math.isnan(stats.worker_lag_seconds):
-            yield gauge(
-                "streamwatch_worker_lag_seconds",
-                "From the step boundary to the worker having processed its record (latest)",
-                stats.worker_lag_seconds,
-            )
-        yield counter(
-            "streamwatch_hook_errors", "Exceptions caught inside hooks and metrics", stats.hook_errors
-        )
-        yield counter(
-            "streamwatch_sink_errors", "Pipelines and sinks stopped by an exception", stats.pipeline_failures
-        )
-        skipped = {reason: float(n) for reason, n in stats.skipped.items()}
-        yield counter(
-            "streamwatch_tensors_skipped", "Tensors not summarised, by reason", 0, skipped, "reason"
-        )
-        yield gauge(
-            "streamwatch_series", "streamwatch_tensor series exported (after the series budget)", exported
-        )
-        yield gauge("streamwatch_series_wanted", "streamwatch_tensor series before the series budget", wanted)
-        yield counter(
-            "streamwatch_series_reduced", "Scrapes that reduced series to fit the budget", self.reductions
-        )
-        yield gauge(
-            "streamwatch_overhead_last_step_seconds",
-            "streamwatch's own time on the training thread in the last step (in-process estimate)",
-            stats.overhead_seconds,
-        )
-        yield counter(
-            "streamwatch_overhead_seconds",
-            "streamwatch's own time on the training thread, all steps (in-process estimate)",
-            stats.overhead_seconds_total,
-        )
-
-
-def _render_app(collector: _Collector) -> Any:
-    """A WSGI app serving ``collector.render()`` on any path (GET /metrics is what Prometheus asks)."""
-
-    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
-        if environ.get("PATH_INFO") == "/favicon.ico":
-            start_response("404 Not Found", [("Content-Type", "text/plain")])
-            return [b""]
-        body = collector.render()
-        start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST), ("Content-Length", str(len(body)))])
-        return [body]
-
-    return app
-
-
-class _Families:
-    """Already-built families, in the shape ``generate_latest`` reads (``collect()``)."""
-
-    def __init__(self, families: list[Any]) -> None:
-        self.families = families
-
-    def collect(self) -> list[Any]:
-        return self.families
-
-
-def floatToGoString(value: float) -> str:
-    """A float as Prometheus' text format writes it (``+Inf``, ``-Inf``, shortest round-trip repr)."""
-    text: str = _float_to_go(value)  # type: ignore[no-untyped-call]
+    Example:
+        >>> [format_float(v) for v in (3, 0.1, -2.5e-7, 1e22, float("inf"), float("-inf"), float("nan"))]
+        ['3.0', '0.1', '-2.5e-07', '1e+22', '+Inf', '-Inf', 'NaN']
+        >>> format_float(12345678.0)  # Go switches to an exponent sooner than Python's repr
+        '1.2345678e+07'
+    """
+    value = float(value)
+    if value != value:
+        return "NaN"
+    if value == math.inf:
+        return "+Inf"
+    if value == -math.inf:
+        return "-Inf"
+    text = repr(value)
+    dot = text.find(".")
+    if value > 0 and dot > 6:
+        mantissa = f"{text[0]}.{text[1:dot]}{text[dot + 1 :]}".rstrip("0.")
+        return f"{mantissa}e+{dot - 1:02d}"
     return text
 
 
@@ -383,21 +142,257 @@ def _le(bound: float) -> str:
     return "+Inf" if math.isinf(bound) and bound > 0 else repr(float(bound))
 
 
-def _histogram_bounds(watch: Watch) -> dict[str, list[float]]:
-    """``kind -> upper bounds`` of the Histogram metrics the watch runs."""
-    from streamwatch.metrics._tensor import Histogram
+@dataclass(slots=True)
+class Block:
+    """One family of an exposition: its samples as ``(sample name, labels without the identity, value)``.
 
-    out: dict[str, list[float]] = {}
-    for metric in getattr(watch, "_metrics", ()):
-        if isinstance(metric, Histogram):
-            for kind in metric.kinds:
-                out[kind] = list(metric.buckets.upper_bounds())
-    return out
+    ``streamwatch_tensor``'s summary rows ride as ``rows`` (statistic -> column, and the keys), so the
+    text writer can format them from cached label strings; :meth:`samples` expands them.
+    """
+
+    family: Family
+    entries: list[tuple[str, Mapping[str, str], float]] = field(default_factory=list)
+    rows: tuple[dict[str, np.ndarray], list[SeriesKey]] | None = None
+
+    def samples(self) -> Iterator[tuple[str, Mapping[str, str], float]]:
+        """Every sample of the family, the summary rows (NaN: absent) first."""
+        if self.rows is not None:
+            stats, keys = self.rows
+            for stat, values in stats.items():
+                for key, value in zip(keys, values.tolist(), strict=True):
+                    if value == value:
+                        yield self.family.name, {**key.labels(), "stat": stat}, value
+        yield from self.entries
 
 
-def _aggregate(watch: Watch) -> list[Sample]:
+class StoreCollector(Collector):
+    """Builds every family at scrape time from a store's latest values and a statistics callable.
+
+    Args:
+        store: what it reads (a :class:`streamwatch.SeriesStore`, or anything with its read protocol).
+        statistics: the monitoring's own statistics (``watch.statistics``; a replay's).
+        labels: the identity labels on every series.
+        series_budget: the most ``streamwatch_tensor`` series to export.
+    """
+
+    def __init__(
+        self,
+        store: SeriesSource,
+        statistics: StatisticsSource,
+        labels: Mapping[str, str],
+        series_budget: int,
+    ) -> None:
+        self.store = store
+        self.statistics = statistics
+        self.identity = dict(labels)
+        self.series_budget = series_budget
+        self.reductions = 0
+        self._warned = False
+        self._lock = threading.RLock()
+        self._prefixes: dict[tuple[SeriesKey, str], str] = {}  # (series key, stat) -> 'name{labels}'
+
+    def version(self) -> object:
+        """A value that changes whenever :meth:`render` would render something else: the store's
+        version and the statistics. Cheap: no formatting."""
+        return self.store.version(), self.statistics()
+
+    def collect(self) -> Iterator[Metric]:
+        """The families for a prometheus_client registry (a caller's registry; ``generate_latest``)."""
+        for block in self.exposition():
+            family = block.family
+            metric = Metric(family.name, family.help, family.type)
+            for name, labels, value in block.samples():
+                metric.add_sample(name, {**self.identity, **labels}, value)
+            yield metric
+
+    def render(self) -> bytes:
+        """The text exposition of every family (what ``generate_latest`` would write for
+        :meth:`collect`), the per-tensor statistics from cached label strings."""
+        lines: list[str] = []
+        for block in self.exposition():
+            family = block.family
+            help_text = family.help.replace("\\", "\\\\").replace("\n", "\\n")
+            lines.append(f"# HELP {family.exposed} {help_text}")
+            lines.append(f"# TYPE {family.exposed} {family.type}")
+            if block.rows is not None:
+                self._tensor_lines(block.rows, lines)
+            for name, labels, value in block.entries:
+                lines.append(f"{self._prefix(name, labels)} {format_float(value)}")
+        return ("\n".join(lines) + "\n").encode() if lines else b""
+
+    def _tensor_lines(self, rows: tuple[dict[str, np.ndarray], list[SeriesKey]], lines: list[str]) -> None:
+        prefixes = self._prefixes
+        if len(prefixes) > 4 * self.series_budget:  # layers came and went: start over
+            prefixes.clear()
+        stats, keys = rows
+        for stat, values in stats.items():
+            for key, value in zip(keys, values.tolist(), strict=True):
+                if value != value:  # NaN: unknown, absent
+                    continue
+                prefix = prefixes.get((key, stat))
+                if prefix is None:
+                    prefix = prefixes[(key, stat)] = self._prefix(TENSOR.name, {**key.labels(), "stat": stat})
+                lines.append(f"{prefix} {format_float(value)}")
+
+    def _prefix(self, name: str, labels: Mapping[str, str]) -> str:
+        merged = {**self.identity, **labels}
+        body = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(merged.items()))
+        return f"{name}{{{body}}}"
+
+    # -- the one exposition ---------------------------------------------------------------------------
+
+    def exposition(self) -> list[Block]:
+        """Every family to serve now, in order: the identity, the run's data (the store), the families
+        served with ``watch.serve()``, the monitoring's own statistics. Thread-safe (one at a time)."""
+        with self._lock:
+            table, keys = self.store.table()
+            samples = self.store.samples(table_rows=False)
+            statistics = self.statistics()
+            stats = {name: table[:, i] for i, name in enumerate(COLUMNS)} | derive(table)
+            extra = [s for s in samples if s.name == TENSOR.name]
+            wanted = sum(int(np.count_nonzero(~np.isnan(v))) for v in stats.values()) + len(extra)
+            tensor = Block(TENSOR)
+            if wanted <= self.series_budget:
+                tensor.rows = (stats, keys)
+                tensor.entries = [(s.name, s.labels, s.value) for s in extra]
+            else:
+                tensor.entries = [
+                    (s.name, s.labels, s.value) for s in self._reduce(stats, keys, table, extra, wanted)
+                ]
+            exported = len(tensor.entries) if tensor.rows is None else wanted
+            blocks = [Block(INFO, [(INFO.name, {"version": _version()}, 1.0)])]
+            blocks.extend(self._data(tensor if exported else None, samples))
+            blocks.extend(self._self_metrics(statistics, wanted, exported))
+            return blocks
+
+    def _data(self, tensor: Block | None, samples: list[Sample]) -> list[Block]:
+        grouped: dict[str, list[Sample]] = {}
+        histograms: list[Sample] = []
+        for sample in samples:
+            if sample.name == HISTOGRAM_SAMPLE:
+                histograms.append(sample)
+            elif sample.name != TENSOR.name:
+                grouped.setdefault(sample.name, []).append(sample)
+        blocks: list[Block] = []
+        for family in DATA_FAMILIES:
+            if family is TENSOR:
+                if tensor is not None:  # absent before the first record, never a placeholder
+                    blocks.append(tensor)
+            elif family is TENSOR_VALUES:
+                if histograms:
+                    blocks.append(self._histograms(histograms))
+            elif family.name in grouped:
+                blocks.append(_block(family, grouped.pop(family.name)))
+        for name in sorted(grouped):  # watch.serve() families
+            blocks.append(_block(served_family(name), grouped[name]))
+        return blocks
+
+    def _reduce(
+        self,
+        stats: dict[str, np.ndarray],
+        keys: list[SeriesKey],
+        table: np.ndarray,
+        extra: list[Sample],
+        wanted: int,
+    ) -> list[Sample]:
+        """Over the budget: core statistics per layer, else one aggregate per (phase, kind); warned once."""
+        self.reductions += 1
+        core = [
+            Sample(TENSOR.name, {**key.labels(), "stat": stat}, value)
+            for stat in CORE_STATS
+            for key, value in zip(keys, stats[stat].tolist(), strict=True)
+            if value == value
+        ]
+        core.extend(s for s in extra if s.labels["stat"] in CORE_STATS)
+        level = "core statistics per layer"
+        if len(core) > self.series_budget:
+            core = _aggregate(table, keys)
+            level = 'one aggregate per phase and kind (layer="__all__")'
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "streamwatch: %d tensor series exceed the series budget of %d per process; exporting %s "
+                "(%d series). Select fewer modules (observe(select=...)) or raise expose(series_budget=...).",
+                wanted,
+                self.series_budget,
+                level,
+                len(core),
+            )
+        return core
+
+    def _histograms(self, samples: list[Sample]) -> Block:
+        """Bucket counts (streamwatch.metrics.Buckets order) as cumulative ``le`` buckets, with the
+        bounds the records carried (``store.edges``)."""
+        bounds = self.store.edges
+        series: dict[tuple[tuple[str, str], ...], dict[int, float]] = {}
+        for s in samples:
+            labels = {k: v for k, v in s.labels.items() if k not in ("bucket", "stat")}
+            series.setdefault(tuple(sorted(labels.items())), {})[int(s.labels["bucket"])] = s.value
+        block = Block(TENSOR_VALUES)
+        name = f"{TENSOR_VALUES.name}_bucket"
+        for key, counts in series.items():
+            labels = dict(key)
+            upper = bounds.get(labels.get("kind", ""))
+            if upper is None:
+                continue
+            vector = np.array([counts.get(i, 0.0) for i in range(len(upper) + 1)])
+            cumulative = np.cumsum(vector[1:])  # bucket 0 (non-finite) is not a value; the last bound is +inf
+            # negative buckets: no _sum/_count (the Prometheus convention); the +Inf bucket is the count
+            label_values = {k: labels.get(k, "") for k in TENSOR_VALUES.labels}
+            for bound, count in zip(upper, cumulative.tolist(), strict=True):
+                block.entries.append((name, {**label_values, "le": _le(bound)}, float(count)))
+        return block
+
+    def _self_metrics(self, stats: WatchStatistics, wanted: int, exported: int) -> list[Block]:
+        dropped = {
+            "drop_oldest": stats.dropped_oldest,
+            "drop_newest": stats.dropped_newest,
+            "slots_exhausted": stats.slots_exhausted,
+        }
+        values: dict[str, float | Mapping[str, float]] = {
+            "streamwatch_steps": stats.steps,
+            "streamwatch_steps_sampled": stats.sampled,
+            "streamwatch_records": stats.records_received,
+            "streamwatch_records_dropped": dropped,
+            "streamwatch_queue_length": stats.queue_len,
+            "streamwatch_queue_high_water": stats.queue_high_water,
+            "streamwatch_worker_lag_seconds": stats.worker_lag_seconds,
+            "streamwatch_hook_errors": stats.hook_errors,
+            "streamwatch_sink_errors": stats.pipeline_failures,
+            "streamwatch_tensors_skipped": dict(stats.skipped),
+            "streamwatch_series": exported,
+            "streamwatch_series_wanted": wanted,
+            "streamwatch_series_reduced": self.reductions,
+            "streamwatch_overhead_last_step_seconds": stats.overhead_seconds,
+            "streamwatch_overhead_seconds": stats.overhead_seconds_total,
+        }
+        blocks: list[Block] = []
+        for family in SELF_FAMILIES:
+            if family is INFO:
+                continue
+            value = values[family.name]
+            block = Block(family)
+            if isinstance(value, Mapping):  # one sample per reason
+                (label,) = family.labels
+                block.entries = [(family.exposed, {label: k}, float(v)) for k, v in value.items()]
+            elif math.isnan(value):  # unknown (no record yet): absent
+                continue
+            else:
+                block.entries = [(family.exposed, {}, float(value))]
+            blocks.append(block)
+        return blocks
+
+
+def _block(family: Family, samples: Sequence[Sample]) -> Block:
+    """A gauge family's samples, every one with the union of their labels (``""`` where one lacks it)."""
+    names = sorted({k for s in samples for k in s.labels} - set(IDENTITY))
+    return Block(
+        family, [(family.exposed, {k: s.labels.get(k, "") for k in names}, s.value) for s in samples]
+    )
+
+
+def _aggregate(table: np.ndarray, keys: list[SeriesKey]) -> list[Sample]:
     """One row per (phase, kind): additive columns summed, extremes combined, statistics re-derived."""
-    table, keys = watch._latest.table()
     groups: dict[tuple[str, str], list[int]] = {}
     for i, key in enumerate(keys):
         groups.setdefault((key.phase, key.kind), []).append(i)
@@ -414,36 +409,52 @@ def _aggregate(watch: Watch) -> list[Sample]:
         for stat in CORE_STATS:
             value = float(stats[stat][0])
             if not math.isnan(value):
-                out.append(Sample("streamwatch_tensor", {**labels, "stat": stat}, value))
+                out.append(Sample(TENSOR.name, {**labels, "stat": stat}, value))
     return out
 
 
 def _version() -> str:
     try:
-        from importlib.metadata import version
-
-        return version("streamwatch")
-    except Exception:  # not installed (a source checkout on sys.path)
+        return metadata.version("streamwatch")
+    except metadata.PackageNotFoundError:  # not installed (a source checkout on sys.path)
         return "unknown"
 
 
 class Exporter:
-    """A running ``/metrics`` endpoint for one Watch. Create it with :meth:`streamwatch.Watch.expose`.
+    """A running ``/metrics`` endpoint over a series store. :meth:`streamwatch.Watch.expose` makes one
+    for a watch (its store and statistics).
 
     The server has two threads whatever the load (see :meth:`streamwatch.Watch.expose`): connections are
     multiplexed, each has ``timeout`` seconds to send its request and read the response, the body is
     rendered off the training thread, once per change of the values however many scrapers ask, and
     :meth:`close` joins both threads and closes every connection.
 
+    Args:
+        store: the latest values to serve (``watch.store``; any :class:`streamwatch._store.SeriesSource`).
+        statistics: the monitoring's own statistics (``watch.statistics``).
+        port, host, registry, run, series_budget, timeout: as for :meth:`streamwatch.Watch.expose`.
+        serve: listen on ``host:port`` (False: only register the collector, e.g. in a caller's registry).
+
     Attributes:
         url: ``http://host:port/metrics``.
         registry: the registry the collector is in (yours if you passed one).
+        collector: the :class:`StoreCollector` (``collector.render()`` is what the endpoint serves).
         labels: the identity labels on every series.
+
+    Example:
+        >>> import urllib.request
+        >>> from streamwatch import SeriesStore, WatchStatistics
+        >>> exporter = Exporter(SeriesStore(), lambda: WatchStatistics.replayed(0), port=0, run="doc")
+        >>> body = urllib.request.urlopen(exporter.url, timeout=10).read().decode()
+        >>> exporter.close()
+        >>> 'streamwatch_info{host=' in body and "streamwatch_steps_total" in body
+        True
     """
 
     def __init__(
         self,
-        watch: Watch,
+        store: SeriesSource,
+        statistics: StatisticsSource,
         *,
         port: int = DEFAULT_PORT,
         host: str = "127.0.0.1",
@@ -470,14 +481,14 @@ class Exporter:
         self.timeout = float(timeout)
         self._own_registry = registry is None
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.collector = _Collector(watch, self.labels, series_budget)
+        self.collector = StoreCollector(store, statistics, self.labels, series_budget)
         self._server: MetricsServer | None = None
         sock = listen(host, self.port, MetricsServer.backlog) if serve else None
         self.registry.register(self.collector)
         if sock is not None:
             self.port = sock.getsockname()[1]
-            # our own registry holds only our families: the fast formatter, cached per version of the
-            # values; the caller's registry: prometheus_client's formatter over every collector in it,
+            # our own registry holds only our families: the collector's text writer, cached per version of
+            # the values; the caller's registry: prometheus_client's writer over every collector in it,
             # rendered for each batch of requests (its other collectors have no version)
             if self._own_registry:
                 render: Callable[[], bytes] = lambda: self.collector.render()  # noqa: E731 - late-bound

@@ -4,14 +4,19 @@ Format (``"streamwatch-run"``, version 1)
 -----------------------------------------
 
 A run file is UTF-8 `JSON Lines <https://jsonlines.org>`_: one compact JSON object per line, each line
-ending with ``\\n``. Three kinds of line exist:
+ending with ``\\n``. Three kinds of line exist (and a rare fourth, below):
 
 1. The **header**, the first line and only there::
 
-       {"format": "streamwatch-run", "version": 1, "columns": ["count", "sum", ...], "created": 1700000000.5}
+       {"format": "streamwatch-run", "version": 1, "columns": ["count", "sum", ...], "created": 1700000000.5,
+        "edges": {"param_grad": [-10000, ..., "inf"]}}
 
    ``columns`` names the columns of every row (``streamwatch._summary.COLUMNS`` of the writer);
-   ``created`` is the ``time.time()`` at which the file was started.
+   ``created`` is the ``time.time()`` at which the file was started; ``edges`` (optional, absent in
+   older files) is :attr:`streamwatch.StepRecord.edges` of the records that follow: histogram bucket upper
+   bounds by tap kind, what a reader needs to serve the ``histogram`` extras as Prometheus histograms.
+   If a later record carries other edges (a run appended with other buckets), an **edges** line
+   ``{"edges": {...}}`` declares them before that record's line.
 
 2. A **keys** line, written the first time a step uses series the file has not named yet (just before
    that step's line)::
@@ -80,6 +85,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import IO, Any, TypeGuard
 
 import numpy as np
@@ -154,6 +160,22 @@ def _loads(text: str) -> Any:
         raise ValueError("JSON nested too deeply to be a run file line") from None
 
 
+def _encode_edges(edges: Mapping[str, Sequence[float]]) -> dict[str, list[float | int | str]]:
+    return {kind: [_encode(float(b)) for b in bounds] for kind, bounds in edges.items()}
+
+
+def _parse_edges(obj: Any) -> Mapping[str, tuple[float, ...]]:
+    """An ``edges`` object (header field or line): tap kind -> ascending bucket upper bounds."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"'edges' must be an object of tap kind -> list of bounds, got {obj!r}")
+    out: dict[str, tuple[float, ...]] = {}
+    for kind, bounds in obj.items():
+        if not isinstance(bounds, list):
+            raise ValueError(f"'edges' of {kind!r} must be a list of numbers, got {bounds!r}")
+        out[kind] = tuple(_values(bounds, len(bounds), f"edges of {kind!r}"))
+    return MappingProxyType(out)
+
+
 def _check_header(obj: Any) -> list[str]:
     """The header's columns; a ValueError naming what is wrong otherwise."""
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
@@ -187,11 +209,12 @@ def _parse_keys(obj: dict[str, Any], keys: dict[int, SeriesKey]) -> None:
 
 @dataclass(frozen=True, slots=True)
 class _Scan:
-    """What an existing file holds: its key ids, where its complete lines end, its size."""
+    """What an existing file holds: its key ids, where its complete lines end, its size, its last edges."""
 
     keys: dict[int, SeriesKey]
     good_end: int
     size: int
+    edges: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
 
 
 def _scan_for_append(path: Path) -> _Scan:
@@ -203,7 +226,7 @@ def _scan_for_append(path: Path) -> _Scan:
             return _Scan({}, 0, 0)
         run = RunData(path, {})
         try:
-            keys, good_end = _read_lines(path, f, size, run, keep=False)
+            keys, good_end, edges = _read_lines(path, f, size, run, keep=False)
         except RunFileError as error:
             raise RunFileError(
                 f"cannot append to {error}; write to a new file, or remove or repair that line"
@@ -214,7 +237,7 @@ def _scan_for_append(path: Path) -> _Scan:
             f"cannot append to {path}: the file's columns {columns} differ from this version's "
             f"{list(COLUMNS)}; write to a new file"
         )
-    return _Scan(keys, good_end, size)
+    return _Scan(keys, good_end, size, edges)
 
 
 def _check_path(path: Path) -> None:
@@ -283,7 +306,7 @@ class RunFile(Sink):
         [0, 1]
     """
 
-    __slots__ = ("_file", "_fsync", "_ids", "_path", "_scan", "closed")
+    __slots__ = ("_edges", "_file", "_fsync", "_ids", "_path", "_scan", "closed")
 
     def __init__(self, path: str | Path, *, fsync: bool = False) -> None:
         self._path = Path(path)
@@ -293,13 +316,14 @@ class RunFile(Sink):
         _check_path(self._path)
         self._scan = _scan_for_append(self._path) if self._path.is_file() else _Scan({}, 0, 0)
         self._ids: dict[SeriesKey, int] = {key: i for i, key in self._scan.keys.items()}
+        self._edges: Mapping[str, tuple[float, ...]] = self._scan.edges
 
     @property
     def path(self) -> Path:
         """Where the run is written."""
         return self._path
 
-    def _open(self) -> IO[bytes]:
+    def _open(self, edges: Mapping[str, tuple[float, ...]] | None = None) -> IO[bytes]:
         if self._file is not None:
             return self._file
         if self.closed:
@@ -310,6 +334,7 @@ class RunFile(Sink):
             if size != self._scan.size:  # written to since __init__: look again
                 self._scan = _scan_for_append(self._path)
                 self._ids = {key: i for i, key in self._scan.keys.items()}
+                self._edges = self._scan.edges
             if self._scan.good_end < size:  # a line cut short by a crash
                 f.truncate(self._scan.good_end)
                 size = f.seek(0, os.SEEK_END)
@@ -320,6 +345,9 @@ class RunFile(Sink):
                     "columns": list(COLUMNS),
                     "created": time.time(),
                 }
+                if edges:
+                    header["edges"] = _encode_edges(edges)
+                    self._edges = edges
                 self._write(f, _dumps(header) + "\n")
         except BaseException:
             with contextlib.suppress(OSError):  # its flush would fail again: keep the first error
@@ -345,7 +373,7 @@ class RunFile(Sink):
         """Append one step record (with a keys line first if it uses new series), flushed."""
         if not isinstance(item, StepRecord):
             raise TypeError(f"RunFile expects StepRecord items, got {type(item).__name__}")
-        f = self._open()
+        f = self._open(item.edges)
         new: list[list[object]] = []
         ids = [self._id(SeriesKey(*key), new) for key in item.keys]
         rows = [[i, *map(_encode, values)] for i, values in zip(ids, item.table.tolist(), strict=True)]
@@ -368,6 +396,9 @@ class RunFile(Sink):
         text = _dumps(line) + "\n"
         if new:
             text = _dumps({"keys": new}) + "\n" + text
+        if item.edges and dict(item.edges) != dict(self._edges):
+            text = _dumps({"edges": _encode_edges(item.edges)}) + "\n" + text
+            self._edges = item.edges
         self._write(f, text)
 
     def close(self) -> None:
@@ -431,7 +462,11 @@ def _values(values: Any, width: int, what: str) -> list[float]:
 
 
 def _parse_step(
-    obj: dict[str, Any], keys: Mapping[int, SeriesKey], columns: Sequence[str], remap: np.ndarray | None
+    obj: dict[str, Any],
+    keys: Mapping[int, SeriesKey],
+    columns: Sequence[str],
+    remap: np.ndarray | None,
+    edges: Mapping[str, tuple[float, ...]],
 ) -> StepRecord:
     step, rank, stamp = obj.get("step"), obj.get("rank"), obj.get("time")
     if not (_is_int(step) and _is_int(rank)):
@@ -473,19 +508,21 @@ def _parse_step(
         table=table,
         scalars={str(name): _decode(v) for name, v in scalars.items()},
         extras=extra,
+        edges=edges,
     )
 
 
 def _read_lines(
     path: Path, f: IO[bytes], size: int, run: RunData, *, keep: bool
-) -> tuple[dict[int, SeriesKey], int]:
+) -> tuple[dict[int, SeriesKey], int, Mapping[str, tuple[float, ...]]]:
     """Check every line of a run file (``f``, ``size`` bytes) into ``run`` — its records too if ``keep``;
-    returns the key ids and where the last good line ends.
+    returns the key ids, where the last good line ends and the edges declared last.
 
     A last line that is cut short or does not parse sets ``run.truncated``; any other bad line is a
     :class:`RunFileError` naming the file, the line, what was wrong and the last good step.
     """
     keys: dict[int, SeriesKey] = {}
+    edges: Mapping[str, tuple[float, ...]] = MappingProxyType({})
     columns: list[str] = list(COLUMNS)
     remap: np.ndarray | None = None
     position = good_end = 0
@@ -497,6 +534,8 @@ def _read_lines(
             obj = _loads(raw.decode("utf-8"))
             if lineno == 1:
                 columns = _check_header(obj)
+                if "edges" in obj:
+                    edges = _parse_edges(obj["edges"])
                 run.header = obj
                 if columns != list(COLUMNS):
                     index = {name: i for i, name in enumerate(columns)}
@@ -509,8 +548,10 @@ def _read_lines(
                 raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
             elif "keys" in obj:
                 _parse_keys(obj, keys)
+            elif "edges" in obj and "step" not in obj:
+                edges = _parse_edges(obj["edges"])
             elif "step" in obj:
-                record = _parse_step(obj, keys, columns, remap)
+                record = _parse_step(obj, keys, columns, remap, edges)
                 if keep:
                     run.records.append(record)
                 run.last_good_step = record.step
@@ -526,7 +567,7 @@ def _read_lines(
             run.problems.append(f"truncated record at {where}")
             break
         good_end = position
-    return keys, good_end
+    return keys, good_end, edges
 
 
 def read_run(path: str | Path) -> RunData:

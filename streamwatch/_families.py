@@ -1,0 +1,279 @@
+"""The one mapping from streamwatch's data to Prometheus families: names, types, help, label names and
+the labels nobody else may use. Every family the exporter serves (live, from a caller's registry, reduced
+to fit the series budget, or replayed) is one of :data:`FAMILIES` or a family a user serves through
+``watch.serve()``, which :func:`check_served` keeps from clashing with them.
+
+Naming: namespace ``streamwatch_``, base units (seconds, ratios), counters end in ``_total`` (the
+``Family.name`` is the name without it, as OpenMetrics and prometheus_client's parser have it); every
+series carries the process identity :data:`IDENTITY`, added by the exporter.
+
+Step-level values of a :class:`streamwatch.StepRecord` (its ``scalars``) become samples here, in
+:func:`scalar_sample`: the record's names (``loss``, ``part/forward``, ``lr/0``, ``eval/accuracy``,
+...) are the run file's, so they are read in this one place.
+
+Example:
+    >>> FAMILIES["streamwatch_steps"].exposed, FAMILIES["streamwatch_steps"].type
+    ('streamwatch_steps_total', 'counter')
+    >>> scalar_sample("lr/0", 0.1)
+    Sample(name='streamwatch_learning_rate', labels={'group': '0'}, value=0.1)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from streamwatch._record import Sample
+
+__all__ = [
+    "DATA_FAMILIES",
+    "FAMILIES",
+    "HISTOGRAM_SAMPLE",
+    "IDENTITY",
+    "INFO",
+    "LAYER_MEAN",
+    "RESERVED_LABELS",
+    "SELF_FAMILIES",
+    "STEP",
+    "TENSOR",
+    "TENSOR_VALUES",
+    "Family",
+    "check_served",
+    "scalar_sample",
+    "served_family",
+]
+
+IDENTITY = ("run", "rank", "local_rank", "world_size", "host")
+"""The process identity every series carries (Prometheus adds ``job`` and ``instance``)."""
+
+RESERVED_LABELS = frozenset({*IDENTITY, "le", "quantile"})
+"""Labels a served family may not use (besides any starting with ``__``): the identity, and the labels
+Prometheus gives a meaning (histogram and summary buckets)."""
+
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+_SAMPLE_SUFFIXES = ("_total", "_count", "_sum", "_bucket")
+
+FamilyType = Literal["gauge", "counter", "histogram"]
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """A Prometheus metric family streamwatch serves.
+
+    Attributes:
+        name: the family's name (a counter's without its ``_total``).
+        type: ``gauge``, ``counter`` or ``histogram``.
+        help: its HELP text.
+        labels: its labels besides the identity (a histogram's ``le`` aside).
+    """
+
+    name: str
+    type: FamilyType
+    help: str
+    labels: tuple[str, ...] = ()
+
+    @property
+    def exposed(self) -> str:
+        """The name of its samples and of its HELP/TYPE lines in the text format (``_total`` for
+        counters; a histogram's samples add ``_bucket``)."""
+        return f"{self.name}_total" if self.type == "counter" else self.name
+
+
+def _gauge(name: str, help: str, *labels: str) -> Family:
+    return Family(f"streamwatch_{name}", "gauge", help, labels)
+
+
+def _counter(name: str, help: str, *labels: str) -> Family:
+    return Family(f"streamwatch_{name}", "counter", help, labels)
+
+
+_TENSOR_KEY = ("phase", "layer", "kind", "param", "index")
+
+INFO = _gauge("info", "Process identity of a streamwatch exporter", "version")
+TENSOR = _gauge(
+    "tensor",
+    "Statistics of a tapped tensor (stat: count, sum, sumsq, min, max, l2, ...)",
+    *_TENSOR_KEY,
+    "stat",
+)
+TENSOR_VALUES = Family(
+    "streamwatch_tensor_values",
+    "histogram",
+    "Values of a tapped tensor in fixed log-spaced buckets (non-finite values excluded: see "
+    'streamwatch_tensor{stat="nonfinite"})',
+    _TENSOR_KEY,
+)
+LAYER_MEAN = _gauge(
+    "layer_mean", "Mean over layers of a per-layer statistic, per phase and kind", "phase", "kind", "stat"
+)
+
+STEP = _gauge("step", "Index of the last step processed by the worker")
+
+HISTOGRAM_SAMPLE = "streamwatch_tensor_histogram"
+"""The name ``snapshot()`` gives a histogram's bucket counts (label ``bucket``: the index in
+``streamwatch.metrics.Buckets`` order); the exporter serves them as :data:`TENSOR_VALUES`."""
+
+DATA_FAMILIES: tuple[Family, ...] = (
+    TENSOR,
+    LAYER_MEAN,
+    _gauge("loss", "The step's loss", "phase"),
+    _gauge("accuracy", "Accuracy (ratio): train from the step's outputs, eval from the evaluation", "phase"),
+    _gauge("correct", "Correct predictions in the last step", "phase"),
+    _gauge("predictions", "Predictions in the last step (the denominator of the train accuracy)", "phase"),
+    _gauge("learning_rate", "Learning rate of a parameter group", "group"),
+    _gauge("step_seconds", "Wall time of the last step (seconds)"),
+    _gauge("samples_per_second", "Training throughput of the last step (samples per second)"),
+    _gauge("batch_size", "Samples in the last step"),
+    _gauge("step_phase_seconds", "Host wall time of a part of the last sampled step (seconds)", "part"),
+    _gauge("hessian_max_eig", "Largest-magnitude eigenvalue of the loss Hessian"),
+    STEP,
+    TENSOR_VALUES,
+)
+"""Families of the run's data, in exposition order: the same live and replayed."""
+
+SELF_FAMILIES: tuple[Family, ...] = (
+    INFO,
+    _counter("steps", "Steps seen (watch.step() calls)"),
+    _counter("steps_sampled", "Steps whose record was sent to the worker"),
+    _counter("records", "Records the worker turned into step records"),
+    _counter("records_dropped", "Records dropped, by reason", "reason"),
+    _gauge("queue_length", "Records waiting for the worker"),
+    _gauge("queue_high_water", "Most records ever waiting for the worker"),
+    _gauge("worker_lag_seconds", "From the step boundary to the worker having processed its record (latest)"),
+    _counter("hook_errors", "Exceptions caught inside hooks and metrics"),
+    _counter("sink_errors", "Pipelines and sinks stopped by an exception"),
+    _counter("tensors_skipped", "Tensors not summarised, by reason", "reason"),
+    _gauge("series", "streamwatch_tensor series exported (after the series budget)"),
+    _gauge("series_wanted", "streamwatch_tensor series before the series budget"),
+    _counter("series_reduced", "Scrapes that reduced series to fit the budget"),
+    _gauge(
+        "overhead_last_step_seconds",
+        "streamwatch's own time on the training thread in the last step (in-process estimate)",
+    ),
+    _counter(
+        "overhead_seconds", "streamwatch's own time on the training thread, all steps (in-process estimate)"
+    ),
+)
+"""Families about the serving process: its identity and how its monitoring is doing."""
+
+FAMILIES: Mapping[str, Family] = {f.name: f for f in (*SELF_FAMILIES, *DATA_FAMILIES)}
+"""Every built-in family by name."""
+
+_TAKEN = frozenset(
+    {HISTOGRAM_SAMPLE}
+    | {f.name for f in FAMILIES.values()}
+    | {f.exposed for f in FAMILIES.values()}
+    | {
+        f"{f.name}{s}"
+        for f in FAMILIES.values()
+        if f.type == "histogram"
+        for s in ("_bucket", "_count", "_sum")
+    }
+)
+
+_SCALARS: Mapping[str, tuple[str, Mapping[str, str]]] = {
+    "loss": ("streamwatch_loss", {"phase": "train"}),
+    "accuracy": ("streamwatch_accuracy", {"phase": "train"}),
+    "correct": ("streamwatch_correct", {"phase": "train"}),
+    "total": ("streamwatch_predictions", {"phase": "train"}),  # a gauge: "_total" is for counters
+    "eval/loss": ("streamwatch_loss", {"phase": "eval"}),
+    "eval/accuracy": ("streamwatch_accuracy", {"phase": "eval"}),
+    "step_seconds": ("streamwatch_step_seconds", {}),
+    "samples_per_second": ("streamwatch_samples_per_second", {}),
+    "batch_size": ("streamwatch_batch_size", {}),
+    "hessian_max_eig": ("streamwatch_hessian_max_eig", {}),
+}
+_PREFIXED = {
+    "part/": ("streamwatch_step_phase_seconds", "part"),
+    "lr/": ("streamwatch_learning_rate", "group"),
+}
+
+
+def scalar_sample(name: str, value: float) -> Sample:
+    """The sample of a record's step-level value ``name`` (``StepRecord.scalars``).
+
+    Example:
+        >>> scalar_sample("part/forward", 0.5)
+        Sample(name='streamwatch_step_phase_seconds', labels={'part': 'forward'}, value=0.5)
+        >>> scalar_sample("eval/accuracy", 0.75).labels
+        {'phase': 'eval'}
+    """
+    known = _SCALARS.get(name)
+    if known is not None:
+        return Sample(known[0], dict(known[1]), value)
+    for prefix, (family, label) in _PREFIXED.items():
+        if name.startswith(prefix):
+            return Sample(family, {label: name[len(prefix) :]}, value)
+    if name.startswith("eval/"):
+        return Sample(f"streamwatch_{name[5:]}", {"phase": "eval"}, value)
+    return Sample(f"streamwatch_{name}", {}, value)
+
+
+def served_family(name: str) -> Family:
+    """The family of the sample ``name``: a built-in one, or a user's gauge (``watch.serve()``).
+
+    Example:
+        >>> served_family("streamwatch_tenfold").help
+        'streamwatch_tenfold (served by a streamwatch pipeline)'
+    """
+    family = FAMILIES.get(name)
+    return (
+        family if family is not None else Family(name, "gauge", f"{name} (served by a streamwatch pipeline)")
+    )
+
+
+def check_served(name: object, labels: object) -> tuple[str, dict[str, str]]:
+    """``watch.serve(name, labels)``'s arguments: the family name ``streamwatch_<name>`` and the labels,
+    or a ``ValueError``/``TypeError`` naming the clash.
+
+    Refused: names that are not Prometheus metric names, that end like a counter's or a histogram's
+    samples (``_total``, ``_count``, ``_sum``, ``_bucket``), or that are a built-in family's; label
+    keys or values that are not strings, label names that are not Prometheus label names, start with
+    ``__`` or are reserved (:data:`RESERVED_LABELS`).
+
+    Example:
+        >>> check_served("tenfold", {"model": "a"})
+        ('streamwatch_tenfold', {'model': 'a'})
+        >>> check_served("queue_length", None)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `name` not to be a built-in family's, got 'queue_length': ... pick another name
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"Expected `name` to be a str (a metric name of letters, digits and _), got {name!r}")
+    full = f"streamwatch_{name}"
+    if not name or not _NAME.fullmatch(full) or ":" in name:
+        raise ValueError(f"Expected `name` to be a metric name of letters, digits and _, got {name!r}")
+    if name.endswith(_SAMPLE_SUFFIXES):
+        raise ValueError(
+            f"Expected `name` not to end in {', '.join(_SAMPLE_SUFFIXES)} (the suffixes of counter and "
+            f"histogram samples; promtool rejects a gauge named so), got {name!r}"
+        )
+    if full in _TAKEN:
+        raise ValueError(
+            f"Expected `name` not to be a built-in family's, got {name!r}: {full} is served by streamwatch "
+            "itself; pick another name"
+        )
+    if labels is None:
+        return full, {}
+    if not isinstance(labels, Mapping):
+        raise TypeError(f"Expected `labels` to be a mapping of str to str (or None), got {labels!r}")
+    checked: dict[str, str] = {}
+    for key, value in labels.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"Expected `labels` to map str to str, got {key!r}: {value!r}")
+        if not _LABEL.fullmatch(key) or key.startswith("__"):
+            raise ValueError(
+                f"Expected `labels` to have Prometheus label names (letters, digits and _, not starting "
+                f"with __), got {key!r}"
+            )
+        if key in RESERVED_LABELS:
+            raise ValueError(
+                f"Expected `labels` not to use the reserved label {key!r}: streamwatch sets "
+                f"{', '.join(IDENTITY)} on every series, and le/quantile belong to histograms and summaries"
+            )
+        checked[key] = value
+    return full, checked

@@ -1,0 +1,295 @@
+"""The series store: the latest value of every series, the one thing everything after the channel reads.
+
+A :class:`SeriesStore` is a :class:`streamwatch.Sink` of :class:`streamwatch.StepRecord`\\ s. For each record
+it keeps the latest summary row of every series, the opt-in metrics' values, the step-level scalars and
+the histogram bucket edges the record carries, and it runs the worker-side metrics chosen in
+``observe(metrics=...)`` (``update_ratio``, ``layer_mean``) on the record itself. A live
+:class:`streamwatch.Watch` feeds it from its worker; ``streamwatch replay`` feeds a new one from a run
+file's records; so both serve the same series.
+
+Readers use :class:`SeriesSource`, a small read protocol (``watch.snapshot()``, the Prometheus exporter,
+replay and the console view all do):
+
+* ``samples()`` — every latest value as :class:`streamwatch.Sample`\\ s (``watch.snapshot()``);
+* ``table()`` — the latest summary row of every series as one table (``COLUMNS``) and its keys;
+* ``edges`` — histogram bucket upper bounds by tap kind (Prometheus ``le``);
+* ``step`` — the step of the last record (None before the first);
+* ``version()`` — a cheap value that changes whenever ``samples()`` would;
+
+and, beside it, a statistics callable returning :class:`WatchStatistics` (how the monitoring that feeds
+the store is doing: ``watch.statistics``, or a replay's own).
+
+Example:
+    >>> import numpy as np
+    >>> from streamwatch import SeriesKey, StepRecord
+    >>> store = SeriesStore()
+    >>> keys = (SeriesKey("train", "fc", "activation", ""),)
+    >>> table = np.array([[4, 2.0, 6.0, -1, 2, 1, 0, 0, 0, 0, 0]])
+    >>> store.send(StepRecord(4, 0.0, 0, keys, table, {"loss": 0.5}))
+    >>> store.step, sorted({s.name for s in store.samples()})
+    (4, ['streamwatch_layer_mean', 'streamwatch_loss', 'streamwatch_step', 'streamwatch_tensor'])
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from streamwatch._families import HISTOGRAM_SAMPLE, STEP, TENSOR, scalar_sample
+from streamwatch._pipeline import Sink
+from streamwatch._record import Sample, SeriesKey, StepRecord
+from streamwatch._summary import COLUMNS, derive
+from streamwatch.metrics._derived import DEFAULT_METRICS, DERIVED
+
+__all__ = ["SeriesSource", "SeriesStore", "StatisticsSource", "WatchStatistics"]
+
+
+@dataclass(frozen=True, slots=True)
+class WatchStatistics:
+    """How the monitoring itself is doing.
+
+    Attributes:
+        steps: ``watch.step()`` calls.
+        sampled: steps whose record was sent to the worker.
+        records_received: records the worker turned into step records.
+        dropped_oldest: queued records evicted because the worker fell behind (``overflow="drop_oldest"``).
+        dropped_newest: records discarded at send (``overflow="drop_newest"``).
+        slots_exhausted: CUDA steps dropped because every pinned slot was still in flight.
+        queue_len: records waiting for the worker now; ``queue_high_water`` the most ever waiting.
+        worker_lag_seconds: from the step boundary to the worker having processed the record (latest).
+        skipped: tensors not summarised, by reason (``non_tensor``, ``complex``, ``sparse``, ``empty``, ...).
+        hook_errors: exceptions caught inside hooks or inside ``watch.step()`` (never raised into
+            training; re-raised at close).
+        pipeline_failures: pipelines stopped by an exception (and worker-side metrics the series store
+            stopped).
+        kernel: how CPU tensors are summarised: ``"fused: <library>"`` (one pass, exact non-finite
+            counts) or ``"torch: <why the fused kernel is not used>"``.
+        overhead_seconds: streamwatch's own time on the training thread in the last step (its hooks and
+            ``watch.step()``; torch's dispatch of the hooks is not included): an in-process estimate.
+        overhead_seconds_total: the same, summed over every step.
+        failed_steps: steps whose ``watch.step()`` failed, so they have no record: an argument it refused
+            (the error was raised to the caller) or an error inside streamwatch (warned about, raised
+            again at close). Their rows are dropped, never merged into the next step.
+        stuck_pipelines: the pipeline(s) still running a call that did not return when ``close()`` gave
+            up waiting (``close_timeout``); empty unless it gave up.
+        unflushed_records: records that had not reached every sink when ``close()`` gave up.
+
+    Example:
+        >>> WatchStatistics.replayed(3).records_received
+        3
+    """
+
+    steps: int
+    sampled: int
+    records_received: int
+    dropped_oldest: int
+    dropped_newest: int
+    slots_exhausted: int
+    queue_len: int
+    queue_high_water: int
+    worker_lag_seconds: float
+    skipped: Mapping[str, int]
+    hook_errors: int
+    pipeline_failures: int
+    kernel: str = ""
+    overhead_seconds: float = 0.0
+    overhead_seconds_total: float = 0.0
+    failed_steps: int = 0
+    stuck_pipelines: tuple[str, ...] = ()
+    unflushed_records: int = 0
+
+    @classmethod
+    def replayed(cls, records: int) -> WatchStatistics:
+        """The statistics of a replay that served ``records`` records: nothing dropped, queued or lost."""
+        return cls(
+            steps=records,
+            sampled=records,
+            records_received=records,
+            dropped_oldest=0,
+            dropped_newest=0,
+            slots_exhausted=0,
+            queue_len=0,
+            queue_high_water=0,
+            worker_lag_seconds=math.nan,
+            skipped={},
+            hook_errors=0,
+            pipeline_failures=0,
+            kernel="replay",
+        )
+
+
+StatisticsSource = Callable[[], WatchStatistics]
+"""What readers call for the monitoring's own statistics (``watch.statistics``)."""
+
+
+@runtime_checkable
+class SeriesSource(Protocol):
+    """The read side of a :class:`SeriesStore`: what ``snapshot()``, the exporter, replay and the console
+    view read. Every method is thread-safe and returns values the caller owns.
+
+    A test double implements these five members; nothing reads a store's internals.
+    """
+
+    @property
+    def step(self) -> int | None:
+        """The step of the last record received (None before the first)."""
+        ...
+
+    @property
+    def edges(self) -> Mapping[str, tuple[float, ...]]:
+        """Histogram bucket upper bounds (Prometheus ``le``, ascending, ending at +inf) by tap kind."""
+        ...
+
+    def samples(self, table_rows: bool = True) -> list[Sample]:
+        """Every latest value; without ``table_rows``, all but the per-tensor statistics of
+        :meth:`table` (readers that format those themselves)."""
+        ...
+
+    def table(self) -> tuple[np.ndarray, list[SeriesKey]]:
+        """The latest summary row of every series (``COLUMNS``), and the series' keys."""
+        ...
+
+    def version(self) -> object:
+        """A value that changes whenever :meth:`samples` would return something else."""
+        ...
+
+
+class SeriesStore(Sink):
+    """The latest value of every series, fed with :class:`streamwatch.StepRecord`\\ s (a Sink); see the
+    module documentation for what it keeps and the :class:`SeriesSource` protocol it is read through.
+
+    Args:
+        metrics: the worker-side metrics it runs on each record, by name (``streamwatch.DEFAULT_METRICS``
+            by default; ``()`` for none). A metric that raises is stopped (the others and the store go
+            on) and listed in :attr:`failures`.
+
+    Raises:
+        ValueError: an unknown metric name.
+
+    Example:
+        >>> import numpy as np
+        >>> from streamwatch import SeriesKey, StepRecord
+        >>> keys = (SeriesKey("train", "fc", "param", "weight"), SeriesKey("train", "fc", "update", "weight"))
+        >>> table = np.zeros((2, 11)); table[:, 2] = [400.0, 0.0004]
+        >>> store = SeriesStore(metrics=["update_ratio"])
+        >>> store.send(StepRecord(0, 0.0, 0, keys, table))
+        >>> [round(s.value, 6) for s in store.samples() if s.labels.get("stat") == "update_ratio"]
+        [0.001]
+    """
+
+    def __init__(self, metrics: Iterable[str] = DEFAULT_METRICS) -> None:
+        names = list(dict.fromkeys(metrics))
+        unknown = [name for name in names if name not in DERIVED]
+        if unknown:
+            raise ValueError(f"Unknown metric {unknown[0]!r}: the names are {sorted(DERIVED)}")
+        self.metrics: tuple[str, ...] = tuple(names)
+        self._run: list[tuple[str, Callable[[StepRecord], list[Sample]]]] = [(n, DERIVED[n]) for n in names]
+        self.failures: list[tuple[str, BaseException]] = []
+        self._lock = threading.Lock()
+        self._rows: dict[SeriesKey, np.ndarray] = {}
+        self._extras: dict[tuple[SeriesKey, str], np.ndarray] = {}
+        self._put: dict[tuple[str, tuple[tuple[str, str], ...]], Sample] = {}  # derived and served values
+        self._scalars: dict[str, float] = {}
+        self._edges: Mapping[str, tuple[float, ...]] = {}
+        self._step: int | None = None
+        self._changes = 0
+        self.records = 0
+        """Records received."""
+        self.lag = math.nan
+        """Seconds from the last record's step boundary to its arrival here."""
+
+    # -- the write side (the worker's thread; replay's) ----------------------------------------------
+
+    def send(self, item: Any) -> None:
+        """Take one record's values as the latest, then run the worker-side metrics on it."""
+        record: StepRecord = item
+        with self._lock:
+            for key, row in zip(record.keys, record.table, strict=True):
+                self._rows[key] = row
+            self._extras.update(record.extras)
+            self._scalars.update(record.scalars)
+            if record.edges:
+                self._edges = record.edges
+            self._step = record.step
+            self.records += 1
+            self.lag = time.time() - record.time
+        for name, metric in list(self._run):
+            try:
+                samples = metric(record)
+            except Exception as exc:  # stops only this metric: the values and the other metrics go on
+                self._run = [entry for entry in self._run if entry[0] != name]
+                self.failures.append((f"SeriesStore metric {name!r}", exc))
+                continue
+            self.put(samples)
+
+    def put(self, samples: Iterable[Sample]) -> None:
+        """Latest values of derived or user-served series, replacing those with the same name and labels."""
+        with self._lock:
+            for sample in samples:
+                self._put[(sample.name, tuple(sorted(sample.labels.items())))] = sample
+            self._changes += 1
+
+    # -- the read side: SeriesSource -------------------------------------------------------------------
+
+    @property
+    def step(self) -> int | None:
+        """The step of the last record received (None before the first)."""
+        return self._step
+
+    @property
+    def edges(self) -> Mapping[str, tuple[float, ...]]:
+        """Histogram bucket upper bounds by tap kind, from the last record that carried them."""
+        return self._edges
+
+    def version(self) -> object:
+        """Changes whenever :meth:`samples` would return something else (records and put values)."""
+        with self._lock:
+            return self.records, self._changes
+
+    def table(self) -> tuple[np.ndarray, list[SeriesKey]]:
+        """The latest row of every series as one table (``COLUMNS``), and the series' keys."""
+        with self._lock:
+            keys = list(self._rows)
+            table = np.array([self._rows[k] for k in keys]) if keys else np.empty((0, len(COLUMNS)))
+        return table, keys
+
+    def samples(self, table_rows: bool = True) -> list[Sample]:
+        """Every latest value as a Sample; without ``table_rows``, all but the per-tensor statistics of
+        the summary table. Values that are unknown (NaN) are absent."""
+        with self._lock:
+            keys = list(self._rows) if table_rows else []
+            table = np.array([self._rows[k] for k in keys]) if keys else np.empty((0, len(COLUMNS)))
+            scalars = dict(self._scalars)
+            extras = dict(self._extras)
+            put = list(self._put.values())
+            step = self._step
+        out: list[Sample] = []
+        stats = {name: table[:, i] for i, name in enumerate(COLUMNS)} | derive(table)
+        for i, key in enumerate(keys):
+            labels = key.labels()
+            for stat, values in stats.items():
+                value = float(values[i])
+                if not math.isnan(value):  # absent, never a NaN placeholder
+                    out.append(Sample(TENSOR.name, {**labels, "stat": stat}, value))
+        for (key, stat), vector in extras.items():
+            labels = {**key.labels(), "stat": stat}
+            if stat == "histogram":  # bucket counts, in streamwatch.metrics.Buckets order
+                for bucket, count in enumerate(vector):
+                    out.append(Sample(HISTOGRAM_SAMPLE, {**labels, "bucket": str(bucket)}, float(count)))
+            elif not math.isnan(value := float(vector[0])):
+                out.append(Sample(TENSOR.name, labels, value))
+        out.extend(put)
+        for name, value in scalars.items():
+            out.append(scalar_sample(name, value))
+        if step is not None:
+            out.append(Sample(STEP.name, {}, float(step)))
+        return out
+
+    def __repr__(self) -> str:
+        return f"<SeriesStore step={self._step} series={len(self._rows)} metrics={list(self.metrics)}>"

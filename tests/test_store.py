@@ -1,0 +1,299 @@
+"""The series store: what everything after the channel reads. It keeps the latest values of a real run
+(equal to ``snapshot()``), runs the worker-side metrics chosen in ``observe(metrics=...)`` (checked
+against plain torch), carries histogram edges from the records (and the run file), stops only a metric
+that fails, and is read through a public protocol that a test double can implement."""
+
+from __future__ import annotations
+
+import ast
+import math
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.utils import floatToGoString
+from torch import nn
+
+import streamwatch as sw
+from streamwatch import Sample, SeriesKey, SeriesStore, StepRecord, WatchStatistics
+from streamwatch.metrics._derived import DERIVED
+from streamwatch.sinks._prometheus import format_float
+from streamwatch.sinks._runfile import RunFile, read_run
+
+PACKAGE = Path(sw.__file__).parent
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _train(
+    watch: sw.Watch, model: nn.Module, opt: torch.optim.Optimizer, steps: int
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Train ``steps`` steps; returns each parameter's (weights after, update) of the last step."""
+    g = torch.Generator().manual_seed(0)
+    last: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for _ in range(steps):
+        x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        watch.step(loss=loss)
+        last = {name: (p.detach().clone(), p.detach() - before[name]) for name, p in model.named_parameters()}
+    assert watch.flush()
+    return last
+
+
+def test_a_store_fed_the_records_serves_what_snapshot_serves() -> None:
+    model, opt = _model()
+    records = sw.sinks.collect()
+    with sw.observe(model, opt, sinks=[records], cadence={"param": 1, "update": 1}) as watch:
+        _train(watch, model, opt, 3)
+        snapshot = watch.snapshot()
+    store = SeriesStore()
+    for record in records.items:
+        store.send(record)
+
+    def keyed(samples: list[Sample]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in samples}
+
+    assert keyed(store.samples()) == keyed(snapshot)
+    assert store.step == watch.store.step == 2
+    table, keys = store.table()
+    assert keys == list(records.items[-1].keys)
+    np.testing.assert_array_equal(table, records.items[-1].table)
+
+
+def test_update_ratio_and_layer_mean_match_plain_torch() -> None:
+    model, opt = _model()
+    with sw.observe(model, opt, cadence={"param": 1, "update": 1}) as watch:
+        last = _train(watch, model, opt, 2)
+        samples = watch.store.samples()
+    ratios = {
+        (s.labels["layer"], s.labels["param"]): s.value
+        for s in samples
+        if s.name == "streamwatch_tensor" and s.labels["stat"] == "update_ratio"
+    }
+    assert len(ratios) == 4
+    for name, (weights, update) in last.items():
+        layer, param = name.split(".")
+        want = float(update.double().norm() / weights.double().norm())
+        assert ratios[(layer, param)] == pytest.approx(want, rel=1e-4)
+    means = {
+        (s.labels["kind"], s.labels["stat"]): s.value for s in samples if s.name == "streamwatch_layer_mean"
+    }
+    weights = [w for w, _ in last.values()]
+    want_l2 = float(np.mean([float(w.double().norm()) for w in weights]))
+    assert means[("param", "l2")] == pytest.approx(want_l2, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("metrics", "present", "absent"),
+    [
+        ((), set(), {"update_ratio", "layer_mean"}),
+        (("layer_mean",), {"layer_mean"}, {"update_ratio"}),
+        (("update_ratio",), {"update_ratio"}, {"layer_mean"}),
+    ],
+    ids=["none", "layer_mean", "update_ratio"],
+)
+def test_the_store_runs_only_the_metrics_selected(
+    metrics: tuple[str, ...], present: set[str], absent: set[str]
+) -> None:
+    model, opt = _model()
+    with sw.observe(model, opt, metrics=metrics, cadence={"param": 1, "update": 1}) as watch:
+        _train(watch, model, opt, 1)
+        samples = watch.snapshot()
+    assert watch.store.metrics == metrics
+    found = {"layer_mean" for s in samples if s.name == "streamwatch_layer_mean"} | {
+        "update_ratio" for s in samples if s.labels.get("stat") == "update_ratio"
+    }
+    assert present <= found
+    assert not absent & found
+
+
+def test_an_unknown_metric_name_is_refused() -> None:
+    with pytest.raises(
+        ValueError, match=r"^Unknown metric 'ratio': the names are \['layer_mean', 'update_ratio'\]$"
+    ):
+        SeriesStore(metrics=["ratio"])
+
+
+def test_a_failing_metric_stops_only_itself_and_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(record: StepRecord) -> list[Sample]:
+        raise ZeroDivisionError("boom")
+
+    monkeypatch.setitem(DERIVED, "boom", boom)
+    model, opt = _model()
+    watch = sw.observe(model, opt, metrics=["boom", "layer_mean"])
+    with pytest.warns(RuntimeWarning, match="boom"):
+        _train(watch, model, opt, 3)
+    assert watch.statistics().pipeline_failures == 1
+    samples = watch.snapshot()
+    assert any(s.name == "streamwatch_layer_mean" for s in samples)  # the other metric goes on
+    assert watch.store.step == 2  # the values go on
+    with pytest.raises(sw.PipelineError, match="boom"):
+        watch.close()
+
+
+def test_records_and_the_run_file_carry_histogram_edges(tmp_path: Path) -> None:
+    model, opt = _model()
+    buckets = sw.metrics.Buckets(lo=-3, hi=1, per_decade=1)
+    metric = sw.metrics.Histogram(kinds=("activation", "param_grad"), buckets=buckets)
+    records = sw.sinks.collect()
+    path = tmp_path / "run.jsonl"
+    with sw.observe(model, opt, metrics=[metric], sinks=[records, RunFile(path)]) as watch:
+        _train(watch, model, opt, 2)
+    bounds = tuple(buckets.upper_bounds())
+    assert all(dict(r.edges) == {"activation": bounds, "param_grad": bounds} for r in records.items)
+    assert dict(watch.store.edges) == {"activation": bounds, "param_grad": bounds}
+    run = read_run(path)
+    assert [dict(r.edges) for r in run.records] == [dict(r.edges) for r in records.items]
+    assert set(run.header["edges"]) == {"activation", "param_grad"}
+    store = SeriesStore()
+    for record in run.records:
+        store.send(record)
+    assert store.edges == watch.store.edges
+
+
+def test_appending_a_run_with_other_buckets_declares_the_new_edges(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    key = SeriesKey("train", "fc", "activation", "")
+    row = np.array([[2, 0, 2, -1, 1, 0, 0, 0, 0, 0, 0.0]])
+    first = {"activation": (-1.0, 0.0, 1.0, math.inf)}
+    second = {"activation": (-10.0, 0.0, 10.0, math.inf)}
+    sink = RunFile(path)
+    sink.send(StepRecord(0, 0.0, 0, (key,), row, edges=first))
+    sink.close()
+    sink = RunFile(path)
+    sink.send(StepRecord(1, 0.0, 0, (key,), row, edges=second))
+    sink.send(StepRecord(2, 0.0, 0, (key,), row, edges=second))
+    sink.close()
+    assert sum('{"edges"' in line for line in path.read_text().splitlines()) == 1
+    assert [dict(r.edges) for r in read_run(path).records] == [first, second, second]
+
+
+class _Fixed:
+    """A test double of the read protocol: one layer's row, fixed forever."""
+
+    def __init__(self) -> None:
+        self.key = SeriesKey("train", "fc", "activation", "")
+
+    @property
+    def step(self) -> int | None:
+        return 7
+
+    @property
+    def edges(self) -> dict[str, tuple[float, ...]]:
+        return {}
+
+    def samples(self, table_rows: bool = True) -> list[Sample]:
+        out = [Sample("streamwatch_loss", {"phase": "train"}, 0.5), Sample("streamwatch_step", {}, 7.0)]
+        if table_rows:
+            out.append(Sample("streamwatch_tensor", {**self.key.labels(), "stat": "max"}, 2.0))
+        return out
+
+    def table(self) -> tuple[np.ndarray, list[SeriesKey]]:
+        return np.array([[4, 2.0, 6.0, -1.0, 2.0, 1, 0, 0, 0, 0, 0]]), [self.key]
+
+    def version(self) -> object:
+        return 1
+
+
+def test_the_exporter_serves_anything_with_the_read_protocol() -> None:
+    source = _Fixed()
+    assert isinstance(source, sw.SeriesSource)
+    exporter = sw.sinks.Exporter(source, lambda: WatchStatistics.replayed(1), port=0, run="double")
+    try:
+        body = urllib.request.urlopen(exporter.url, timeout=10).read().decode()
+    finally:
+        exporter.close()
+    samples = {
+        (s.name, s.labels.get("stat", "")): s.value
+        for f in text_string_to_metric_families(body)
+        for s in f.samples
+        if s.labels.get("run") == "double"
+    }
+    assert samples[("streamwatch_tensor", "max")] == 2.0
+    assert samples[("streamwatch_tensor", "l2")] == math.sqrt(6.0)
+    assert samples[("streamwatch_loss", "")] == 0.5
+    assert samples[("streamwatch_step", "")] == 7.0
+    assert samples[("streamwatch_records_total", "")] == 1.0
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
+
+
+def test_nothing_after_the_channel_reads_a_watch_or_prometheus_client_internals() -> None:
+    modules = sorted(PACKAGE.rglob("*.py"))
+    for path in modules:
+        imports = _imports(path)
+        private = sorted(
+            name
+            for name in imports
+            if name.startswith("prometheus_client")
+            and (
+                any(part.startswith("_") for part in name.split("."))
+                or name.startswith("prometheus_client.utils")
+            )
+        )
+        assert private == [], f"{path.name} imports prometheus_client internals: {private}"
+        if path.name != "_observe.py":
+            tree = ast.parse(path.read_text())
+            reads = [
+                node.attr
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("watch", "_watch")
+            ]
+            assert reads == [], f"{path.name} reads a Watch's private attributes: {reads}"
+    exporter = _imports(PACKAGE / "sinks" / "_prometheus.py")
+    assert not {name for name in exporter if name.startswith("streamwatch._observe")}  # no import cycle
+    replay = _imports(PACKAGE / "_replay.py")
+    assert not {name for name in replay if name.startswith("streamwatch._observe")}
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        0.0,
+        -0.0,
+        1.0,
+        3.0,
+        0.1,
+        -2.5e-7,
+        1e22,
+        12345678.0,
+        1234567.0,
+        123456.7,
+        5e-324,
+        -5e-324,
+        2.0**53,
+        -1e300,
+    ],
+)
+def test_floats_are_written_as_prometheus_client_writes_them(value: float) -> None:
+    assert format_float(value) == floatToGoString(value)
+    assert float(format_float(value)) == value
+
+
+def test_non_finite_floats_are_written_as_go_writes_them() -> None:
+    assert [format_float(v) for v in (math.inf, -math.inf, math.nan)] == ["+Inf", "-Inf", "NaN"]
