@@ -1,0 +1,412 @@
+"""The overhead governor: the sampling interval that holds monitoring's measured cost to a budget.
+
+A :class:`Governor` lives on the training thread. It is told where each step ends, measures the wall
+time of every step with its clock, and answers whether the next step is sampled. It knows nothing of
+torch, taps or channels: it sees step times only, so what it measures is monitoring's real cost end to
+end — hook dispatch, the summaries, the hand-off, and the worker thread's GIL time as far as it slows
+the training thread — not an estimate of streamwatch's own code.
+
+What it measures:
+    Steps are of three sorts. A *sampled* step is summarised. The step after a sampled step is its
+    *shadow*: the worker handles the sampled step's record then, so its GIL time (and any other
+    deferred work) lands there. Any other step is *clean*. The baseline ``b`` is the median time of
+    the last ``baseline_window`` clean steps. Each sampled step gives one cost sample: its time plus
+    its shadow's, relative to the baseline, ``(t_sampled + t_shadow) / b - 2`` (or
+    ``t_sampled / b - 1`` when the next step is sampled too, whose own sample then carries the
+    spill). The cost ratio ``r`` is the median of the last ``cost_window`` cost samples, floored at
+    0: sampling one step costs ``r`` plain steps.
+
+How it sets the interval:
+    Sampling one step in ``N`` costs ``r / N`` of the run's time, so the interval is the smallest
+    ``N`` with ``r / N <= budget``, ``N = ceil(r / budget)``, at least 1. Two ceilings cap it so that
+    dashboards never go stale, whichever comes first: ``max_interval`` steps, and ``max_seconds`` of
+    time (the interval is at most ``max_seconds / b`` steps, and a step is sampled whenever
+    ``max_seconds`` have passed since the last sampled step began, however long the steps are). Where
+    a ceiling binds, monitoring costs more than the budget and :attr:`Governor.overhead_ratio` shows
+    it. Sampled steps are moved by up to ``N // 4`` steps either side of every ``N``-th step, by a
+    deterministic equidistributed sequence (no random state is touched), so a periodic pattern in the
+    step times (gradient accumulation, a prefetcher that falls behind every fourth batch) cannot alias
+    with the interval; the mean interval stays ``N``.
+
+Outliers:
+    Medians, so one slow step (a data-loader stall, a checkpoint) moves nothing. A cost sample counts
+    at most twice the larger of the current ``r`` and the budget, and the interval at most doubles
+    per cost sample (it may shrink at once). A burst of stalls that fills half the cost window thus
+    moves the interval up by at most 2x per sample, and in the tests never beyond double its value;
+    an unclipped median could send it to the ceiling, where it would wait long for new samples.
+
+Start-up:
+    The first step is sampled, so a dashboard has data at once. The first ``warmup`` step times
+    (allocation, autotuning, compilation) are discarded. Until there are 3 clean steps and 3 cost
+    samples the interval is 3 (sampled, shadow, clean); from there it doubles per cost sample
+    until it reaches ``ceil(r / budget)``: at most about ``2 * N`` steps.
+
+Probes:
+    At intervals 1 and 2 no step is clean, yet the baseline must stay fresh: whenever ``probe``
+    steps have passed without a clean step, the next steps are left unsampled until one is.
+
+Adaptation:
+    The windows slide, so the estimates follow a new regime (an eval phase, a new sequence length, a
+    slower node). The baseline follows within ``baseline_window // 2 + 1`` clean steps: at least one
+    step in 3 is clean at an interval of 3 or more, and one in ``probe + 2`` below that. Cost samples
+    are ratios to the baseline of their time, so a change that slows every step alike needs nothing
+    more. A cost ratio that falls is followed within ``cost_window // 2 + 1`` sampled steps, and one
+    that rises within about as many per doubling. With the defaults, and ``N`` the larger of the old and the
+    new interval, the interval is back within 1 of its new value at most ``80 + 8 * N`` steps after a
+    change in step times (tested for cost ratios that change up to 50-fold either way).
+
+Guards:
+    A step time that is zero, negative, NaN or infinite (a coarse or broken clock) is ignored and
+    counted in ``rejected``. Only positive, finite times enter a window, so no estimate divides by
+    zero or by a negative number, and the interval is always in ``[1, max_interval]``. A clock that
+    goes back restarts the time ceiling from its new reading rather than postponing it.
+
+Use:
+    Create the governor when observing starts: the first step begins then and is sampled
+    (:attr:`Governor.sampling`). Call :meth:`Governor.tick` once at every step boundary as the very
+    last thing, after the sampled step's record has been handed off, so that the hand-off is charged
+    to the step that caused it; ``tick`` returns whether the step beginning now is sampled. One
+    thread ticks (not thread-safe); :meth:`Governor.statistics` returns a frozen snapshot and may be
+    called from any thread.
+
+Example:
+    >>> from streamwatch._governor import Governor
+    >>> from streamwatch.testing import FakeClock
+    >>> clock = FakeClock()
+    >>> gov = Governor(budget=0.02, clock=clock)
+    >>> for _ in range(2000):  # a sampled step takes 20 % longer than a plain one
+    ...     clock.advance(0.120 if gov.sampling else 0.100)
+    ...     next_is_sampled = gov.tick()
+    >>> gov.interval, round(gov.cost_ratio, 6), round(gov.overhead_ratio, 6)
+    (10, 0.2, 0.02)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from ._clock import Clock
+
+__all__ = ["Governor", "GovernorStatistics"]
+
+CALIBRATION_INTERVAL = 3
+"""The interval while the governor has too few measurements to choose one (sampled, shadow, clean)."""
+
+_CALIBRATION_COUNT = 3  # clean and cost samples needed (fewer if a window is smaller) before deciding
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # the phase sequence k·φ mod 1 spreads sampled steps evenly
+_EPSILON = 1e-9  # a quotient that is an integer up to rounding (0.2 / 0.02, 1.0 / 0.1) is that integer
+
+
+@dataclass(frozen=True, slots=True)
+class GovernorStatistics:
+    """A snapshot of a :class:`Governor`: what it measured and what it chose.
+
+    ``cost_ratio``, ``overhead_ratio`` and ``step_seconds`` are None until there are enough
+    measurements to decide (see the module docstring, *Start-up*).
+    """
+
+    budget: float
+    """The budget: the fraction of the run's time monitoring may cost."""
+    interval: int
+    """The current sampling interval: one step in ``interval`` is sampled."""
+    cost_ratio: float | None
+    """``r``: what sampling one step costs, as a fraction of a plain step's time."""
+    overhead_ratio: float | None
+    """``r / interval``: what monitoring costs now, as a fraction of the run's time."""
+    step_seconds: float | None
+    """The baseline: the median time of the recent clean (unmonitored) steps."""
+    steps: int
+    """Steps that have ended (calls to :meth:`Governor.tick`)."""
+    sampled: int
+    """Steps chosen to be sampled, the first step and the one now running included."""
+    rejected: int
+    """Step times ignored because they were zero, negative, NaN or infinite."""
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"Expected `{name}` to be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_seconds(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"Expected `{name}` to be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def _median(values: deque[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+class Governor:
+    """Chooses which steps to sample so that monitoring's measured cost stays within ``budget``.
+
+    Args:
+        budget: the fraction of the run's time monitoring may cost, in (0, 1): 0.02 is 2 %.
+        max_interval: sample at least once every ``max_interval`` steps, whatever the cost.
+        max_seconds: sample at least once every ``max_seconds`` seconds (plus the step that
+            crosses it), whatever the cost.
+        warmup: how many of the first step times to discard (allocation, autotuning, compilation).
+        baseline_window: how many recent clean step times the baseline is the median of.
+        cost_window: how many recent cost samples the cost ratio is the median of.
+        probe: at intervals of 1 and 2, leave steps unsampled whenever ``probe`` steps have passed
+            without a clean one, to keep the baseline fresh.
+        clock: seconds from a monotonic origin; step times are differences of its readings.
+
+    Raises:
+        ValueError: an argument is out of range (the message names it).
+
+    Example:
+        >>> from streamwatch.testing import FakeClock
+        >>> clock = FakeClock()
+        >>> gov = Governor(budget=0.05, max_interval=100, clock=clock)
+        >>> gov.sampling, gov.interval, gov.cost_ratio  # the first step is sampled; nothing measured yet
+        (True, 3, None)
+        >>> for _ in range(500):  # sampling a step doubles its time: r = 1, so N = 1 / 0.05
+        ...     clock.advance(0.2 if gov.sampling else 0.1)
+        ...     _ = gov.tick()
+        >>> gov
+        <Governor budget=0.05 interval=20 cost_ratio=1 overhead_ratio=0.05>
+    """
+
+    __slots__ = (
+        "_baseline",
+        "_boundary",
+        "_budget",
+        "_cap",
+        "_clock",
+        "_cost_ratio",
+        "_costs",
+        "_growth_limit",
+        "_interval",
+        "_last_sample_at",
+        "_max_interval",
+        "_max_seconds",
+        "_pending",
+        "_phase",
+        "_prev_sampled",
+        "_probe",
+        "_rejected",
+        "_sampled",
+        "_sampling",
+        "_since_clean",
+        "_since_sample",
+        "_step_seconds",
+        "_steps",
+        "_warmup",
+    )
+
+    def __init__(
+        self,
+        budget: float = 0.02,
+        *,
+        max_interval: int = 1000,
+        max_seconds: float = 60.0,
+        warmup: int = 5,
+        baseline_window: int = 15,
+        cost_window: int = 7,
+        probe: int = 8,
+        clock: Clock = time.perf_counter,
+    ) -> None:
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < 1:
+            raise ValueError(f"Expected `budget` to be a number in (0, 1) (0.02 is 2 %), got {budget!r}")
+        if not callable(clock):
+            raise TypeError(f"Expected `clock` to be a callable returning seconds, got {clock!r}")
+        self._budget = float(budget)
+        self._max_interval = _check_int("max_interval", max_interval, 1)
+        self._max_seconds = _check_seconds("max_seconds", max_seconds)
+        self._warmup = _check_int("warmup", warmup, 0)
+        self._baseline: deque[float] = deque(maxlen=_check_int("baseline_window", baseline_window, 1))
+        self._costs: deque[float] = deque(maxlen=_check_int("cost_window", cost_window, 1))
+        self._probe = _check_int("probe", probe, 1)
+        self._clock = clock
+        now = float(clock())
+        self._boundary: float | None = now if math.isfinite(now) else None  # where the running step began
+        self._last_sample_at = self._boundary  # where the last sampled step began
+        self._step_seconds: float | None = None
+        self._cost_ratio: float | None = None
+        self._interval = min(CALIBRATION_INTERVAL, self._max_interval)
+        self._growth_limit = 2 * CALIBRATION_INTERVAL
+        self._cap = self._max_interval  # the interval's ceiling in steps, from both ceilings
+        self._pending: float | None = None  # a sampled step's time, waiting for its shadow
+        self._phase = 0.0
+        self._sampling = True  # the first step is sampled
+        self._prev_sampled = False  # whether the step before the running one was sampled
+        self._since_sample = 0  # steps ended since the last sampled step began
+        self._since_clean = 0  # steps ended since the last clean one
+        self._steps = 0
+        self._sampled = 1
+        self._rejected = 0
+
+    # -- the training thread's side -----------------------------------------------------------------
+
+    def tick(self) -> bool:
+        """Mark a step boundary: the running step has ended and the next one begins now.
+
+        Measures the step that ended (clock now minus at the previous boundary), updates the interval
+        and returns whether the next step is sampled (also :attr:`sampling` from now on). Cheap (a few
+        microseconds); never raises for odd clock readings.
+        """
+        reading = float(self._clock())
+        now = reading if math.isfinite(reading) else None
+        ended_sampled = self._sampling
+        seconds = math.nan
+        if now is not None:
+            if self._boundary is not None:
+                seconds = now - self._boundary
+            self._boundary = now
+            if self._last_sample_at is None or now < self._last_sample_at:
+                self._last_sample_at = now  # a clock that went back must not postpone the time ceiling
+        self._steps += 1
+        self._measure(seconds, ended_sampled)
+        self._since_sample += 1
+        clean = not ended_sampled and not self._prev_sampled
+        self._since_clean = 0 if clean else self._since_clean + 1
+        self._prev_sampled = ended_sampled
+        sample = self._choose(now)
+        self._sampling = sample
+        if sample:
+            self._sampled += 1
+            self._since_sample = 0
+            self._last_sample_at = now if now is not None else self._last_sample_at
+            self._phase = (self._phase + _GOLDEN) % 1.0
+        return sample
+
+    def _measure(self, seconds: float, sampled: bool) -> None:
+        """File the time of the step that ended: a clean step's, a cost sample's, or nothing."""
+        waiting = self._pending
+        self._pending = None
+        if not (math.isfinite(seconds) and seconds > 0):
+            self._rejected += 1  # a sampled step waiting for this shadow loses its cost sample too
+            return
+        if self._steps <= self._warmup:
+            return
+        if sampled:
+            if waiting is not None:
+                self._add_cost(waiting / self._baseline_or_nan() - 1)
+            self._pending = seconds
+        elif waiting is not None:
+            self._add_cost((waiting + seconds) / self._baseline_or_nan() - 2)
+        elif not self._prev_sampled:
+            self._baseline.append(seconds)
+            self._step_seconds = _median(self._baseline)
+            self._update()
+        # else: the shadow of a sampled step that was not measured (warm-up, rejected): no use
+
+    def _baseline_or_nan(self) -> float:
+        return math.nan if self._step_seconds is None else self._step_seconds
+
+    def _add_cost(self, cost: float) -> None:
+        if not math.isfinite(cost):  # NaN without a baseline yet; inf from a vanishing baseline
+            return
+        if self._cost_ratio is not None:  # a sample counts at most double: see *Outliers*
+            cost = min(cost, 2 * max(self._cost_ratio, self._budget))
+        self._costs.append(cost)
+        self._growth_limit = 2 * self._interval  # the interval at most doubles per cost sample
+        self._update()
+
+    def _update(self) -> None:
+        """Recompute the interval from the windows (all divisors here are positive and finite)."""
+        ready = min(_CALIBRATION_COUNT, self._baseline.maxlen or 1)
+        if self._step_seconds is None or len(self._baseline) < ready:
+            return
+        cap = self._max_interval
+        steps_in_ceiling = self._max_seconds / self._step_seconds  # b > 0; may be inf: compared only
+        if steps_in_ceiling < cap:
+            cap = max(1, int(steps_in_ceiling + _EPSILON))
+        self._cap = cap
+        if len(self._costs) < min(_CALIBRATION_COUNT, self._costs.maxlen or 1):
+            self._interval = min(CALIBRATION_INTERVAL, cap)
+            return
+        ratio = max(0.0, _median(self._costs))
+        self._cost_ratio = ratio
+        need = ratio / self._budget
+        limit = min(cap, self._growth_limit)
+        if need <= 1:
+            self._interval = 1
+        elif need >= limit:
+            self._interval = limit
+        else:
+            self._interval = max(1, math.ceil(need - _EPSILON))
+
+    def _choose(self, now: float | None) -> bool:
+        """Whether the step that begins now is sampled: the ceilings, then probes, then the interval."""
+        last = self._last_sample_at
+        if now is not None and last is not None and now - last >= self._max_seconds:
+            return True
+        if self._since_sample >= self._max_interval:
+            return True
+        if self._since_clean >= self._probe:
+            return False
+        return self._since_sample >= self._gap()
+
+    def _gap(self) -> int:
+        """The interval, shifted by up to a quarter of it by the phase sequence, within the ceiling."""
+        gap = self._interval
+        spread = gap // 4
+        if spread:
+            gap += math.floor((2 * self._phase - 1) * spread + 0.5)
+        return max(1, min(gap, self._cap))
+
+    # -- what it measured ---------------------------------------------------------------------------
+
+    @property
+    def sampling(self) -> bool:
+        """Whether the step running now is sampled (True for the first step)."""
+        return self._sampling
+
+    @property
+    def budget(self) -> float:
+        """The fraction of the run's time monitoring may cost."""
+        return self._budget
+
+    @property
+    def interval(self) -> int:
+        """The current sampling interval ``N`` (the mean number of steps between sampled steps)."""
+        return self._interval
+
+    @property
+    def cost_ratio(self) -> float | None:
+        """``r``: sampling one step (with its shadow) costs ``r`` plain steps; None until measured."""
+        return self._cost_ratio
+
+    @property
+    def overhead_ratio(self) -> float | None:
+        """``r / N``: monitoring's measured amortised cost, a fraction of the run's time; None until
+        measured. Above the budget only where a ceiling forces sampling more often."""
+        return None if self._cost_ratio is None else self._cost_ratio / self._interval
+
+    @property
+    def step_seconds(self) -> float | None:
+        """The baseline: the median time of the recent clean steps; None until measured."""
+        return self._step_seconds
+
+    def statistics(self) -> GovernorStatistics:
+        """A frozen snapshot of what the governor measured and chose (safe to call from any thread)."""
+        ratio = self._cost_ratio
+        interval = self._interval
+        return GovernorStatistics(
+            budget=self._budget,
+            interval=interval,
+            cost_ratio=ratio,
+            overhead_ratio=None if ratio is None else ratio / interval,
+            step_seconds=self._step_seconds,
+            steps=self._steps,
+            sampled=self._sampled,
+            rejected=self._rejected,
+        )
+
+    def __repr__(self) -> str:
+        ratio, overhead = (
+            "None" if value is None else f"{value:.3g}" for value in (self._cost_ratio, self.overhead_ratio)
+        )
+        return (
+            f"<Governor budget={self._budget:g} interval={self._interval} "
+            f"cost_ratio={ratio} overhead_ratio={overhead}>"
+        )

@@ -1,0 +1,540 @@
+"""The overhead governor, driven by a fake clock and synthetic step times: no real timing anywhere.
+
+The reference values are computed here from the definitions, never by running the governor: the
+smallest interval that meets the budget is ``ceil(r / budget)``, and the realised overhead of a run is
+``r`` × the fraction of steps that were sampled.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import FrozenInstanceError, dataclass, field
+from itertools import pairwise
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamwatch._governor import CALIBRATION_INTERVAL, Governor, GovernorStatistics
+from streamwatch.testing import FakeClock
+
+PLAIN = 0.01  # seconds per plain step
+# The documented adaptation bound (module docstring, *Adaptation*): with the default windows the
+# interval is within 1 of its new value at most 80 + 8 * N steps after a change, N the larger interval.
+REACTION_BASE, REACTION_PER_STEP = 80, 8
+
+
+def smallest_interval(ratio: float, budget: float) -> int:
+    """The reference: the smallest N >= 1 with ratio / N <= budget."""
+    n = 1
+    while ratio / n > budget * (1 + 1e-12):
+        n += 1
+    return n
+
+
+@dataclass
+class Run:
+    """What a driven governor did: one entry per step."""
+
+    sampled: list[bool] = field(default_factory=list)
+    intervals: list[int] = field(default_factory=list)
+    starts: list[float] = field(default_factory=list)  # when each step began
+    seconds: list[float] = field(default_factory=list)  # how long each step took
+
+    def realised_overhead(self, ratio: float, start: int = 0) -> float:
+        """The cost monitoring had over steps ``start:``, given that a sampled step costs ``ratio``."""
+        sampled = self.sampled[start:]
+        return ratio * sum(sampled) / len(sampled)
+
+    def gaps(self) -> list[int]:
+        """Steps between the starts of consecutive sampled steps."""
+        at = [i for i, s in enumerate(self.sampled) if s]
+        return [b - a for a, b in pairwise(at)]
+
+
+StepTime = Callable[[int, bool, bool], float]  # (step, sampled, previous step sampled) -> seconds
+
+
+def drive(gov: Governor, clock: FakeClock, steps: int, step_time: StepTime, run: Run | None = None) -> Run:
+    run = run if run is not None else Run()
+    previous = run.sampled[-1] if run.sampled else False
+    for i in range(len(run.sampled), len(run.sampled) + steps):
+        sampled = gov.sampling
+        seconds = step_time(i, sampled, previous)
+        run.sampled.append(sampled)
+        run.starts.append(clock())
+        run.seconds.append(seconds)
+        clock.advance(seconds)
+        gov.tick()
+        run.intervals.append(gov.interval)
+        previous = sampled
+    return run
+
+
+def costing(ratio: float, plain: float = PLAIN) -> StepTime:
+    """A sampled step takes ``1 + ratio`` plain steps."""
+    return lambda _i, sampled, _previous: plain * (1 + ratio) if sampled else plain
+
+
+def settle_steps(interval: int) -> int:
+    return 2_000 + 40 * interval
+
+
+# -- arguments ----------------------------------------------------------------------------------------
+
+
+BUDGET = "a number in (0, 1) (0.02 is 2 %)"
+SECONDS = "a finite number of seconds > 0"
+BAD_ARGUMENTS: list[tuple[str, object, str]] = [
+    ("budget", 0, BUDGET),
+    ("budget", 1.0, BUDGET),
+    ("budget", math.nan, BUDGET),
+    ("budget", True, BUDGET),
+    ("max_interval", 0, "an integer >= 1"),
+    ("max_interval", 10.0, "an integer >= 1"),
+    ("max_seconds", 0.0, SECONDS),
+    ("max_seconds", math.inf, SECONDS),
+    ("warmup", -1, "an integer >= 0"),
+    ("baseline_window", 0, "an integer >= 1"),
+    ("cost_window", 0, "an integer >= 1"),
+    ("probe", 0, "an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"), BAD_ARGUMENTS, ids=[f"{n}={v!r}" for n, v, _ in BAD_ARGUMENTS]
+)
+def test_bad_arguments_are_refused_by_name(name: str, value: object, expected: str) -> None:
+    message = f"^Expected `{name}` to be {re.escape(expected)}, got {re.escape(repr(value))}$"
+    with pytest.raises(ValueError, match=message):
+        Governor(**{name: value})  # type: ignore[arg-type]
+
+
+def test_a_clock_must_be_callable() -> None:
+    with pytest.raises(TypeError, match=r"^Expected `clock` to be a callable returning seconds, got 3$"):
+        Governor(clock=3)  # type: ignore[arg-type]
+
+
+# -- start-up -----------------------------------------------------------------------------------------
+
+
+def test_the_first_step_is_sampled_and_nothing_is_claimed_before_it_is_measured() -> None:
+    gov = Governor(clock=FakeClock())
+    assert gov.sampling
+    assert gov.interval == CALIBRATION_INTERVAL
+    assert (gov.cost_ratio, gov.overhead_ratio, gov.step_seconds) == (None, None, None)
+    stats = gov.statistics()
+    assert (stats.steps, stats.sampled, stats.rejected) == (0, 1, 0)
+
+
+def test_warmup_steps_are_not_measured() -> None:
+    clock = FakeClock()
+    gov = Governor(0.02, clock=clock, warmup=5, max_seconds=1e6)
+    slow_start: StepTime = lambda i, _s, _p: 100.0 if i < 5 else PLAIN  # noqa: E731
+    drive(gov, clock, 6, slow_start)  # steps 0-4 are warm-up; 5 is the first clean one measured
+    assert gov.step_seconds == pytest.approx(PLAIN)
+
+
+def test_calibration_samples_one_step_in_three_until_it_has_measurements() -> None:
+    clock = FakeClock()
+    gov = Governor(0.02, clock=clock, warmup=0)
+    run = drive(gov, clock, 6, costing(0.2))
+    assert run.sampled == [True, False, False, True, False, False]
+
+
+# -- the interval meets the budget --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [0.01, 0.02, 0.05])
+@pytest.mark.parametrize("ratio", [0.01, 0.2, 1.0, 5.0])
+def test_converges_to_the_smallest_interval_that_meets_the_budget(ratio: float, budget: float) -> None:
+    clock = FakeClock()
+    gov = Governor(budget, clock=clock)
+    expected = smallest_interval(ratio, budget)
+    steps = settle_steps(expected)
+    run = drive(gov, clock, steps, costing(ratio))
+    assert gov.interval == expected
+    assert gov.cost_ratio == pytest.approx(ratio)
+    assert gov.overhead_ratio == pytest.approx(ratio / expected)
+    realised = run.realised_overhead(ratio, start=steps // 2)
+    assert realised <= budget * 1.03  # the mean gap is the interval, up to the end effects of the phases
+    if expected > 1:  # not wastefully below: ceil(r / budget) leaves less than 1/N of the budget unused
+        assert realised >= budget * (expected - 1) / expected * 0.97
+
+
+@pytest.mark.parametrize(("ratio", "budget"), [(0.2, 0.02), (1.0, 0.05), (5.0, 0.02)])
+def test_noisy_step_times_still_meet_the_budget(ratio: float, budget: float) -> None:
+    rng = random.Random(7)
+    clock = FakeClock()
+    gov = Governor(budget, clock=clock)
+    expected = smallest_interval(ratio, budget)
+
+    def noisy(_i: int, sampled: bool, _previous: bool) -> float:
+        return PLAIN * (1 + ratio if sampled else 1) * rng.uniform(0.95, 1.05)
+
+    steps = settle_steps(expected) * 2
+    run = drive(gov, clock, steps, noisy)
+    assert budget * 0.8 <= run.realised_overhead(ratio, start=steps // 2) <= budget * 1.1
+    assert abs(gov.interval - expected) <= max(1, 0.15 * expected)
+
+
+def test_the_worker_time_in_the_shadow_step_is_part_of_the_cost() -> None:
+    clock = FakeClock()
+    gov = Governor(0.02, clock=clock)
+
+    def spill(_i: int, sampled: bool, previous: bool) -> float:  # 0.1 in the sampled step, 0.1 after it
+        return PLAIN * (1.1 if sampled else 1) + (PLAIN * 0.1 if previous and not sampled else 0)
+
+    drive(gov, clock, 2_000, spill)
+    assert gov.cost_ratio == pytest.approx(0.2)
+    assert gov.interval == 10
+
+
+def test_cheap_sampling_samples_nearly_every_step_but_keeps_probing_the_baseline() -> None:
+    clock = FakeClock()
+    gov = Governor(0.02, clock=clock, probe=8)
+    run = drive(gov, clock, 2_000, costing(0.001))
+    tail = run.sampled[500:]
+    assert gov.interval == 1
+    assert 0.7 <= sum(tail) / len(tail) < 1
+    clean = [i for i in range(501, 2_000) if not run.sampled[i] and not run.sampled[i - 1]]
+    assert max(b - a for a, b in pairwise(clean)) <= 8 + 2
+
+
+# -- outliers -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ratio", "budget", "seed"),
+    [(0.2, 0.02, seed) for seed in range(6)] + [(1.0, 0.05, 0), (1.0, 0.01, 7), (5.0, 0.02, 0)],
+)
+@pytest.mark.parametrize("pattern", ["random", "periodic"])
+def test_one_step_in_twenty_fifty_times_slower_barely_moves_the_interval(
+    ratio: float, budget: float, seed: int, pattern: str
+) -> None:
+    rng = random.Random(seed)
+    expected = smallest_interval(ratio, budget)
+
+    def stalls(i: int, sampled: bool, previous: bool) -> float:
+        stalled = rng.random() < 1 / 20 if pattern == "random" else i % 20 == seed
+        return costing(ratio)(i, sampled, previous) * (50 if stalled else 1)
+
+    clock = FakeClock()
+    gov = Governor(budget, clock=clock)
+    steps = settle_steps(expected) * 2
+    run = drive(gov, clock, steps, stalls)
+    settled = run.intervals[steps // 4 :]
+    off = sum(abs(n - expected) > 1 for n in settled)
+    assert off <= 0.1 * len(settled)  # within 1 of the clean interval on 90 % of the steps ...
+    assert max(settled) <= 2 * expected  # ... and never more than doubled (module docstring, *Outliers*)
+    assert abs(gov.interval - expected) <= 1
+
+
+def test_aliasing_with_a_periodic_slow_step_is_broken_by_the_phase_sequence() -> None:
+    # every 10th step is 3x slower (say, an optimizer step after gradient accumulation); at a fixed
+    # interval of 10 every sampled step would be one, or none would be
+    clock = FakeClock()
+    gov = Governor(0.02, clock=clock)
+
+    def accumulate(i: int, sampled: bool, previous: bool) -> float:
+        return costing(0.2)(i, sampled, previous) * (3 if i % 10 == 9 else 1)
+
+    run = drive(gov, clock, 10_000, accumulate)
+    phases = {i % 10 for i, s in enumerate(run.sampled[2_000:], start=2_000) if s}
+    assert len(phases) >= 5
+    assert 0.08 <= sum(run.sampled[2_000:]) / 8_000 <= 0.2
+
+
+# -- adaptation ---------------------------------------------------------------------------------------
+
+
+def settled_after(intervals: Sequence[int], target: int) -> int:
+    """Steps until the interval is within 1 of ``target`` for good."""
+    return max((i + 1 for i, n in enumerate(intervals) if abs(n - target) > 1), default=0)
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        pytest.param((PLAIN, 0.2), (2 * PLAIN, 0.1), id="steps-2x-slower-same-absolute-cost"),
+        pytest.param((PLAIN, 0.2), (PLAIN / 2, 0.4), id="steps-2x-faster-same-absolute-cost"),
+        pytest.param((PLAIN, 0.1), (PLAIN, 1.0), id="cost-10x"),
+        pytest.param((PLAIN, 1.0), (PLAIN, 0.1), id="cost-tenth"),
+        pytest.param((PLAIN, 0.1), (PLAIN, 5.0), id="cost-50x"),
+        pytest.param((PLAIN, 5.0), (PLAIN, 0.1), id="cost-fiftieth"),
+        pytest.param((PLAIN, 0.01), (PLAIN, 0.5), id="from-every-step"),
+        pytest.param((PLAIN, 0.5), (PLAIN, 0.01), id="to-every-step"),
+    ],
+)
+@pytest.mark.parametrize("budget", [0.02, 0.05])
+def test_reacts_to_a_change_within_the_documented_bound(
+    before: tuple[float, float], after: tuple[float, float], budget: float
+) -> None:
+    clock = FakeClock()
+    gov = Governor(budget, clock=clock)
+    old = smallest_interval(before[1], budget)
+    drive(gov, clock, settle_steps(old), costing(before[1], plain=before[0]))
+    assert gov.interval == old
+    new = smallest_interval(after[1], budget)
+    bound = REACTION_BASE + REACTION_PER_STEP * max(old, new)
+    run = drive(gov, clock, bound + 10 * new + 100, costing(after[1], plain=after[0]))
+    assert settled_after(run.intervals, new) <= bound
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    budget=st.sampled_from([0.01, 0.02, 0.05]),
+    before=st.floats(min_value=0.005, max_value=2.0),
+    factor=st.floats(min_value=1 / 50, max_value=50),
+    slowdown=st.sampled_from([0.5, 1.0, 2.0]),
+)
+def test_any_change_is_followed_within_the_documented_bound(
+    budget: float, before: float, factor: float, slowdown: float
+) -> None:
+    after = min(before * factor, 2.0)
+    clock = FakeClock()
+    gov = Governor(budget, clock=clock)
+    old, new = smallest_interval(before, budget), smallest_interval(after, budget)
+    drive(gov, clock, settle_steps(old), costing(before))
+    bound = REACTION_BASE + REACTION_PER_STEP * max(old, new)
+    run = drive(gov, clock, bound + 10 * new + 100, costing(after, plain=PLAIN * slowdown))
+    assert settled_after(run.intervals, new) <= bound
+
+
+def test_a_change_that_slows_every_step_alike_keeps_the_interval() -> None:
+    clock = FakeClock()
+    gov = Governor(0.02, clock=clock)
+    run = Run()
+    for plain in (PLAIN, 2 * PLAIN, PLAIN / 4, PLAIN):  # a slower node, a shorter sequence, ...
+        drive(gov, clock, 2_000, costing(0.2, plain=plain), run)
+    assert set(run.intervals[1_000:]) == {10}
+
+
+# -- ceilings -----------------------------------------------------------------------------------------
+
+
+def test_max_interval_bounds_the_interval_and_every_gap() -> None:
+    clock = FakeClock()
+    gov = Governor(0.01, clock=clock, max_interval=50)
+    run = drive(gov, clock, 5_000, costing(100.0))  # would need an interval of 10 000
+    assert gov.interval == 50
+    assert max(run.gaps()) <= 50
+    assert gov.overhead_ratio == pytest.approx(100.0 / 50)  # honest: far above the budget
+
+
+def test_max_seconds_bounds_the_time_between_sampled_steps() -> None:
+    clock = FakeClock()
+    gov = Governor(0.01, clock=clock, max_seconds=1.0)
+    run = drive(gov, clock, 3_000, costing(5.0, plain=0.1))  # 500 steps would be 50 s
+    assert gov.interval == 10  # as many 0.1 s steps as fit in a second
+    starts = [t for t, s in zip(run.starts, run.sampled, strict=True) if s]
+    assert max(b - a for a, b in pairwise(starts)) <= 1.0 + 0.1 * 6 + 1e-9
+
+
+def test_a_step_longer_than_max_seconds_samples_the_next_one() -> None:
+    clock = FakeClock()
+    gov = Governor(0.01, clock=clock, max_seconds=5.0)
+    drive(gov, clock, 2_000, costing(1.0))
+    assert gov.interval == 100
+    clock.advance(6.0)  # one long step, e.g. an evaluation between two training steps
+    assert gov.tick()
+
+
+# -- guards -------------------------------------------------------------------------------------------
+
+
+class ScriptedClock:
+    """Returns the readings it is given, in order, then the last one for ever."""
+
+    def __init__(self, readings: Sequence[float]) -> None:
+        self.readings = list(readings)
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        if self.readings:
+            self.now = self.readings.pop(0)
+        return self.now
+
+
+class OddClock:
+    """Reads ``clock``, but once in ``every`` readings ``odd(the previous reading)`` instead."""
+
+    def __init__(self, clock: FakeClock, odd: Callable[[float], float], every: int) -> None:
+        self.clock, self.odd, self.every = clock, odd, every
+        self.reads, self.last = 0, clock()
+
+    def __call__(self) -> float:
+        self.reads += 1
+        self.last = self.odd(self.last) if self.reads % self.every == 0 else self.clock()
+        return self.last
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        pytest.param(lambda last: last, id="zero"),  # and the next step is read as two steps
+        pytest.param(lambda last: last - PLAIN, id="negative"),
+        pytest.param(lambda last: math.nan, id="nan"),
+        pytest.param(lambda last: math.inf, id="inf"),
+        pytest.param(lambda last: -math.inf, id="-inf"),
+        pytest.param(lambda last: last + 1e300, id="huge-then-negative"),
+    ],
+)
+def test_odd_step_times_are_ignored_and_counted(odd: Callable[[float], float]) -> None:
+    clock = FakeClock()
+    gov = Governor(0.02, clock=OddClock(clock, odd, every=50))
+    drive(gov, clock, 3_000, costing(0.2))
+    stats = gov.statistics()
+    assert stats.rejected >= 3_000 // 50
+    assert gov.interval == 10  # as without the odd readings
+    assert gov.cost_ratio == pytest.approx(0.2)
+    assert gov.step_seconds == pytest.approx(PLAIN)
+
+
+def test_a_clock_that_jumps_back_does_not_postpone_the_time_ceiling() -> None:
+    clock = FakeClock()
+    offset = [0.0]
+    gov = Governor(0.01, clock=lambda: clock() + offset[0], max_seconds=10.0)
+    drive(gov, clock, 3_000, costing(50.0, plain=0.1))
+    assert gov.interval == 100  # as many 0.1 s steps as fit in 10 s
+    offset[0] = -1_000.0  # the clock is set back by 1000 s; from now on one step in 3 takes 5 s
+
+    def uneven(i: int, sampled: bool, previous: bool) -> float:
+        return 5.0 if i % 3 == 0 else costing(50.0, plain=0.1)(i, sampled, previous)
+
+    run = drive(gov, clock, 300, uneven)
+    starts = [t for t, s in zip(run.starts, run.sampled, strict=True) if s]
+    assert starts[0] - run.starts[0] <= 5.0 + 10.0 + 5.0  # counted from the first reading after the jump
+    assert max(b - a for a, b in pairwise(starts)) <= 10.0 + 5.0 + 1e-9
+
+
+def test_a_stopped_clock_never_calibrates_and_still_samples() -> None:
+    gov = Governor(0.02, clock=lambda: 5.0, max_interval=100)
+    sampled = [gov.tick() for _ in range(300)]
+    assert gov.statistics().rejected == 300
+    assert gov.cost_ratio is None
+    assert gov.interval == CALIBRATION_INTERVAL
+    assert sum(sampled) == 100
+
+
+def test_a_vanishing_baseline_divides_nothing_by_zero() -> None:
+    # steps of the smallest positive float, then of a second: a quotient by the baseline overflows
+    tiny = 5e-324
+    readings = [i * tiny for i in range(40)] + [1.0 + i for i in range(40)]
+    gov = Governor(0.02, clock=ScriptedClock(readings), max_interval=30, warmup=0)
+    for _ in range(79):
+        gov.tick()
+        assert 1 <= gov.interval <= 30
+    assert gov.step_seconds == tiny
+    assert gov.cost_ratio == 0.0  # from the tiny steps; the infinite cost samples were not kept
+    assert gov.overhead_ratio == 0.0
+
+
+def test_a_huge_cost_ratio_reaches_the_ceiling_without_overflow() -> None:
+    clock = FakeClock()
+    gov = Governor(0.01, clock=clock, max_seconds=1e9)
+    drive(gov, clock, 6_000, costing(1e12, plain=1e-9))
+    assert gov.interval == 1_000
+    assert gov.overhead_ratio == pytest.approx(1e12 / 1_000, rel=1e-3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    times=st.lists(
+        st.one_of(
+            st.floats(min_value=0, max_value=10, allow_nan=False),
+            st.sampled_from([0.0, 1e-9, PLAIN, 120.0]),
+        ),
+        min_size=1,
+        max_size=400,
+    ),
+    sampled_extra=st.floats(min_value=0, max_value=50, allow_nan=False),
+    budget=st.floats(min_value=1e-4, max_value=0.9),
+    max_interval=st.integers(min_value=1, max_value=60),
+    max_seconds=st.floats(min_value=1e-3, max_value=100),
+    warmup=st.integers(min_value=0, max_value=6),
+)
+def test_the_ceilings_hold_for_any_step_times(
+    times: list[float],
+    sampled_extra: float,
+    budget: float,
+    max_interval: int,
+    max_seconds: float,
+    warmup: int,
+) -> None:
+    clock = FakeClock()
+    gov = Governor(budget, clock=clock, max_interval=max_interval, max_seconds=max_seconds, warmup=warmup)
+    step_time: StepTime = lambda i, sampled, _p: times[i] * (1 + sampled_extra if sampled else 1)  # noqa: E731
+    run = drive(gov, clock, len(times), step_time)
+    assert all(1 <= n <= max_interval for n in run.intervals)
+    assert all(gap <= max_interval for gap in run.gaps())
+    at = [i for i, s in enumerate(run.sampled) if s]
+    for a, b in pairwise(at):  # a sampled step begins within max_seconds of the last, plus one step
+        assert run.starts[b] - run.starts[a] < max_seconds + run.seconds[b - 1] + 1e-9
+    end = run.starts[-1] + run.seconds[-1]
+    if not gov.sampling:  # since the last sampled step began, no boundary has crossed the ceiling
+        last = run.starts[at[-1]]
+        assert len(run.sampled) - at[-1] < max_interval
+        assert all(t - last < max_seconds for t in [*run.starts[at[-1] + 1 :], end])
+    stats = gov.statistics()
+    for value in (stats.cost_ratio, stats.overhead_ratio, stats.step_seconds):
+        assert value is None or (math.isfinite(value) and value >= 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    readings=st.lists(
+        st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.floats(min_value=-10, max_value=10)),
+        max_size=200,
+    )
+)
+def test_any_clock_readings_never_crash_or_leave_the_range(readings: list[float]) -> None:
+    gov = Governor(0.02, clock=ScriptedClock([0.0, *readings]), max_interval=40)
+    for _ in readings:
+        gov.tick()
+        assert 1 <= gov.interval <= 40
+    stats = gov.statistics()
+    assert stats.steps == len(readings)
+    for value in (stats.cost_ratio, stats.overhead_ratio, stats.step_seconds):
+        assert value is None or (math.isfinite(value) and value >= 0)
+
+
+# -- what it reports ----------------------------------------------------------------------------------
+
+
+def test_statistics_is_a_frozen_snapshot_of_the_properties() -> None:
+    clock = FakeClock()
+    gov = Governor(0.05, clock=clock)
+    run = drive(gov, clock, 1_000, costing(1.0))
+    stats = gov.statistics()
+    assert isinstance(stats, GovernorStatistics)
+    assert stats == GovernorStatistics(
+        budget=0.05,
+        interval=20,
+        cost_ratio=pytest.approx(1.0),  # type: ignore[arg-type]
+        overhead_ratio=pytest.approx(0.05),  # type: ignore[arg-type]
+        step_seconds=pytest.approx(PLAIN),  # type: ignore[arg-type]
+        steps=1_000,
+        sampled=sum(run.sampled) + gov.sampling,
+        rejected=0,
+    )
+    with pytest.raises(FrozenInstanceError):
+        stats.interval = 3  # type: ignore[misc]
+
+
+def test_repr_shows_the_budget_and_what_was_measured() -> None:
+    clock = FakeClock()
+    gov = Governor(0.05, clock=clock)
+    assert repr(gov) == "<Governor budget=0.05 interval=3 cost_ratio=None overhead_ratio=None>"
+    drive(gov, clock, 1_000, costing(1.0))
+    assert re.fullmatch(r"<Governor budget=0\.05 interval=20 cost_ratio=1 overhead_ratio=0\.05>", repr(gov))
+
+
+def test_the_global_random_state_is_untouched() -> None:
+    state = random.getstate()
+    clock = FakeClock()
+    drive(Governor(0.02, clock=clock), clock, 2_000, costing(0.2))
+    assert random.getstate() == state
