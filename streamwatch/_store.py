@@ -79,6 +79,12 @@ class WatchStatistics:
         stuck_pipelines: the pipeline(s) still running a call that did not return when ``close()`` gave
             up waiting (``close_timeout``); empty unless it gave up.
         unflushed_records: records that had not reached every sink when ``close()`` gave up.
+        sampling_interval: one step in ``sampling_interval`` is sampled: ``every`` with a fixed interval,
+            the governor's current interval with ``observe(overhead=...)`` (docs/governor.md).
+        overhead_ratio: with ``observe(overhead=...)``, what monitoring costs now as a fraction of the
+            run's time, measured by the governor (the cost of a sampled step over the interval); None
+            before it has measured it, and with a fixed interval.
+        overhead_budget: the ``overhead=`` budget; None with a fixed interval.
 
     Example:
         >>> WatchStatistics.replayed(3).records_received
@@ -103,6 +109,9 @@ class WatchStatistics:
     failed_steps: int = 0
     stuck_pipelines: tuple[str, ...] = ()
     unflushed_records: int = 0
+    sampling_interval: int = 1
+    overhead_ratio: float | None = None
+    overhead_budget: float | None = None
 
     @classmethod
     def replayed(cls, records: int) -> WatchStatistics:
@@ -217,8 +226,6 @@ class SeriesStore(Sink):
             if record.edges:
                 self._edges = record.edges
             self._step = record.step
-            self.records += 1
-            self.lag = time.time() - record.time
         for name, metric in list(self._run):
             try:
                 samples = metric(record)
@@ -227,6 +234,9 @@ class SeriesStore(Sink):
                 self.failures.append((f"SeriesStore metric {name!r}", exc))
                 continue
             self.put(samples)
+        with self._lock:  # counted once everything of the record is in: flush() waits for this
+            self.records += 1
+            self.lag = time.time() - record.time
 
     def put(self, samples: Iterable[Sample]) -> None:
         """Latest values of derived or user-served series, replacing those with the same name and labels."""

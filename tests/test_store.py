@@ -126,6 +126,12 @@ def test_an_unknown_metric_name_is_refused() -> None:
         SeriesStore(metrics=["ratio"])
 
 
+def _train_then_one_more(watch: sw.Watch, model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    """``steps`` steps (ending with ``flush()``), then one more: what the worker met is surfaced by then."""
+    _train(watch, model, opt, steps)
+    _train(watch, model, opt, 1)
+
+
 def test_a_failing_metric_stops_only_itself_and_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(record: StepRecord) -> list[Sample]:
         raise ZeroDivisionError("boom")
@@ -133,14 +139,17 @@ def test_a_failing_metric_stops_only_itself_and_is_reported(monkeypatch: pytest.
     monkeypatch.setitem(DERIVED, "boom", boom)
     model, opt = _model()
     watch = sw.observe(model, opt, metrics=["boom", "layer_mean"])
-    with pytest.warns(RuntimeWarning, match="boom"):
-        _train(watch, model, opt, 3)
-    assert watch.statistics().pipeline_failures == 1
-    samples = watch.snapshot()
-    assert any(s.name == "streamwatch_layer_mean" for s in samples)  # the other metric goes on
-    assert watch.store.step == 2  # the values go on
-    with pytest.raises(sw.PipelineError, match="boom"):
-        watch.close()
+    try:
+        # warned once, at a step after the worker met the failure: at the latest the step after flush()
+        with pytest.warns(RuntimeWarning, match="boom"):
+            _train_then_one_more(watch, model, opt, 3)
+        assert watch.statistics().pipeline_failures == 1
+        samples = watch.snapshot()
+        assert any(s.name == "streamwatch_layer_mean" for s in samples)  # the other metric goes on
+        assert watch.store.step == 3  # the values go on
+    finally:
+        with pytest.raises(sw.PipelineError, match="boom"):
+            watch.close()
 
 
 def test_records_and_the_run_file_carry_histogram_edges(tmp_path: Path) -> None:
