@@ -70,6 +70,14 @@ Reported as ``floor_ratio`` (default) and ``everything_floor_ratio``, with ``sum
 and ``bandwidth_gb_s``, beside the measured ratios. ``everything_over_floor`` is the everything-every-step
 step time over the floor's step time (baseline + floor), the issue's "within 1.3× of the byte floor".
 
+**The governor** (``test_governor``, its own interleaved cycles of ``3 K`` steps, 2 warm-up and 6
+measured): ``baseline``, ``default``, ``every10`` and ``observe(overhead=b)`` for b in 0.01, 0.02, 0.05
+(``overhead0.02``, ...). A governed variant's sampled steps are the ones its governor chose (read from
+``watch._governor.sampling`` before each step); its cost is estimated like ``everyN``'s with ``f`` the share
+of steps it sampled (:func:`measure_governed`). The report adds the interval each governor settled at and
+the overhead it measured itself. The wait between rounds (the other variants' rounds) lands in the first
+step of each round as the governor sees it: one slow step in ``3 K``, which its medians ignore.
+
 ``step() µs`` is ``watch.step()`` alone on the training thread (stack the step's device scalars, build the
 record, offer it to the channel; DESIGN budget ≤ 30 µs), timed inside the default variant's steps
 (cadence-weighted) and the every=100 variant's unsampled steps. ``test_handoff`` measures the same with
@@ -78,6 +86,7 @@ pytest-benchmark's own table, the MLP training step in pedantic's untimed ``setu
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -209,6 +218,7 @@ class Variant:
     model: nn.Module
     period: int  # steps with step % period == 0 do the most work (weights/updates, or the sampled step)
     every: int = 1  # observe(every=...)
+    overhead: float | None = None  # observe(overhead=...): the governor's sampled steps are the heavy ones
     watch: sw.Watch | None = None
     hooks: ItemHooks | None = None
     steps: int = 0
@@ -216,6 +226,7 @@ class Variant:
     times: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
     handoff: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
     backlog: list[float] = field(default_factory=list)
+    sampled_steps: int = 0  # governed: steps the governor sampled (every step, recorded or not)
 
     def __post_init__(self) -> None:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LR)
@@ -223,7 +234,10 @@ class Variant:
     def run(self, k: int, x: torch.Tensor, y: torch.Tensor) -> None:
         model, optimizer, watch, hooks = self.model, self.optimizer, self.watch, self.hooks
         clock, batch = time.perf_counter, x.shape[0]
+        governor = watch._governor if watch is not None else None
         for _ in range(k):
+            heavy = governor.sampling if governor is not None else self.steps % self.period == 0
+            self.sampled_steps += heavy
             start = clock()
             outputs = model(x)
             loss = F.cross_entropy(outputs, y)
@@ -237,7 +251,6 @@ class Variant:
             if hooks is not None:
                 hooks.values.clear()
             if self.recording:
-                heavy = self.steps % self.period == 0
                 self.times[heavy].append(end - start)
                 if watch is not None:
                     self.handoff[heavy].append(end - before_handoff)
@@ -280,6 +293,11 @@ def variants_of(spec: Spec, names: tuple[str, ...]) -> Iterator[dict[str, Varian
                 made[name] = Variant(name, model, period=1)
             elif name == "item_hooks":
                 made[name] = Variant(name, model, period=1, hooks=ItemHooks(model))
+            elif name.startswith("overhead"):  # the governor: overhead0.02 is observe(overhead=0.02)
+                budget = float(name[len("overhead") :])
+                variant = Variant(name, model, period=1, overhead=budget)
+                variant.watch = sw.observe(model, variant.optimizer, overhead=budget)
+                made[name] = variant
             else:
                 every = int(name[5:]) if name.startswith("every") and name != "everything" else 1
                 period = every if every > 1 else (1 if name == "everything" else WEIGHT_CADENCE)
@@ -357,7 +375,10 @@ def check_watch(variant: Variant) -> None:
     stats = watch.statistics()
     every = variant.every
     assert stats.steps == variant.steps
-    assert stats.sampled == -(-variant.steps // every), stats
+    if variant.overhead is None:
+        assert stats.sampled == -(-variant.steps // every), stats
+    else:
+        assert stats.sampled == variant.sampled_steps, stats
     assert stats.records_received + stats.dropped_oldest == stats.sampled, stats
     assert stats.records_received > 0, stats
     assert stats.hook_errors == 0, stats
@@ -481,6 +502,108 @@ def test_overhead(benchmark: Any, bench_report: list[str], model_name: str) -> N
     if not bench_report:
         bench_report.extend(REPORT_HEADER.splitlines())
     bench_report.append(report_line(model_name, info))
+
+
+# -- 1b. the overhead governor, interleaved ---------------------------------------------------------------
+
+GOVERNOR_BUDGETS = (0.01, 0.02, 0.05)
+GOVERNOR_VARIANTS = ("baseline", "default", "every10", *(f"overhead{b}" for b in GOVERNOR_BUDGETS))
+GOVERNOR_STEPS_FACTOR = 3  # rounds of 3 K steps: the governor needs a few hundred steps to settle
+GOVERNOR_ROUNDS = 6
+GOVERNOR_WARMUP_ROUNDS = 2  # the governor calibrates and grows its interval here (discarded)
+
+
+def measure_governed(variants: dict[str, Variant]) -> dict[str, float]:
+    """Ratios of ``default``, ``every10`` and the governed variants to the baseline.
+
+    A governed variant's cost per step is estimated like ``everyN``'s: ``(1 − f)·median(its unsampled
+    steps) + f·default``, ``f`` the share of its measured steps the governor sampled (a sampled step does
+    what a ``default`` step does); ``ratio_total`` (total time) is the second opinion, and it also holds
+    the worker's time in the shadow steps. Beside them: the interval the governor settled at, and the
+    overhead it measured itself (``statistics().overhead_ratio``, to compare with ``ratio − 1``)."""
+    base, default = variants["baseline"], variants["default"]
+    cost = {"baseline": base.cost(), "default": default.cost()}
+    low = {"baseline": base.cost(quartile), "default": default.cost(quartile)}
+    info: dict[str, float] = {}
+    for name, variant in variants.items():
+        if name in cost:
+            continue
+        sampled, unsampled = variant.times[True], variant.times[False]
+        f = 1 / variant.every if variant.overhead is None else len(sampled) / len(variant.measured())
+        cost[name] = (1 - f) * statistics.median(unsampled) + f * cost["default"]
+        low[name] = (1 - f) * quartile(unsampled) + f * low["default"]
+        if variant.overhead is not None and variant.watch is not None:
+            stats = variant.watch.statistics()
+            info[f"{name}_sampled_share"] = f
+            info[f"{name}_interval"] = stats.sampling_interval
+            info[f"{name}_measured_overhead"] = (
+                math.nan if stats.overhead_ratio is None else stats.overhead_ratio
+            )
+    total = {name: statistics.fmean(v.measured()) for name, v in variants.items()}
+    info["baseline_ms_per_step"] = 1e3 * cost["baseline"]
+    info["measured_steps_per_variant"] = len(base.measured())
+    for name, variant in variants.items():
+        info[f"{name}_ratio"] = cost[name] / cost["baseline"]
+        info[f"{name}_ratio_total"] = total[name] / total["baseline"]
+        info[f"{name}_ratio_q1"] = low[name] / low["baseline"]
+        if variant.backlog:
+            info[f"{name}_worker_backlog_ms"] = 1e3 * statistics.median(variant.backlog)
+    return info
+
+
+GOVERNOR_HEADER = (
+    f"{'governor':<12}{'base ms':>8}{'default':>15}{'every=10':>15}"
+    + "".join(f"{f'overhead={b}':>15}{'N':>5}{'1/f':>6}{'meas.':>7}" for b in GOVERNOR_BUDGETS)
+    + "\nratios to baseline: weighted median (total-time ratio in parentheses); N: the governor's interval at"
+    " the end; 1/f: the mean interval realised over the measured steps; meas.: the overhead it measured"
+    " itself at the end (statistics().overhead_ratio)"
+)
+
+
+def governor_line(model_name: str, info: dict[str, float]) -> str:
+    def ratio(name: str) -> str:
+        return f"{info[f'{name}_ratio']:.3f} ({info[f'{name}_ratio_total']:.2f})"
+
+    line = f"{model_name:<12}{info['baseline_ms_per_step']:>8.2f}{ratio('default'):>15}{ratio('every10'):>15}"
+    for budget in GOVERNOR_BUDGETS:
+        name = f"overhead{budget}"
+        line += f"{ratio(name):>15}{info[f'{name}_interval']:>5.0f}{1 / info[f'{name}_sampled_share']:>6.1f}"
+        line += f"{info[f'{name}_measured_overhead']:>7.3f}"
+    return line
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model_name", list(SPECS))
+@pytest.mark.benchmark(group="observe overhead governor: one interleaved cycle (3 K steps of every variant)")
+def test_governor(benchmark: Any, bench_report: list[str], model_name: str) -> None:
+    """``observe(overhead=b)`` for b in 0.01, 0.02, 0.05 beside ``every=1`` and ``every=10``, interleaved
+    against the unmonitored baseline like :func:`test_overhead`."""
+    spec = SPECS[model_name]
+    x, y = spec.data()
+    with variants_of(spec, GOVERNOR_VARIANTS) as variants:
+        k = spec.steps * GOVERNOR_STEPS_FACTOR
+        order = list(variants.values())
+        cycles = 0
+        warmup = 0 if benchmark.disabled else GOVERNOR_WARMUP_ROUNDS
+
+        def cycle() -> None:
+            nonlocal cycles
+            shift = cycles % len(order)
+            for variant in order[shift:] + order[:shift]:
+                variant.recording = cycles >= warmup
+                variant.run(k, x, y)
+            cycles += 1
+
+        benchmark.pedantic(cycle, rounds=GOVERNOR_ROUNDS, iterations=1, warmup_rounds=warmup)
+        for variant in variants.values():
+            if variant.watch is not None:
+                check_watch(variant)
+        info = measure_governed(variants)
+    benchmark.extra_info.update(info)
+    header = GOVERNOR_HEADER.splitlines()
+    if header[0] not in bench_report:
+        bench_report.extend(header)
+    bench_report.append(governor_line(model_name, info))
 
 
 # -- 2. the hand-off alone ---------------------------------------------------------------------------------

@@ -706,6 +706,25 @@ def health() -> dash.Dashboard:
                 description="Seconds of streamwatch per second of wall time.",
             )
         )
+        .with_panel(
+            ts(
+                "Sampling interval",
+                "suffix: steps",
+                [Q(f"streamwatch_sampling_interval{{{RANK}}}", "rank {{rank}}")],
+                description="One step in this many is sampled: every= fixes it; with observe(overhead=...) "
+                "the overhead governor chooses it from what sampling measurably costs.",
+            )
+        )
+        .with_panel(
+            ts(
+                "Measured overhead (governor)",
+                "percentunit",
+                [Q(f"streamwatch_overhead_ratio{{{RANK}}}", "rank {{rank}}")],
+                description="What monitoring costs as a fraction of the run's time, measured end to end by "
+                "the overhead governor (observe(overhead=...) only; no series with a fixed every=). At or "
+                "under the budget unless a ceiling (1000 steps, 60 s) forces more sampling.",
+            )
+        )
         .with_row(dash.Row("Errors and series"))
         .with_panel(
             ts(

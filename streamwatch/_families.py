@@ -156,6 +156,13 @@ SELF_FAMILIES: tuple[Family, ...] = (
     _counter(
         "overhead_seconds", "streamwatch's own time on the training thread, all steps (in-process estimate)"
     ),
+    _gauge(
+        "sampling_interval", "One step in this many is sampled (every=, or the overhead governor's choice)"
+    ),
+    _gauge(
+        "overhead_ratio",
+        "Monitoring's measured cost as a fraction of the run's time (overhead governor; absent otherwise)",
+    ),
 )
 """Families about the serving process: its identity and how its monitoring is doing."""
 

@@ -90,7 +90,7 @@ from dataclasses import dataclass
 
 from ._clock import Clock
 
-__all__ = ["Governor", "GovernorStatistics"]
+__all__ = ["Governor", "GovernorStatistics", "check_budget"]
 
 CALIBRATION_INTERVAL = 3
 """The interval while the governor has too few measurements to choose one (sampled, shadow, clean)."""
@@ -124,6 +124,23 @@ class GovernorStatistics:
     """Steps chosen to be sampled, the first step and the one now running included."""
     rejected: int
     """Step times ignored because they were zero, negative, NaN or infinite."""
+
+
+def check_budget(value: object, name: str = "budget") -> float:
+    """``value`` as a budget: a real number in (0, 1), else a ``ValueError`` naming ``name`` (``observe()``
+    checks its ``overhead=`` with it, so both say the same).
+
+    Example:
+        >>> check_budget(0.05, "overhead")
+        0.05
+        >>> check_budget(2, "overhead")
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `overhead` to be a number in (0, 1) (0.02 is 2 %), got 2
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ValueError(f"Expected `{name}` to be a number in (0, 1) (0.02 is 2 %), got {value!r}")
+    return float(value)
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -214,11 +231,10 @@ class Governor:
         probe: int = 8,
         clock: Clock = time.perf_counter,
     ) -> None:
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < 1:
-            raise ValueError(f"Expected `budget` to be a number in (0, 1) (0.02 is 2 %), got {budget!r}")
+        checked = check_budget(budget)
         if not callable(clock):
             raise TypeError(f"Expected `clock` to be a callable returning seconds, got {clock!r}")
-        self._budget = float(budget)
+        self._budget = checked
         self._max_interval = _check_int("max_interval", max_interval, 1)
         self._max_seconds = _check_seconds("max_seconds", max_seconds)
         self._warmup = _check_int("warmup", warmup, 0)

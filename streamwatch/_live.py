@@ -176,7 +176,8 @@ class LiveView:
     ``step/total`` and steps per second; the latest train loss and accuracy; a per-layer table (the
     first ``top`` layers, the rest summarised as ``… N more``) of activation l2, gradient l2 (the
     weight's, else the output gradient's), update l2, dead-unit rate and non-finite count; and
-    streamwatch's own health (records dropped, queue, worker lag, overhead per step, hook errors).
+    streamwatch's own health (records dropped, queue, worker lag, overhead per step, hook errors, the
+    sampling interval and, with ``observe(overhead=...)``, the measured overhead and its budget).
     Missing values show ``—``.
 
     :meth:`render` is pure (it reads ``watch.store.samples()`` and ``watch.statistics()``). As a context
@@ -295,6 +296,12 @@ class LiveView:
         text.append(f"\n             overhead {format_ms(overhead)}/step")
         if overhead is not None and step_seconds is not None and step_seconds > 0:
             text.append(f" ({format_percent(overhead / step_seconds)} of a step)")
+        text.append(f"\n             sampled 1 step in {stats.sampling_interval}")
+        if stats.overhead_budget is not None:  # observe(overhead=...): what the governor measured
+            text.append(
+                f" (measured overhead {format_percent(stats.overhead_ratio)}, "
+                f"budget {format_percent(stats.overhead_budget)})"
+            )
         return text
 
     # -- live display ------------------------------------------------------------------------------

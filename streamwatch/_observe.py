@@ -35,8 +35,10 @@ from torch import nn
 
 from streamwatch import _kernel
 from streamwatch._channel import OVERFLOW_POLICIES, OverflowPolicy, channel
+from streamwatch._clock import Clock
 from streamwatch._exceptions import Full, PipelineError, SendTimeout
 from streamwatch._families import check_served
+from streamwatch._governor import Governor, check_budget
 from streamwatch._pipeline import Pipeline, Sink, source
 from streamwatch._record import PendingRecord, Sample, SlotPool
 from streamwatch._store import SeriesStore, WatchStatistics
@@ -65,6 +67,9 @@ STATS = ("dead", "nonfinite")
 flag is reported instead)."""
 
 _FORWARD_KINDS = ("input", "activation", "output_grad", "input_grad")
+_governor_clock: Clock = time.perf_counter
+"""The clock a Watch's overhead governor times steps with (``observe(overhead=...)``): a seam for tests,
+which monkeypatch it with a :class:`streamwatch.testing.FakeClock` before ``observe()``."""
 _OBSERVED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _OBSERVED_LOCK = threading.Lock()
 
@@ -92,7 +97,8 @@ class Watch:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         *,
-        every: int,
+        every: int | None = None,
+        overhead: float | None = None,
         select: object,
         taps: Collection[str],
         cadence: Mapping[str, int] | None,
@@ -108,8 +114,16 @@ class Watch:
             raise TypeError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"Expected `optimizer` to be a torch.optim.Optimizer or None, got {optimizer!r}")
+        if every is not None and overhead is not None:
+            raise ValueError(
+                f"Expected `every` or `overhead`, got both (every={every!r}, overhead={overhead!r}): pass "
+                "one: every= fixes the interval, overhead= sets a budget"
+            )
+        if every is None:
+            every = 1
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Expected `every` to be a positive integer, got {every!r}")
+        budget = None if overhead is None else check_budget(overhead, "overhead")
         # Every argument is checked before anything is attached: a refused observe() touches nothing.
         taps = _names(taps, "taps", KINDS)
         stats = _names(stats, "stats", STATS)
@@ -126,7 +140,9 @@ class Watch:
         self._stuck: tuple[str, ...] = ()  # what close() gave up on, and the records it left
         self._unflushed = 0
         sinks = _sinks(sinks)
-        derived, objects = _split_metrics(metrics, frozenset(taps), has_optimizer=optimizer is not None)
+        derived, objects = _split_metrics(
+            metrics, frozenset(taps), has_optimizer=optimizer is not None, governed=budget is not None
+        )
         modules = resolve_select(select).modules(model)
         if not modules:
             raise ValueError(
@@ -147,8 +163,10 @@ class Watch:
             self._every = every
             self._cadence = merged
             taps_on = frozenset(taps)
-            # Sampling periods of the tapped kinds; kinds not tapped stay False in the flags.
-            self._periods = [(kind, every * merged[kind]) for kind in KINDS if kind in taps_on]
+            # Cadences of the tapped kinds, in sampled steps; kinds not tapped stay False in the flags.
+            self._periods = [(kind, merged[kind]) for kind in KINDS if kind in taps_on]
+            self._governor: Governor | None = None
+            self._sample_count = 0  # governor mode: sampled steps so far (the cadences count these)
             self._all_off = dict.fromkeys(KINDS, False)
             self._step_metrics: tuple[Any, ...] = ()
             self._exporters: list[Exporter] = []
@@ -196,6 +214,8 @@ class Watch:
             for metric in objects:
                 metric.bind(binding)
                 self._metrics += (metric,)
+            if budget is not None:  # last before the worker: the first step begins when observe() returns
+                self._governor = Governor(budget, clock=_governor_clock)
             self._set_sampling(0)
             self._worker.start()  # last: a failure before it leaves no thread and no sink touched
         except BaseException:
@@ -285,7 +305,9 @@ class Watch:
             self._failed_steps += 1
         self._last = now
         self._step += 1
-        self._set_sampling(self._step)
+        # The governor times the step that ended, the hand-off included; it picks the next step's sampling.
+        sampled = self._governor.tick() if self._governor is not None else None
+        self._set_sampling(self._step, sampled)
 
     def _step_boundary(self, now: float, checked: _StepArgs) -> None:
         seconds = now - self._last
@@ -357,25 +379,36 @@ class Watch:
         if sent:
             self._sampled += 1
 
-    def _set_sampling(self, step: int) -> None:
+    def _set_sampling(self, step: int, governed: bool | None = None) -> None:
+        """Set the flags the hooks read for ``step``: whether it is sampled (one step in ``every``, or
+        ``governed``: the governor's answer, None outside governor mode) and, if so, which kinds — kind
+        ``kind`` on the ``k``-th sampled step (from 0) with ``k % cadence[kind] == 0``."""
         state = self._state
+        if self._governor is None:
+            sampled, k = step % self._every == 0, step // self._every
+        else:
+            sampled = self._governor.sampling if governed is None else governed
+            k = self._sample_count
+            self._sample_count += sampled
         if self._metrics:
-            self._set_metrics(step)
-        if step % self._every:  # most steps with every > 1: nothing samples, reuse the all-off flags
+            self._set_metrics(step, k if sampled else None)
+        if not sampled:  # most steps with every > 1 or a governor: reuse the all-off flags
             state.on, state.forward = self._all_off, False
             return
-        state.on = dict.fromkeys(KINDS, False) | {kind: step % period == 0 for kind, period in self._periods}
+        state.on = dict.fromkeys(KINDS, False) | {kind: k % cadence == 0 for kind, cadence in self._periods}
         state.forward = any(state.on[kind] for kind in _FORWARD_KINDS)
 
-    def _set_metrics(self, step: int) -> None:
-        """Which opt-in metrics run on ``step``: those it samples, and the preparation of those that
-        sample the next step (a metric's period is ``every`` × its own ``every``)."""
+    def _set_metrics(self, step: int, k: int | None) -> None:
+        """Which opt-in metrics run on ``step`` (``k``: its index among the sampled steps, None if it is
+        not sampled): those it samples (``k`` a multiple of the metric's ``every``), and the preparation
+        of those that sample the next step (fixed interval only: observe() refuses them under a governor,
+        which decides whether a step is sampled only when it begins)."""
         state = self._state
-        sampled = [m for m in self._metrics if step % (self._every * m.every) == 0]
+        sampled = [] if k is None else [m for m in self._metrics if k % m.every == 0]
         preparing = [
             _Preparing(m)
             for m in self._metrics
-            if m.needs_prepare and (step + 1) % (self._every * m.every) == 0
+            if m.needs_prepare and self._governor is None and (step + 1) % (self._every * m.every) == 0
         ]
         kinds: dict[str, list[Any]] = {}
         for metric in sampled:
@@ -584,6 +617,7 @@ class Watch:
         """Steps seen and sampled, records sent and dropped by reason, worker lag, skips, errors."""
         channel_stats = self._tx.statistics()
         worker_stats = self._worker.statistics()
+        governor = self._governor.statistics() if self._governor is not None else None
         return WatchStatistics(
             steps=self._step,
             sampled=self._sampled,
@@ -603,6 +637,9 @@ class Watch:
             failed_steps=self._failed_steps,
             stuck_pipelines=self._stuck,
             unflushed_records=self._unflushed,
+            sampling_interval=self._every if governor is None else governor.interval,
+            overhead_ratio=None if governor is None else governor.overhead_ratio,
+            overhead_budget=None if governor is None else governor.budget,
         )
 
     def close(self, timeout: float | None = None) -> None:
@@ -706,7 +743,8 @@ class Watch:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"step={self._step}"
-        return f"<Watch {state} every={self._every} taps={sorted(self._state.taps)}>"
+        sampling = f"every={self._every}" if self._governor is None else f"overhead={self._governor.budget:g}"
+        return f"<Watch {state} {sampling} taps={sorted(self._state.taps)}>"
 
 
 class _Preparing:
@@ -787,7 +825,7 @@ def _sinks(sinks: object) -> list[Sink]:
 
 
 def _split_metrics(
-    metrics: Iterable[str | Metric], taps: frozenset[str], *, has_optimizer: bool
+    metrics: Iterable[str | Metric], taps: frozenset[str], *, has_optimizer: bool, governed: bool = False
 ) -> tuple[list[str], list[Metric]]:
     """Names of worker-side metrics and opt-in metric objects, validated before anything is attached."""
     if isinstance(metrics, Metric):
@@ -818,6 +856,12 @@ def _split_metrics(
                 raise ValueError(
                     f"{metric!r} measures what optimizer.step() does: pass the optimizer, "
                     "streamwatch.observe(model, optimizer, metrics=[...])"
+                )
+            if governed and metric.needs_prepare:
+                raise ValueError(
+                    f"{metric!r} acts on the step before each step it samples, which the overhead governor "
+                    "cannot know in advance (it decides when a step begins): pass every=N instead of "
+                    "overhead= to use it"
                 )
             missing = [kind for kind in metric.kinds if kind not in taps]
             if missing:
@@ -960,7 +1004,8 @@ def observe(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     *,
-    every: int = 1,
+    every: int | None = None,
+    overhead: float | None = None,
     select: object = None,
     taps: Collection[str] = DEFAULT_TAPS,
     cadence: Mapping[str, int] | None = None,
@@ -977,13 +1022,21 @@ def observe(
     Args:
         model: the module to observe; attach before any ``torch.compile``.
         optimizer: enables the ``param`` (after each step), ``update`` and learning-rate taps.
-        every: sample one step in ``every``; unsampled steps cost one flag check per hook.
+        every: sample one step in ``every`` (default 1: every step); unsampled steps cost one flag check
+            per hook and send no record.
+        overhead: instead of ``every``, a budget: the fraction of the run's time monitoring may cost, in
+            (0, 1) (``0.02`` is 2 %). An overhead governor (docs/governor.md) times every step, measures
+            what a sampled step costs and samples one step in ``N``, the smallest ``N`` that keeps the
+            measured cost within the budget, but at least once every 1000 steps and every 60 s. The first
+            step is sampled. Opt-in; passing both ``every`` and ``overhead`` is a ``ValueError``, and so is
+            an opt-in metric that must prepare the step before the ones it samples (``GradientCosine``).
         select: which modules — None (every leaf module), a glob, a module class, a tuple of classes
             or a :class:`streamwatch.Select`. It must match at least one module (else ``ValueError``,
             listing module names); TorchScript modules cannot be observed (``TypeError``).
         taps: which kinds to capture (see ``streamwatch._taps.KINDS``); ``input`` and ``input_grad``
             are opt-in.
-        cadence: per-kind multiples of ``every`` (default: weights and updates 10×, the rest 1×).
+        cadence: per kind, sample it on one sampled step in ``cadence[kind]`` (default: weights and
+            updates 10×, the rest 1×), whether ``every`` or ``overhead`` picks the sampled steps.
         stats: optional statistics: ``"dead"`` (dead-unit rate, default) and ``"nonfinite"`` (exact
             NaN/Inf counts; otherwise a free 0/1 flag).
         channel_last: where units are for dead-unit rates: True, False, or None to pick per module
@@ -996,8 +1049,8 @@ def observe(
             record, nothing on the training thread) and opt-in metric objects from
             :mod:`streamwatch.metrics` (``GradientCosine``, ``SpectralNorm``, ``ConditionNumber``,
             ``Histogram``, ``PNorm``, ``ActivationSimilarity``, ``HessianMaxEig``, ``TestAccuracy``), each
-            with its own ``every`` (a multiple of ``every`` above). Keep the defaults when adding one:
-            ``metrics=[*streamwatch.DEFAULT_METRICS, streamwatch.metrics.SpectralNorm()]``.
+            with its own ``every`` (one sampled step in the metric's ``every``). Keep the defaults when
+            adding one: ``metrics=[*streamwatch.DEFAULT_METRICS, streamwatch.metrics.SpectralNorm()]``.
         close_timeout: the most seconds ``close()`` waits for the sinks to take the last records
             (``math.inf``: forever). A sink that does not return in time is left behind on the daemon
             worker thread; close() warns, naming it and the records not flushed, and returns (see
@@ -1014,6 +1067,7 @@ def observe(
         model,
         optimizer,
         every=every,
+        overhead=overhead,
         select=select,
         taps=taps,
         cadence=cadence,

@@ -1,8 +1,9 @@
 """Every panel query of every dashboard returns data from a real Prometheus scraping a real training run.
 
-A small torch model trains with ``watch.expose(port=0, run="dash")`` and the opt-in histogram while a real
-Prometheus (``tests/promserver.py``, 1 s scrapes) scrapes it. The dashboards' variables are resolved through
-the Prometheus API the way Grafana resolves them (``label_values(selector, label)`` → ``/api/v1/label/…``
+A small torch model trains with ``watch.expose(port=0, run="dash")``, the opt-in histogram and the
+overhead governor (``overhead=``, so that ``streamwatch_overhead_ratio`` exists) while a real Prometheus
+(``tests/promserver.py``, 1 s scrapes) scrapes it. The dashboards' variables are resolved through the
+Prometheus API the way Grafana resolves them (``label_values(selector, label)`` → ``/api/v1/label/…``
 with ``match[]``, earlier variables substituted, natural sort, the first value), ``$__rate_interval`` and
 ``$__interval`` are replaced by what Grafana would use for 1 s scrapes, and each target's query must return
 at least one series. A second pass selects "All" for every variable (Grafana's ``(v1|v2|…)`` regex).
@@ -115,7 +116,9 @@ def test_every_panel_query_returns_data_from_a_real_training_run(tmp_path: Path)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1)
     metrics = [*sw.DEFAULT_METRICS, sw.metrics.Histogram(kinds=("param_grad",))]
-    with sw.observe(model, opt, metrics=metrics) as watch:
+    # overhead=: the governor picks the sampled steps, and serves the measured overhead the health
+    # dashboard plots (a fixed every= serves no streamwatch_overhead_ratio)
+    with sw.observe(model, opt, metrics=metrics, overhead=0.05) as watch:
         exporter = watch.expose(port=0, run="dash")
         with PrometheusServer(tmp_path, [f"127.0.0.1:{exporter.port}"]) as prom:
 

@@ -44,6 +44,13 @@ EXPECTED = {
         "['streamwatch_hessian_max_eig', 'streamwatch_layer_mean', 'streamwatch_tensor_histogram']",
         "['streamwatch_grad_zscore']",
     ],
+    "docs/governor.md": [
+        # observe(overhead=0.05): the first sampled steps are fixed whatever the timing (calibration)
+        "first sampled steps: [0, 3, 6, 9, 12]",
+        "weights on the first: True",
+        "records = sampled steps: True",
+        "budget: 0.05 interval >= 1: True",
+    ],
     "docs/architecture.md": [
         "ChannelStatistics(capacity=64, len=0, reserved=0, sent=1000, received=1000, dropped_oldest=0",
         "100 smoothed values",

@@ -349,7 +349,7 @@ class StoreCollector(Collector):
             "drop_newest": stats.dropped_newest,
             "slots_exhausted": stats.slots_exhausted,
         }
-        values: dict[str, float | Mapping[str, float]] = {
+        values: dict[str, float | Mapping[str, float] | None] = {
             "streamwatch_steps": stats.steps,
             "streamwatch_steps_sampled": stats.sampled,
             "streamwatch_records": stats.records_received,
@@ -365,6 +365,8 @@ class StoreCollector(Collector):
             "streamwatch_series_reduced": self.reductions,
             "streamwatch_overhead_last_step_seconds": stats.overhead_seconds,
             "streamwatch_overhead_seconds": stats.overhead_seconds_total,
+            "streamwatch_sampling_interval": stats.sampling_interval,
+            "streamwatch_overhead_ratio": stats.overhead_ratio,
         }
         blocks: list[Block] = []
         for family in SELF_FAMILIES:
@@ -375,7 +377,7 @@ class StoreCollector(Collector):
             if isinstance(value, Mapping):  # one sample per reason
                 (label,) = family.labels
                 block.entries = [(family.exposed, {label: k}, float(v)) for k, v in value.items()]
-            elif math.isnan(value):  # unknown (no record yet): absent
+            elif value is None or math.isnan(value):  # unknown (no record yet, no governor): absent
                 continue
             else:
                 block.entries = [(family.exposed, {}, float(value))]

@@ -1,0 +1,318 @@
+"""``observe(..., overhead=x)``: the overhead governor wired into a real Watch on real torch training.
+
+Two sorts of test. The deterministic ones replace the governor's clock
+(``streamwatch._observe._governor_clock``, the documented seam) with a :class:`FakeClock` advanced by
+made-up step times, and drive a reference :class:`Governor` with the same times: the Watch must sample
+exactly the steps the reference samples. The others run on the real clock and assert structure only
+(which steps have records, what they hold, that the statistics are consistent), never speed: the
+machine is noisy.
+"""
+
+from __future__ import annotations
+
+import math
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from torch import nn
+
+import streamwatch as sw
+from streamwatch import _observe
+from streamwatch._governor import Governor
+from streamwatch._live import LiveView, format_percent
+from streamwatch.testing import FakeClock
+from tests.promtool import check_metrics
+
+BUDGET = 0.05
+PLAIN = 0.010  # fake seconds per plain step
+COST = 0.5  # a sampled step takes 1 + COST plain steps: the governor settles at ceil(COST / BUDGET) = 10
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 3))
+
+
+def _batches(n: int, seed: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        yield torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g)
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> tuple:
+    out = model(x)
+    loss = F.cross_entropy(out, y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss, out
+
+
+def _kinds(record: sw.StepRecord) -> set[str]:
+    return {key.kind for key in record.keys}
+
+
+@pytest.fixture
+def fake_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    clock = FakeClock()
+    monkeypatch.setattr(_observe, "_governor_clock", clock)
+    return clock
+
+
+# -- deterministic: the fake clock -------------------------------------------------------------------------
+
+
+def test_the_watch_samples_exactly_the_steps_its_governor_chooses(fake_clock: FakeClock) -> None:
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    reference_clock = FakeClock()
+    reference = Governor(BUDGET, clock=reference_clock)
+    records = sw.sinks.collect()
+    chosen: list[int] = []
+    steps = 400
+    with sw.observe(model, opt, overhead=BUDGET, sinks=[records]) as watch:
+        for step, (x, y) in enumerate(_batches(steps)):
+            sampled = reference.sampling
+            if sampled:
+                chosen.append(step)
+            loss, out = _train_step(model, opt, x, y)
+            seconds = PLAIN * (1 + COST) if sampled else PLAIN
+            fake_clock.advance(seconds)
+            reference_clock.advance(seconds)
+            watch.step(loss=loss, outputs=out, targets=y, batch_size=12)
+            reference.tick()
+        assert watch.flush()
+        stats = watch.statistics()
+    # records arrive for the sampled steps only, and for every one of them
+    assert [r.step for r in records.items] == chosen
+    assert stats.steps == steps
+    assert stats.sampled == len(chosen) == stats.records_received
+    assert chosen[:3] == [0, 3, 6]  # the first step, then the calibration interval of 3
+    # the statistics are the governor's: settled at ceil(COST / BUDGET), measured cost on budget
+    assert stats.sampling_interval == reference.interval == math.ceil(COST / BUDGET)
+    assert stats.overhead_ratio == reference.overhead_ratio
+    assert stats.overhead_ratio == pytest.approx(BUDGET)
+    assert stats.overhead_budget == BUDGET
+    assert len(chosen) >= 30
+    # the cadence counts sampled steps: weights and updates on every 10th sampled step, the rest on each
+    for k, record in enumerate(records.items):
+        heavy = k % 10 == 0
+        assert _kinds(record) == {"activation", "output_grad", "param_grad"} | (
+            {"param", "update"} if heavy else set()
+        ), (k, record.step)
+        assert record.scalars["loss"] > 0
+        assert record.scalars["batch_size"] == 12
+
+
+def test_a_custom_cadence_and_opt_in_metrics_count_sampled_steps(fake_clock: FakeClock) -> None:
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    records = sw.sinks.collect()
+    pnorm = sw.metrics.PNorm(p=1.0, kinds=("param_grad",), every=3)
+    with sw.observe(
+        model,
+        opt,
+        overhead=BUDGET,
+        cadence={"param": 2, "output_grad": 4},
+        metrics=[*sw.DEFAULT_METRICS, pnorm],
+        sinks=[records],
+    ) as watch:
+        for x, y in _batches(200):
+            sampled = watch._governor is not None and watch._governor.sampling
+            loss, _out = _train_step(model, opt, x, y)
+            fake_clock.advance(PLAIN * (1 + COST) if sampled else PLAIN)
+            watch.step(loss=loss)
+    assert len(records.items) >= 15
+    for k, record in enumerate(records.items):
+        kinds = _kinds(record)
+        assert ("param" in kinds) == (k % 2 == 0), k
+        assert ("output_grad" in kinds) == (k % 4 == 0), k
+        assert ("update" in kinds) == (k % 10 == 0), k
+        norms = [value for (key, stat), value in record.extras.items() if stat == "norm_p1"]
+        assert bool(norms) == (k % 3 == 0), k
+
+
+def test_a_failed_step_still_ticks_the_governor(fake_clock: FakeClock) -> None:
+    model = _model()
+    with sw.observe(model, overhead=BUDGET) as watch:
+        for i, (x, _) in enumerate(_batches(20)):
+            model(x).sum().backward()
+            fake_clock.advance(PLAIN)
+            if i == 7:
+                with pytest.raises(ValueError, match="batch_size"):
+                    watch.step(batch_size=-1)
+            else:
+                watch.step()
+        governor = watch._governor
+        assert governor is not None
+        assert governor.statistics().steps == watch.statistics().steps == 20
+        assert watch.statistics().failed_steps == 1
+
+
+# -- real clock: structure only ----------------------------------------------------------------------------
+
+
+def test_real_training_under_a_budget() -> None:
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    records = sw.sinks.collect()
+    chosen: list[int] = []
+    with sw.observe(model, opt, overhead=BUDGET, sinks=[records]) as watch:
+        governor = watch._governor
+        assert governor is not None
+        for step, (x, y) in enumerate(_batches(300)):
+            if governor.sampling:
+                chosen.append(step)
+            loss, out = _train_step(model, opt, x, y)
+            watch.step(loss=loss, outputs=out, targets=y, batch_size=12)
+        assert watch.flush()
+        stats = watch.statistics()
+        assert stats.sampling_interval == governor.interval >= 1
+        assert stats.overhead_ratio is not None
+        assert math.isfinite(stats.overhead_ratio)
+        assert stats.overhead_ratio >= 0
+        assert stats.overhead_ratio == governor.overhead_ratio
+    assert [r.step for r in records.items] == chosen
+    assert chosen[0] == 0
+    assert stats.sampled == len(chosen) == stats.records_received
+    assert stats.hook_errors == 0
+    assert stats.pipeline_failures == 0
+    for k, record in enumerate(records.items):
+        assert ("param" in _kinds(record)) == (k % 10 == 0), k
+    assert "overhead=0.05" in repr(watch)
+
+
+def test_training_is_bit_identical_with_and_without_a_governor() -> None:
+    def train(overhead: float | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)  # dropout and the data draw from the global generator
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        watch = sw.observe(model, opt, overhead=overhead) if overhead is not None else None
+        for _ in range(120):
+            x, y = torch.randn(12, 6), torch.randint(0, 3, (12,))
+            loss, out = _train_step(model, opt, x, y)
+            if watch is not None:
+                watch.step(loss=loss, outputs=out, targets=y)
+        if watch is not None:
+            assert watch.statistics().sampled >= 2
+            watch.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    plain, governed = train(None), train(BUDGET)
+    assert all(torch.equal(a, b) for a, b in zip(plain, governed, strict=True))
+
+
+def test_metrics_serve_both_gauges_and_promtool_accepts_them() -> None:
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with sw.observe(model, opt, overhead=BUDGET) as watch:
+        exporter = watch.expose(port=0, run="governed")
+        for x, y in _batches(150):
+            loss, _ = _train_step(model, opt, x, y)
+            watch.step(loss=loss)
+        assert watch.flush()
+        stats = watch.statistics()
+        body = urllib.request.urlopen(exporter.url, timeout=10).read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    for name in ("streamwatch_sampling_interval", "streamwatch_overhead_ratio"):
+        assert families[name].type == "gauge"
+        (sample,) = families[name].samples
+        assert sample.labels["run"] == "governed"
+    assert families["streamwatch_sampling_interval"].samples[0].value == stats.sampling_interval
+    assert stats.overhead_ratio is not None
+    assert families["streamwatch_overhead_ratio"].samples[0].value == pytest.approx(stats.overhead_ratio)
+    check_metrics(body)
+
+
+def test_a_fixed_interval_serves_it_and_no_overhead_ratio() -> None:
+    model = _model()
+    with sw.observe(model, every=4) as watch:
+        exporter = watch.expose(port=0)
+        for x, _ in _batches(9):
+            model(x).sum().backward()
+            watch.step()
+        assert watch.flush()
+        stats = watch.statistics()
+        body = urllib.request.urlopen(exporter.url, timeout=10).read().decode()
+    assert (stats.sampling_interval, stats.overhead_ratio, stats.overhead_budget) == (4, None, None)
+    assert stats.sampled == 3  # steps 0, 4, 8
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    assert families["streamwatch_sampling_interval"].samples[0].value == 4
+    assert "streamwatch_overhead_ratio" not in families
+
+
+def test_the_live_view_shows_the_interval_and_the_measured_overhead(fake_clock: FakeClock) -> None:
+    model = _model()
+    with sw.observe(model, overhead=BUDGET) as watch:
+        for x, _ in _batches(3):  # too few steps to measure: the ratio is still unknown
+            model(x).sum().backward()
+            fake_clock.advance(PLAIN)
+            watch.step()
+        console = Console(width=120, record=True, force_terminal=False)
+        console.print(LiveView(watch, total_steps=10).render(3))
+        early = console.export_text()
+        for x, _ in _batches(300):
+            sampled = watch._governor is not None and watch._governor.sampling
+            model(x).sum().backward()
+            fake_clock.advance(PLAIN * (1 + COST) if sampled else PLAIN)
+            watch.step()
+        stats = watch.statistics()
+        console = Console(width=120, record=True, force_terminal=False)
+        console.print(LiveView(watch, total_steps=303).render(303))
+        late = console.export_text()
+    assert "sampled 1 step in 3 (measured overhead —, budget 5.0%)" in early
+    assert stats.overhead_ratio is not None
+    assert (
+        f"sampled 1 step in {stats.sampling_interval} "
+        f"(measured overhead {format_percent(stats.overhead_ratio)}, budget 5.0%)"
+    ) in late
+    with sw.observe(_model(), every=7) as watch:
+        console = Console(width=120, record=True, force_terminal=False)
+        console.print(LiveView(watch, total_steps=10).render(0))
+    text = console.export_text()
+    assert "sampled 1 step in 7" in text
+    assert "budget" not in text
+
+
+# -- what observe() refuses ----------------------------------------------------------------------------------
+
+
+def test_every_and_overhead_together_are_refused_naming_both() -> None:
+    model = _model()
+    with pytest.raises(ValueError, match=r"`every`.*`overhead`.*pass one: every= fixes the interval"):
+        sw.observe(model, every=10, overhead=BUDGET)
+    with pytest.raises(ValueError, match=r"`every`.*`overhead`"):
+        sw.observe(model, every=1, overhead=BUDGET)
+    sw.observe(model, overhead=BUDGET).close()  # nothing was attached: the model can be observed
+
+
+@pytest.mark.parametrize("overhead", [0, 1, 1.5, -0.01, math.nan, math.inf, True, "0.05", [0.05]])
+def test_a_bad_overhead_is_refused_naming_it(overhead: object) -> None:
+    model = _model()
+    with pytest.raises(ValueError, match=r"Expected `overhead` to be a number in \(0, 1\)"):
+        sw.observe(model, overhead=overhead)  # type: ignore[arg-type]
+    sw.observe(model).close()
+
+
+def test_a_metric_that_prepares_the_step_before_is_refused_under_a_governor() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for metric in (sw.metrics.GradientCosine(), sw.metrics.GradientCosine(of="update", every=2)):
+        with pytest.raises(
+            ValueError, match=r"GradientCosine\(every=\d\).*pass every=N instead of overhead="
+        ):
+            sw.observe(model, opt, overhead=BUDGET, metrics=[*sw.DEFAULT_METRICS, metric])
+        assert metric.binding is None
+    # with a fixed interval it is fine, and the model was left free
+    with sw.observe(model, opt, every=2, metrics=[sw.metrics.GradientCosine()]) as watch:
+        for x, y in _batches(4):
+            loss, _ = _train_step(model, opt, x, y)
+            watch.step(loss=loss)
