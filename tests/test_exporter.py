@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
@@ -25,21 +24,13 @@ from torch import nn
 import streamwatch as sw
 from streamwatch import SeriesKey
 from tests.promtool import check_metrics
+from tests.training import train
 
 IDENTITY = ("run", "rank", "local_rank", "world_size", "host")
 
 
 def _train(watch: sw.Watch, model: nn.Module, opt: torch.optim.Optimizer, steps: int = 3) -> None:
-    g = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
-        out = model(x)
-        loss = F.cross_entropy(out, y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        watch.step(loss=loss, outputs=out, targets=y, batch_size=16)
-    assert watch.flush()
+    train(model, opt, watch, steps, shape=(16, 6), seed=0, flush=True)
 
 
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -24,6 +24,7 @@ from torch import nn
 
 import streamwatch as sw
 from tests.promserver import REQUIRE_ENV
+from tests.rawhttp import raw_request
 from tests.threads import JOIN_S, spawn
 from tests.training import Train
 
@@ -40,19 +41,6 @@ def _get(url: str) -> bytes:
     with urllib.request.urlopen(url, timeout=JOIN_S) as resp:
         body: bytes = resp.read()
     return body
-
-
-def _raw(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
-    """Send ``request`` as is; return the status, the headers (lower-case names) and the body."""
-    with socket.create_connection(("127.0.0.1", port), timeout=JOIN_S) as sock:
-        sock.sendall(request)
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    status_line, *lines = head.decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
-    return int(status_line.split()[1]), headers, body
 
 
 def _fds() -> set[str]:
@@ -168,20 +156,20 @@ def test_methods_other_than_get_and_head_get_405_and_unknown_paths_404(train: Tr
         exporter = watch.expose(port=0)
         train(model, opt, watch, 1, shape=(16, 6), seed=0, flush=True)
         port = exporter.port
-        status, headers, body = _raw(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, headers, body = raw_request(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
         assert status == 200
         assert headers["content-type"].startswith("text/plain")
         assert int(headers["content-length"]) == len(body) > 0
-        status, headers, head_body = _raw(port, b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, headers, head_body = raw_request(port, b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
         assert (status, head_body) == (200, b"")
         assert int(headers["content-length"]) > 0
-        assert _raw(port, b"GET /metrics?x=1 HTTP/1.0\r\n\r\n")[0] == 200  # a query string is ignored
+        assert raw_request(port, b"GET /metrics?x=1 HTTP/1.0\r\n\r\n")[0] == 200  # a query string is ignored
         for method in ("POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE"):
             request = f"{method} /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc".encode()
-            status, headers, _ = _raw(port, request)
+            status, headers, _ = raw_request(port, request)
             assert (status, headers.get("allow")) == (405, "GET, HEAD"), method
         for path in ("/", "/favicon.ico", "/metrics/x", "/metricsx"):
-            assert _raw(port, f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())[0] == 404, path
+            assert raw_request(port, f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())[0] == 404, path
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(exporter.url.removesuffix("/metrics") + "/nope", timeout=JOIN_S)
         info.value.close()
@@ -191,8 +179,8 @@ def test_methods_other_than_get_and_head_get_405_and_unknown_paths_404(train: Tr
             half_closed.shutdown(socket.SHUT_WR)  # as `printf ... | nc` does: still answered
             with half_closed.makefile("rb") as reader:
                 assert reader.read().startswith(b"HTTP/1.1 200 OK\r\n")
-        assert _raw(port, b"NONSENSE\r\n\r\n")[0] == 400
-        assert _raw(port, b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 20_000 + b"\r\n\r\n")[0] == 431
+        assert raw_request(port, b"NONSENSE\r\n\r\n")[0] == 400
+        assert raw_request(port, b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 20_000 + b"\r\n\r\n")[0] == 431
         assert b"streamwatch_info" in _get(exporter.url)
 
 
@@ -210,7 +198,7 @@ def test_a_failing_render_is_a_500_and_the_server_goes_on(
 
         monkeypatch.setattr(exporter.collector, "render", broken)
         with caplog.at_level(logging.WARNING, logger="streamwatch"):
-            assert _raw(exporter.port, b"GET /metrics HTTP/1.0\r\n\r\n")[0] == 500
+            assert raw_request(exporter.port, b"GET /metrics HTTP/1.0\r\n\r\n")[0] == 500
         assert any("rendering /metrics failed" in r.getMessage() for r in caplog.records)
         monkeypatch.setattr(exporter.collector, "render", render)
         assert b"streamwatch_info" in _get(exporter.url)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gzip
 import http.client
-import socket
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ import pytest
 
 from streamwatch.sinks._http import CONTENT_TYPE, MetricsServer, listen
 from tests.promserver import PrometheusServer, require_prometheus
+from tests.rawhttp import raw_request
 from tests.threads import JOIN_S, spawn
 
 SERIES = 400
@@ -80,19 +80,6 @@ def server(source: _Source) -> Iterator[MetricsServer]:
 
 def _port(server: MetricsServer) -> int:
     return int(server._listener.getsockname()[1])
-
-
-def _raw(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
-    """Send ``request`` as is; return the status, the headers (lower-case names) and the body."""
-    with socket.create_connection(("127.0.0.1", port), timeout=JOIN_S) as sock:
-        sock.sendall(request)
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    status_line, *lines = head.decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
-    return int(status_line.split()[1]), headers, body
 
 
 def _request(
@@ -181,11 +168,11 @@ def test_accept_encoding_is_parsed_with_tokens_and_q_values(
 
 def test_accept_encoding_over_several_header_lines_is_one_list(server: MetricsServer) -> None:
     request = b"GET /metrics HTTP/1.1\r\nHost: x\r\naccept-encoding: br\r\nACCEPT-ENCODING: gzip\r\n\r\n"
-    status, headers, body = _raw(_port(server), request)
+    status, headers, body = raw_request(_port(server), request)
     assert (status, headers["content-encoding"]) == (200, "gzip")
     assert gzip.decompress(body) == _body()
     request = b"GET /metrics HTTP/1.0\nAccept-Encoding: gzip\n\n"  # bare LFs, HTTP/1.0
-    status, headers, body = _raw(_port(server), request)
+    status, headers, body = raw_request(_port(server), request)
     assert (status, headers["content-encoding"]) == (200, "gzip")
 
 
@@ -195,7 +182,7 @@ def test_head_gets_the_headers_of_get_and_no_body(server: MetricsServer, accept_
     headers = {} if accept_encoding is None else {"Accept-Encoding": accept_encoding}
     get_status, get_headers, get_body = _request(port, "GET", headers)
     line = "" if accept_encoding is None else f"Accept-Encoding: {accept_encoding}\r\n"
-    head_status, head_headers, head_body = _raw(
+    head_status, head_headers, head_body = raw_request(
         port, f"HEAD /metrics HTTP/1.1\r\nHost: x\r\n{line}\r\n".encode()
     )
     assert (get_status, head_status, head_body) == (200, 200, b"")
@@ -258,7 +245,7 @@ def test_406_when_the_accept_header_excludes_the_text_format(server: MetricsServ
     assert "content-encoding" not in headers  # the short explanation is not compressed
     assert CONTENT_TYPE.encode() in body  # it names the format served
     assert int(headers["content-length"]) == len(body)
-    status, head_headers, head_body = _raw(
+    status, head_headers, head_body = raw_request(
         port, f"HEAD /metrics HTTP/1.1\r\nAccept: {accept}\r\n\r\n".encode()
     )
     assert (status, head_body, head_headers) == (406, b"", headers)

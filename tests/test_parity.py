@@ -17,6 +17,7 @@ import streamwatch as sw
 from streamwatch._replay import Replay
 from streamwatch.sinks._runfile import RunFile, read_run
 from tests.promtool import check_metrics
+from tests.training import train
 
 SELF_METRICS = frozenset(
     {
@@ -111,15 +112,7 @@ def bodies(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
         overflow="block",
     ) as watch:
         exporter = watch.expose(port=0, run="parity")
-        for _ in range(7):
-            x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
-            out = model(x)
-            loss = F.cross_entropy(out, y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            watch.step(loss=loss, outputs=out, targets=y, batch_size=16)
-        assert watch.flush()
+        train(model, opt, watch, 7, shape=(16, 6), generator=g, flush=True)
         live = _scrape(exporter.url)
     with Replay(read_run(path), port=0, speed=0, run_name="parity") as replay:
         assert replay.wait_until_done(timeout=30)
