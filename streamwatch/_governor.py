@@ -17,8 +17,11 @@ What it measures:
     0: sampling one step costs ``r`` plain steps.
 
 How it sets the interval:
-    Sampling one step in ``N`` costs ``r / N`` of the run's time, so the interval is the smallest
-    ``N`` with ``r / N <= budget``, ``N = ceil(r / budget)``, at least 1. Two ceilings cap it so that
+    Sampling one step in ``N`` costs ``r / N`` of the run's time on top of the floor ``f`` (what the
+    unsampled steps cost: the monitor's own time on clean steps, passed to :meth:`Governor.tick`, over
+    the rest of the step; the median of the last ``baseline_window``), so the interval is the smallest
+    ``N`` with ``f + r / N <= budget``, ``N = ceil(r / (budget - f))``, at least 1 (the ceiling where
+    ``f >= budget``). Two ceilings cap it so that
     dashboards never go stale, whichever comes first: ``max_interval`` steps, and ``max_seconds`` of
     time (the interval is at most ``max_seconds / b`` steps, and a step is sampled whenever
     ``max_seconds`` have passed since the last sampled step began, however long the steps are). Where
@@ -115,7 +118,10 @@ class GovernorStatistics:
     cost_ratio: float | None
     """``r``: what sampling one step costs, as a fraction of a plain step's time."""
     overhead_ratio: float | None
-    """``r / interval``: what monitoring costs now, as a fraction of the run's time."""
+    """``floor + r / interval``: what monitoring costs now, as a fraction of the run's time."""
+    floor_ratio: float
+    """What an unsampled step costs (streamwatch's own time in it, over the rest of the step): the part
+    of the cost no interval removes; 0 until measured."""
     step_seconds: float | None
     """The baseline: the median time of the recent clean (unmonitored) steps."""
     steps: int
@@ -200,6 +206,8 @@ class Governor:
         "_clock",
         "_cost_ratio",
         "_costs",
+        "_floor",
+        "_floors",
         "_growth_limit",
         "_interval",
         "_last_sample_at",
@@ -240,6 +248,8 @@ class Governor:
         self._warmup = _check_int("warmup", warmup, 0)
         self._baseline: deque[float] = deque(maxlen=_check_int("baseline_window", baseline_window, 1))
         self._costs: deque[float] = deque(maxlen=_check_int("cost_window", cost_window, 1))
+        self._floors: deque[float] = deque(maxlen=self._baseline.maxlen)
+        self._floor = 0.0  # what an unsampled step costs: the median of the clean steps' own-time ratios
         self._probe = _check_int("probe", probe, 1)
         self._clock = clock
         now = float(clock())
@@ -262,12 +272,17 @@ class Governor:
 
     # -- the training thread's side -----------------------------------------------------------------
 
-    def tick(self) -> bool:
+    def tick(self, own: float = 0.0) -> bool:
         """Mark a step boundary: the running step has ended and the next one begins now.
 
         Measures the step that ended (clock now minus at the previous boundary), updates the interval
         and returns whether the next step is sampled (also :attr:`sampling` from now on). Cheap (a few
         microseconds); never raises for odd clock readings.
+
+        Args:
+            own: seconds of the step that ended spent in the monitor's own code on this thread (hooks
+                and the step boundary). On clean steps it measures the floor: what monitoring costs
+                on steps it does not sample, which no interval removes (:attr:`floor_ratio`).
         """
         reading = float(self._clock())
         now = reading if math.isfinite(reading) else None
@@ -280,7 +295,7 @@ class Governor:
             if self._last_sample_at is None or now < self._last_sample_at:
                 self._last_sample_at = now  # a clock that went back must not postpone the time ceiling
         self._steps += 1
-        self._measure(seconds, ended_sampled)
+        self._measure(seconds, ended_sampled, own)
         self._since_sample += 1
         clean = not ended_sampled and not self._prev_sampled
         self._since_clean = 0 if clean else self._since_clean + 1
@@ -294,7 +309,7 @@ class Governor:
             self._phase = (self._phase + _GOLDEN) % 1.0
         return sample
 
-    def _measure(self, seconds: float, sampled: bool) -> None:
+    def _measure(self, seconds: float, sampled: bool, own: float = 0.0) -> None:
         """File the time of the step that ended: a clean step's, a cost sample's, or nothing."""
         waiting = self._pending
         self._pending = None
@@ -312,6 +327,9 @@ class Governor:
         elif not self._prev_sampled:
             self._baseline.append(seconds)
             self._step_seconds = _median(self._baseline)
+            if math.isfinite(own) and 0 <= own < seconds:  # (else: an odd reading, not a floor)
+                self._floors.append(own / (seconds - own))
+                self._floor = _median(self._floors)
             self._update()
         # else: the shadow of a sampled step that was not measured (warm-up, rejected): no use
 
@@ -342,7 +360,8 @@ class Governor:
             return
         ratio = max(0.0, _median(self._costs))
         self._cost_ratio = ratio
-        need = ratio / self._budget
+        left = self._budget - self._floor  # what sampling may cost on top of the floor
+        need = ratio / left if left > 0 else math.inf
         limit = min(cap, self._growth_limit)
         if need <= 1:
             self._interval = 1
@@ -394,9 +413,15 @@ class Governor:
 
     @property
     def overhead_ratio(self) -> float | None:
-        """``r / N``: monitoring's measured amortised cost, a fraction of the run's time; None until
-        measured. Above the budget only where a ceiling forces sampling more often."""
-        return None if self._cost_ratio is None else self._cost_ratio / self._interval
+        """``floor + r / N``: monitoring's measured amortised cost, a fraction of the run's time; None
+        until measured. Above the budget only where a ceiling forces sampling more often, or where the
+        floor alone is over it."""
+        return None if self._cost_ratio is None else self._floor + self._cost_ratio / self._interval
+
+    @property
+    def floor_ratio(self) -> float:
+        """What an unsampled step costs, as a fraction of a plain step (0 until measured)."""
+        return self._floor
 
     @property
     def step_seconds(self) -> float | None:
@@ -411,7 +436,8 @@ class Governor:
             budget=self._budget,
             interval=interval,
             cost_ratio=ratio,
-            overhead_ratio=None if ratio is None else ratio / interval,
+            overhead_ratio=None if ratio is None else self._floor + ratio / interval,
+            floor_ratio=self._floor,
             step_seconds=self._step_seconds,
             steps=self._steps,
             sampled=self._sampled,

@@ -306,7 +306,17 @@ class Watch:
         self._last = now
         self._step += 1
         # The governor times the step that ended, the hand-off included; it picks the next step's sampling.
-        sampled = self._governor.tick() if self._governor is not None else None
+        if self._governor is not None:
+            # Own time (the hooks' and this boundary's so far) is read with perf_counter: it is the
+            # floor's measure only when the governor's clock is perf_counter too (tests may fake it).
+            own = (
+                self._state.busy + (time.perf_counter() - now)
+                if _governor_clock is time.perf_counter
+                else 0.0
+            )
+            sampled: bool | None = self._governor.tick(own)
+        else:
+            sampled = None
         self._set_sampling(self._step, sampled)
 
     def _step_boundary(self, now: float, checked: _StepArgs) -> None:
@@ -394,9 +404,12 @@ class Watch:
             self._set_metrics(step, k if sampled else None)
         if not sampled:  # most steps with every > 1 or a governor: reuse the all-off flags
             state.on, state.forward = self._all_off, False
-            return
-        state.on = dict.fromkeys(KINDS, False) | {kind: k % cadence == 0 for kind, cadence in self._periods}
-        state.forward = any(state.on[kind] for kind in _FORWARD_KINDS)
+        else:
+            state.on = dict.fromkeys(KINDS, False) | {
+                kind: k % cadence == 0 for kind, cadence in self._periods
+            }
+            state.forward = any(state.on[kind] for kind in _FORWARD_KINDS)
+        self._taps.arm()  # only the hooks this step needs are installed
 
     def _set_metrics(self, step: int, k: int | None) -> None:
         """Which opt-in metrics run on ``step`` (``k``: its index among the sampled steps, None if it is

@@ -39,6 +39,7 @@ removed before the error propagates. TorchScript modules are refused up front (:
 from __future__ import annotations
 
 import fnmatch
+import functools
 import itertools
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -287,6 +288,7 @@ class TapState:
     errors: list[BaseException] = field(default_factory=list)
     hook_errors: int = 0
     paused: bool = False  # an opt-in metric runs the model itself (probe batch, Hessian): no taps
+    compiled: bool = False  # a hook ran inside torch.compile: hooks stay installed (TapSet.static)
     busy: float = 0.0  # seconds spent inside streamwatch's hooks since the last step boundary
     times: StepTimes = field(default_factory=StepTimes)
     # this step's opt-in metrics: tensor metrics by the kind they read, and parameter-level ones
@@ -326,8 +328,19 @@ def _leaves(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
         yield prefix, value
 
 
+def _local(x: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (FSDP2's sharded parameters, gradients and updates; tensor
+    parallel): a view, no collective. Its sums of squares and counts add up across ranks to the whole
+    tensor's (docs/scale.md). Any other tensor as it is."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # loaded by whatever made a DTensor
+    if dtensor is not None and isinstance(x, dtensor.DTensor):
+        return x.to_local()  # type: ignore[no-any-return]
+    return x
+
+
 def _prepare(x: torch.Tensor, state: TapState) -> torch.Tensor | None:
     """A dense real floating view of ``x`` to summarise, or None (skipped and counted)."""
+    x = _local(x)
     if x.is_sparse or x.layout != torch.strided:
         state.skip("sparse")
         return None
@@ -446,7 +459,19 @@ class TapSet:
     ) -> None:
         self.state = state
         self.params = params
-        self.handles: list[RemovableHandle] = []
+        self.handles: list[RemovableHandle] = []  # installed for the Watch's life
+        # Hooks installed only while a step (or an evaluation pass) needs them, by group: "forward" (the
+        # selected modules' forward and pre-forward hooks) and "param_grad" (post-accumulate hooks). An
+        # unsampled step then runs the model with none of them: no Python call per module or parameter.
+        self._registrations: dict[str, list[Callable[[], RemovableHandle]]] = {
+            "forward": [],
+            "param_grad": [],
+        }
+        self._armed: dict[str, list[RemovableHandle]] = {"forward": [], "param_grad": []}
+        self._eval_armed = False  # the forward hooks are in for an evaluation pass only
+        # Under torch.compile, installing and removing hooks would change what dynamo guards on and
+        # recompile the graph: once a hook runs while compiling, every hook stays in for good.
+        self.static = False
         self._before: list[torch.Tensor] | None = None
         self.has_optimizer = optimizer is not None
         try:
@@ -469,12 +494,13 @@ class TapSet:
             if channel_last is None:
                 channel_last = not isinstance(module, _CHANNEL_FIRST)
                 # (4-D/5-D tensors are channels-first whatever module made them: see summarize_into)
+            forward = self._registrations["forward"]
             if taps & {"activation", "output_grad"}:
                 hook = self._forward_hook(name, channel_last, saturation_bounds(module))
-                self.handles.append(module.register_forward_hook(hook))
+                forward.append(functools.partial(module.register_forward_hook, hook))
             if taps & {"input", "input_grad"}:
                 hook = self._forward_pre_hook(name)
-                self.handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+                forward.append(functools.partial(module.register_forward_pre_hook, hook, with_kwargs=True))
         # the step's parts (data wait, forward, backward, optimizer): the root module's forward bounds
         self.handles.append(model.register_forward_pre_hook(self._root_forward_start))
         self.handles.append(model.register_forward_hook(self._root_forward_end))
@@ -482,7 +508,13 @@ class TapSet:
             for layer, pname, param in params:
                 if param.requires_grad:
                     key = SeriesKey("train", layer, "param_grad", pname)
-                    self.handles.append(param.register_post_accumulate_grad_hook(self._param_grad_hook(key)))
+                    self._registrations["param_grad"].append(
+                        functools.partial(
+                            param.register_post_accumulate_grad_hook, self._param_grad_hook(key)
+                        )
+                    )
+        for group in self._registrations:  # every hook once: torch refuses now, not on a later step
+            self._set_group(group, True)
         if optimizer is not None:
             self.handles.append(
                 optimizer.register_step_pre_hook(_guarded(state, self._before_optimizer_step))
@@ -490,6 +522,28 @@ class TapSet:
             self.handles.append(
                 optimizer.register_step_post_hook(_guarded(state, self._after_optimizer_step))
             )
+
+    # -- arming -----------------------------------------------------------------------------------------
+
+    def _set_group(self, group: str, on: bool) -> None:
+        handles = self._armed[group]
+        if on and not handles:
+            for register in self._registrations[group]:
+                handles.append(register())
+        elif not on and handles:
+            for handle in handles:
+                handle.remove()
+            handles.clear()
+
+    def arm(self) -> None:
+        """Install or remove the per-module and per-parameter hooks for the step that begins: only the
+        groups the step samples (every group while ``static``). Called at each step boundary."""
+        state = self.state
+        static = self.static or state.compiled
+        self.static = static
+        self._eval_armed = False
+        self._set_group("forward", static or state.forward)
+        self._set_group("param_grad", static or state.on.get("param_grad", False))
 
     # -- forward side ---------------------------------------------------------------------------------
 
@@ -583,6 +637,18 @@ class TapSet:
             summarize_into(self.state, SeriesKey("train", layer, "param", pname), param, None, replace=True)
 
     def _root_forward_start(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            self.state.compiled = True  # every hook stays in from the next step boundary on
+            return
+        if not self._armed["forward"] and not (module.training and torch.is_grad_enabled()):
+            # An evaluation pass is summarised whatever the step samples: its hooks go in for this pass.
+            if not self.state.paused and self._registrations["forward"]:
+                try:
+                    self._set_group("forward", True)
+                except Exception as exc:  # never into the user's forward
+                    self.state.fail(exc)
+                self._eval_armed = True
+            return
         if not _steps_forward(module):
             return  # (no wall clock inside a compiled graph; evaluation passes are not the step's forward)
         times = self.state.times
@@ -590,6 +656,10 @@ class TapSet:
             times.forward_start = times.clock()
 
     def _root_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._eval_armed:
+            self._eval_armed = False
+            self._set_group("forward", self.static or self.state.forward)
+            return
         if not _steps_forward(module):
             return
         self.state.times.forward_end = self.state.times.clock()
@@ -635,6 +705,9 @@ class TapSet:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        for group in self._armed:
+            self._set_group(group, False)
+        self._registrations = {group: [] for group in self._registrations}
         self._before = None
         self.params = []  # a closed Watch must not keep the model's parameters alive
 

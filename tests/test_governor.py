@@ -516,6 +516,7 @@ def test_statistics_is_a_frozen_snapshot_of_the_properties() -> None:
         interval=20,
         cost_ratio=pytest.approx(1.0),  # type: ignore[arg-type]
         overhead_ratio=pytest.approx(0.05),  # type: ignore[arg-type]
+        floor_ratio=0.0,
         step_seconds=pytest.approx(PLAIN),  # type: ignore[arg-type]
         steps=1_000,
         sampled=sum(run.sampled) + gov.sampling,
@@ -523,6 +524,54 @@ def test_statistics_is_a_frozen_snapshot_of_the_properties() -> None:
     )
     with pytest.raises(FrozenInstanceError):
         stats.interval = 3  # type: ignore[misc]
+
+
+# -- the floor: what unsampled steps cost ------------------------------------------------------------
+
+
+def drive_with_floor(gov: Governor, clock: FakeClock, steps: int, ratio: float, own: float) -> None:
+    """Plain steps of ``PLAIN`` seconds of which ``own`` are the monitor's own; sampled steps cost
+    ``ratio`` plain steps more."""
+    for _ in range(steps):
+        seconds = PLAIN * (1 + ratio) if gov.sampling else PLAIN
+        clock.advance(seconds)
+        gov.tick(own)
+
+
+@pytest.mark.parametrize(
+    ("floor", "ratio", "budget"),
+    [(0.005, 1.0, 0.02), (0.01, 0.5, 0.05), (0.0, 1.0, 0.05), (0.015, 1.9321, 0.02)],  # no N on a knife-edge
+)
+def test_the_floor_is_paid_first_and_sampling_gets_the_rest_of_the_budget(
+    floor: float, ratio: float, budget: float
+) -> None:
+    clock = FakeClock()
+    gov = Governor(budget, clock=clock)
+    own = PLAIN * floor / (1 + floor)  # own / (PLAIN - own) == floor
+    drive_with_floor(gov, clock, settle_steps(smallest_interval(ratio, budget - floor)), ratio, own)
+    assert gov.floor_ratio == pytest.approx(floor)
+    assert gov.interval == smallest_interval(ratio, budget - floor)
+    assert gov.overhead_ratio == pytest.approx(floor + ratio / gov.interval)
+    assert gov.overhead_ratio <= budget * (1 + 1e-9)
+
+
+def test_a_floor_over_the_budget_samples_at_the_ceiling_and_says_so() -> None:
+    clock = FakeClock()
+    gov = Governor(0.02, max_interval=200, clock=clock)
+    own = PLAIN * 0.03 / 1.03  # unsampled steps alone cost 3 %
+    drive_with_floor(gov, clock, 20_000, 1.0, own)
+    assert gov.interval == 200
+    assert gov.overhead_ratio == pytest.approx(0.03 + 1.0 / 200)
+    assert gov.statistics().floor_ratio == pytest.approx(0.03)
+
+
+@pytest.mark.parametrize("own", [-1.0, math.nan, math.inf, 1.5 * PLAIN, 2 * PLAIN])
+def test_odd_own_times_never_become_a_floor(own: float) -> None:
+    clock = FakeClock()
+    gov = Governor(0.05, clock=clock)
+    drive_with_floor(gov, clock, 2_000, 1.0, own)
+    assert gov.floor_ratio == 0.0
+    assert gov.interval == 20
 
 
 def test_repr_shows_the_budget_and_what_was_measured() -> None:

@@ -1,0 +1,131 @@
+"""Hook arming: the per-module and per-parameter hooks are installed only for the steps (and evaluation
+passes) that need them, so an unsampled step runs the model without a Python call per module or
+parameter. Under ``torch.compile`` they stay in for good (no recompilation per sampled step)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+import streamwatch as sw
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(32, 8, generator=generator), torch.randint(0, 4, (32,), generator=generator)
+
+
+def module_hooks(model: nn.Module) -> int:
+    """Forward and pre-forward hooks on every module but the root (the root keeps its two)."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in list(model.modules())[1:])
+
+
+def param_hooks(model: nn.Module) -> int:
+    return sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, watch: sw.Watch) -> None:
+    x, y = batch()
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    watch.step(loss=loss)
+
+
+def test_hooks_are_in_only_on_sampled_steps() -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[tuple[int, int]] = []
+    with sw.observe(model, opt, every=3) as watch:
+        for _ in range(6):
+            seen.append((module_hooks(model), param_hooks(model)))
+            train_step(model, opt, watch)
+    # three modules with a forward hook each, four parameters with a post-accumulate hook
+    assert seen == [(3, 4), (0, 0), (0, 0), (3, 4), (0, 0), (0, 0)]
+    assert (module_hooks(model), param_hooks(model)) == (0, 0)
+    assert (len(model._forward_hooks), len(model._forward_pre_hooks)) == (0, 0)
+
+
+def test_a_cadence_arms_only_the_groups_its_step_samples() -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    cadence = {"activation": 2, "output_grad": 2, "param_grad": 1}
+    with sw.observe(model, opt, taps=("activation", "output_grad", "param_grad"), cadence=cadence) as watch:
+        for _ in range(4):
+            seen.append((module_hooks(model), param_hooks(model)))
+            train_step(model, opt, watch)
+    assert seen == [(3, 4), (0, 4), (3, 4), (0, 4)]
+
+
+def test_an_evaluation_pass_on_an_unsampled_step_is_summarised_and_disarmed_after() -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = sw.sinks.collect()
+    x, _ = batch()
+    with sw.observe(model, opt, every=100, sinks=[records]) as watch:
+        train_step(model, opt, watch)  # step 0: sampled
+        assert module_hooks(model) == 0  # step 1 is not
+        model.eval()
+        with torch.no_grad():
+            expected = model[0](x)
+            model(x)
+        model.train()
+        assert module_hooks(model) == 0
+        train_step(model, opt, watch)
+        watch.flush()
+    eval_record = records.items[-1]
+    rows = eval_record.rows(kind="activation", phase="eval")
+    assert [eval_record.keys[i].layer for i in rows] == ["0", "1", "2"]
+    first = rows[0]
+    assert eval_record.table[first, 0] == expected.numel()
+    torch.testing.assert_close(eval_record.stat("mean")[first], expected.double().mean().item())
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def compiled_run(static_from_start: bool) -> tuple[list[tuple[int, int]], int]:
+    """Six steps of a compiled model, every other one sampled: hooks seen after each, graphs compiled."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = torch.compile(model, backend="eager")
+    seen = []
+    with sw.observe(model, opt, every=2, taps=("activation", "param_grad")) as watch:
+        if static_from_start:  # what every release before arming did: the hooks never move
+            watch._taps.static = True
+            watch._taps.arm()
+        for _ in range(6):
+            x, y = batch()
+            loss = nn.functional.cross_entropy(compiled(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            watch.step(loss=loss)
+            seen.append((module_hooks(model), param_hooks(model)))
+    return seen, counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_compiled_model_keeps_every_hook_and_compiles_no_more_than_with_fixed_hooks() -> None:
+    seen, graphs = compiled_run(static_from_start=False)
+    assert seen == [(3, 4)] * 6  # static from the first compiled forward on
+    _, fixed = compiled_run(static_from_start=True)
+    # the sampled and unsampled flags are guarded on either way (one graph each, plus the first step's)
+    assert graphs == fixed <= 3
