@@ -21,9 +21,13 @@ those two taps are skipped there and counted (``skipped["compiled_grad_hook"]``)
 (post-accumulate hooks) are unaffected.
 
 Hooks never raise into the training step: an exception inside one is caught, counted and kept for
-``Watch.close()``. Hooks do no work on steps no tap samples (one flag check). Forward passes under
-``eval()`` or ``torch.no_grad()`` are summarised under ``phase="eval"`` on every step they happen,
-so evaluation loops are never lost and never mix into training series.
+``Watch.close()``. The per-module and per-parameter hooks are *armed* only for the steps that sample
+their kinds (:meth:`TapSet.arm`, at each step boundary): an unsampled step runs the model with none of
+them, only the root module's two hooks and the optimizer's pre/post hooks. Forward passes under
+``eval()`` or ``torch.no_grad()`` arm the module hooks for that pass from the root module's pre-hook and
+are summarised under ``phase="eval"`` on every step they happen, so evaluation loops are never lost and
+never mix into training series. Once a hook runs inside ``torch.compile`` every hook stays armed (no
+recompilation per sampled step).
 
 Activation checkpointing (``torch.utils.checkpoint``, either ``use_reentrant`` mode) runs a block's
 forward twice; it is one training forward, summarised once, exactly as without checkpointing. The
