@@ -72,8 +72,8 @@ Reported as ``floor_ratio`` (default) and ``everything_floor_ratio``, with ``sum
 and ``bandwidth_gb_s``, beside the measured ratios. ``everything_over_floor`` is the everything-every-step
 step time over the floor's step time (baseline + floor), the issue's "within 1.3× of the byte floor".
 
-**The governor** (``test_governor``, its own interleaved cycles of ``3 K`` steps, 2 warm-up and 6
-measured): ``baseline``, ``default``, ``every10``, ``item_hooks`` and ``observe(overhead=b)`` for b in 0.01, 0.02, 0.05
+**The governor** (``test_governor``, its own interleaved cycles of ``3 K`` steps, 2 warm-up and 6 measured):
+``baseline``, ``default``, ``every10``, ``item_hooks`` and ``observe(overhead=b)`` for b in 0.01, 0.02, 0.05
 (``overhead0.02``, ...). A governed variant's sampled steps are the ones its governor chose (read from
 ``watch._governor.sampling`` before each step); its cost is estimated like ``everyN``'s with ``f`` the share
 of steps it sampled (:func:`measure_governed`). The report adds the interval each governor settled at and
