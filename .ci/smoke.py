@@ -53,7 +53,11 @@ def main() -> None:
         fail(f"streamwatch was imported from {package}, not from an installed package")
     print(f"smoke: streamwatch {streamwatch.__version__} from {package}")
 
-    optional = {"streamwatch._live": "streamwatch[demo]"}
+    optional = {
+        "streamwatch._live": "streamwatch[demo]",
+        "streamwatch.integrations.lightning": "streamwatch[lightning]",
+        "streamwatch.integrations.transformers": "streamwatch[transformers]",
+    }
     for info in pkgutil.walk_packages(streamwatch.__path__, "streamwatch."):
         try:
             importlib.import_module(info.name)

@@ -7,12 +7,12 @@ import inspect
 import pytest
 
 import streamwatch
-from streamwatch import metrics, ops, sinks
+from streamwatch import detectors, metrics, ops, sinks
 
-SUBMODULES = {"cli", "metrics", "ops", "sinks", "testing"}
+SUBMODULES = {"cli", "detectors", "integrations", "metrics", "ops", "sinks", "testing"}
 
 
-@pytest.mark.parametrize("module", [streamwatch, metrics, ops, sinks], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [streamwatch, detectors, metrics, ops, sinks], ids=lambda m: m.__name__)
 def test_all_lists_exactly_the_public_names(module) -> None:
     exported = module.__all__
     public = {name for name in vars(module) if not name.startswith("_")} - {"annotations"}
@@ -20,7 +20,7 @@ def test_all_lists_exactly_the_public_names(module) -> None:
     assert public - SUBMODULES == set(exported) - SUBMODULES
 
 
-@pytest.mark.parametrize("module", [streamwatch, metrics, ops, sinks], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [streamwatch, detectors, metrics, ops, sinks], ids=lambda m: m.__name__)
 def test_every_public_callable_has_a_docstring(module) -> None:
     undocumented = [
         name

@@ -1,0 +1,77 @@
+"""Trainer integrations: thin adapters that call :func:`streamwatch.observe` and ``watch.step()`` for you.
+
+* :mod:`streamwatch.integrations.lightning`: ``StreamwatchCallback`` for a Lightning ``Trainer``
+  (``pip install 'streamwatch[lightning]'``).
+* :mod:`streamwatch.integrations.transformers`: ``StreamwatchCallback`` for a Hugging Face ``Trainer``
+  (``pip install 'streamwatch[transformers]'``).
+* Accelerate needs no adapter: ``streamwatch.observe(accelerator.unwrap_model(model), optimizer)`` with
+  the torch optimizer you created (docs/integrations.md).
+
+Each callback takes :func:`streamwatch.observe`'s keyword arguments (``every=``, ``sinks=``, ``metrics=``,
+...), creates the :class:`streamwatch.Watch` when training begins, with the trainer's model and optimizer,
+and closes it when training ends; ``callback.watch`` is that Watch (kept after training for
+``statistics()`` and ``snapshot()``). There is no second code path: what the watch records is exactly what
+``observe()`` records in a hand-written loop.
+
+Importing this package imports neither Lightning nor transformers; each submodule imports its trainer
+library, and without it raises an ``ImportError`` naming the extra to install.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from streamwatch._observe import _rank, observe
+
+__all__: list[str] = []
+
+_OBSERVE_KEYWORDS = frozenset(
+    name
+    for name, parameter in inspect.signature(observe).parameters.items()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+)
+
+
+def _observe_kwargs(kwargs: Mapping[str, Any], owner: str) -> dict[str, Any]:
+    """``observe()``'s keyword arguments for a callback, checked by name when the callback is created
+    (their values are checked by ``observe()`` itself when training begins).
+
+    Example:
+        >>> _observe_kwargs({"every": 2}, "StreamwatchCallback")
+        {'every': 2}
+        >>> try:
+        ...     _observe_kwargs({"evry": 2}, "StreamwatchCallback")
+        ... except TypeError as err:
+        ...     print(str(err).split(":")[0])
+        StreamwatchCallback got unknown keyword argument(s) ['evry']
+    """
+    unknown = sorted(set(kwargs) - _OBSERVE_KEYWORDS)
+    if unknown:
+        raise TypeError(
+            f"{owner} got unknown keyword argument(s) {unknown}: it takes streamwatch.observe()'s keyword "
+            f"arguments ({', '.join(sorted(_OBSERVE_KEYWORDS))}); the model and the optimizer come from "
+            "the trainer"
+        )
+    return dict(kwargs)
+
+
+def _check_rank(trainer_rank: int, where: str) -> None:
+    """Warn if the rank ``observe()`` labels records with differs from the trainer's global rank.
+
+    ``observe()`` takes the rank from ``torch.distributed`` when a process group is initialised (else
+    ``$RANK``, else 0). Lightning and the Hugging Face Trainer initialise the process group before their
+    callbacks create the watch, so the two agree; a strategy that runs without ``torch.distributed``
+    could make them differ, and the records would then carry the wrong ``rank``.
+    """
+    rank = _rank()
+    if rank != trainer_rank:
+        warnings.warn(
+            f"streamwatch: the trainer's global rank is {trainer_rank} ({where}) but streamwatch labels this "
+            f"process' records rank={rank} (it reads torch.distributed, else $RANK): the per-rank series "
+            "of this process are mislabelled; initialise torch.distributed or set RANK",
+            RuntimeWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,211 @@
+"""Lightning: ``StreamwatchCallback`` observes a ``lightning.pytorch.Trainer``'s run with
+:func:`streamwatch.observe` (``pip install 'streamwatch[lightning]'``).
+
+What it does, hook by hook:
+
+* ``on_fit_start``: ``observe(pl_module, trainer.optimizers[0], **observe_kwargs)`` — the LightningModule
+  and the trainer's first optimizer (none if ``configure_optimizers`` returns none). This is the first
+  hook at which the optimizers exist (the strategy creates them after ``setup`` and ``configure_model``)
+  and it runs before the first forward pass of the fit, sanity check included, so the taps are in place
+  before ``torch.compile`` traces anything (``trainer.fit(torch.compile(model))`` compiles lazily, on
+  that first call). The module is already on its device and wrapped by the strategy (DDP, FSDP); the
+  taps sit on the LightningModule and its submodules, which the wrapper calls.
+* ``on_train_batch_end``: one ``watch.step(loss=..., batch_size=...)`` per **optimizer step**, not per
+  batch. With ``accumulate_grad_batches=k`` the step is made on the batch whose optimizer step happened
+  (``trainer.global_step`` advanced during the batch); the batches before it only accumulate:
+
+  - ``loss``: the sum of the batches' ``outputs["loss"]`` (``outputs`` itself when ``training_step``
+    returned a tensor) since the previous optimizer step. Lightning divides each batch's loss by
+    ``accumulate_grad_batches`` before backward and reports that divided loss in ``outputs``, so the sum
+    is the loss whose gradient the optimizer applied: the mean of the micro-batch losses (with
+    ``accumulate_grad_batches=1``, simply the batch's loss). At the end of an epoch whose batches do not
+    fill the last window, Lightning steps on fewer batches and the sum is over those (still each divided
+    by ``k``, as Lightning computed it). The loss stays on its device (no synchronisation); a loss that
+    is not a one-element real tensor or a number is not reported.
+  - ``batch_size``: the samples of those batches, each batch's size read as the first dimension that
+    every tensor in it shares (absent if a batch has no tensor, or tensors of different lengths).
+
+  In manual optimisation (``automatic_optimization = False``) the same rule applies: one step per
+  batch in which ``trainer.global_step`` advanced (any optimizer stepped), the loss read from what
+  ``training_step`` returned (not divided by anything). ``on_train_start`` reads ``global_step`` again,
+  because a fit resumed from a checkpoint restores it after ``on_fit_start``.
+* Validation needs no hook: Lightning runs it under ``model.eval()`` and ``torch.no_grad``/
+  ``torch.inference_mode``, and ``observe()`` summarises every such forward pass under
+  ``phase="eval"``, in the record of the optimizer step that follows it (the sanity check lands in the
+  first step's record). A validation run after the last optimizer step of the fit belongs to no step and
+  is not recorded.
+* ``teardown``: ``watch.close()`` (flush every step to every sink, remove every hook). If the fit fails,
+  ``on_exception`` closes the watch instead and attaches a streamwatch error, if any, as a note to the
+  training's exception (as leaving ``with observe(...)`` does).
+* Rank: ``observe()`` labels records with ``torch.distributed``'s rank (Lightning has initialised the
+  process group before ``on_fit_start``); if that differs from ``trainer.global_rank`` the callback warns.
+
+Every rank observes its own model replica, as with ``torchrun`` (``watch.expose()`` serves
+``port + LOCAL_RANK`` on each). Only ``trainer.fit`` is observed (not ``validate``/``test``/``predict``
+on their own). The callback is for the ``lightning`` package (``lightning.pytorch``); the standalone
+``pytorch_lightning`` package has its own ``Callback`` class, which this one is not.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+except ImportError as _err:
+    raise ImportError(
+        f"streamwatch.integrations.lightning needs Lightning: pip install 'streamwatch[lightning]' ({_err})"
+    ) from _err
+
+from streamwatch._observe import Watch, observe
+from streamwatch.integrations import _check_rank, _observe_kwargs
+
+__all__ = ["StreamwatchCallback"]
+
+
+class StreamwatchCallback(Callback):
+    """Observe a Lightning ``Trainer.fit`` with :func:`streamwatch.observe`: one step record per
+    optimizer step, validation under ``phase="eval"``, the watch closed when the fit ends.
+
+    Args:
+        **observe_kwargs: :func:`streamwatch.observe`'s keyword arguments (``every=``, ``select=``,
+            ``sinks=``, ``metrics=``, ...), passed unchanged when the fit begins. Unknown names are a
+            ``TypeError`` here; the model and the optimizer come from the trainer.
+
+    Attributes:
+        watch: the :class:`streamwatch.Watch` of the current (or last) fit; None before the first.
+            It stays readable after the fit (``statistics()``, ``snapshot()``).
+
+    Example (``docs/integrations.md`` runs it)::
+
+        import lightning.pytorch as pl
+        from streamwatch.integrations.lightning import StreamwatchCallback
+
+        callback = StreamwatchCallback(every=1, sinks=[sw.sinks.RunFile("runs/lightning.jsonl")])
+        trainer = pl.Trainer(max_epochs=2, callbacks=[callback], accumulate_grad_batches=2)
+        trainer.fit(lit_module, train_loader, val_loader)
+        stats = callback.watch.statistics()  # stats.steps == trainer.global_step
+    """
+
+    def __init__(self, **observe_kwargs: Any) -> None:
+        super().__init__()
+        self._kwargs = _observe_kwargs(observe_kwargs, type(self).__name__)
+        self.watch: Watch | None = None
+        self._loss: torch.Tensor | float | None = None
+        self._samples: int | None = 0
+        self._global_step = 0
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Create the watch: the LightningModule and the trainer's first optimizer."""
+        self.close()  # a watch of an earlier fit that was never torn down
+        optimizers = trainer.optimizers
+        _check_rank(trainer.global_rank, "trainer.global_rank")
+        self.watch = observe(pl_module, optimizers[0] if optimizers else None, **self._kwargs)
+        self._global_step = trainer.global_step
+        self._reset()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Read ``trainer.global_step`` again: a fit resumed from a checkpoint restores it only after
+        ``on_fit_start``."""
+        self._global_step = trainer.global_step
+        self._reset()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Accumulate the batch's loss and samples; end the step if the optimizer stepped in this batch."""
+        watch = self.watch
+        if watch is None or watch.closed:
+            return
+        loss = _loss(outputs)
+        if loss is not None:
+            self._loss = _add(self._loss, loss)
+        size = _batch_size(batch)
+        self._samples = None if size is None or self._samples is None else self._samples + size
+        step = trainer.global_step
+        if step == self._global_step:
+            return  # gradient accumulation: no optimizer step in this batch
+        self._global_step = step
+        loss, samples = self._loss, self._samples
+        self._reset()
+        watch.step(loss=loss, batch_size=samples or None)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """The fit failed: close the watch, keeping the training's exception (a streamwatch error becomes
+        a note on it)."""
+        watch = self.watch
+        self._reset()
+        if watch is not None and not watch.closed:
+            watch.__exit__(type(exception), exception, exception.__traceback__)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """The fit (or another trainer function) ended: close the watch."""
+        self.close()
+
+    def close(self) -> None:
+        """Close the watch (flush every completed step, remove every hook). Idempotent; ``teardown`` calls
+        it. A batch that accumulated without an optimizer step is not a step and is not recorded."""
+        self._reset()
+        if self.watch is not None:
+            self.watch.close()
+
+    def _reset(self) -> None:
+        self._loss, self._samples = None, 0
+
+
+def _loss(outputs: object) -> torch.Tensor | float | None:
+    """The loss in a ``training_step``'s outputs: the tensor itself or ``outputs["loss"]``, detached; a
+    real number as a float; None for anything that is not one value (what ``watch.step`` would refuse).
+
+    Example:
+        >>> _loss({"loss": torch.tensor(0.5), "acc": 1}), _loss(torch.ones(2)), _loss(None), _loss(2)
+        (tensor(0.5000), None, None, 2.0)
+    """
+    if isinstance(outputs, Mapping):
+        outputs = outputs.get("loss")
+    if isinstance(outputs, torch.Tensor):
+        return outputs.detach() if outputs.numel() == 1 and not outputs.is_complex() else None
+    if isinstance(outputs, bool) or not isinstance(outputs, numbers.Real):
+        return None
+    return float(outputs)
+
+
+def _add(total: torch.Tensor | float | None, loss: torch.Tensor | float) -> torch.Tensor | float:
+    """``total + loss``; a tensor stays on its device (no synchronisation)."""
+    if total is None:
+        return loss
+    if isinstance(total, torch.Tensor):
+        return total + loss
+    return loss + total
+
+
+def _batch_size(batch: object, limit: int = 1000) -> int | None:
+    """The samples in ``batch``: the first dimension shared by every tensor in it (through mappings,
+    lists and tuples, at most ``limit`` items); None without a tensor, or when their lengths differ.
+
+    Example:
+        >>> _batch_size((torch.zeros(8, 3), torch.zeros(8))), _batch_size({"x": torch.zeros(8, 3), "n": 5})
+        (8, 8)
+        >>> _batch_size((torch.zeros(8, 3), torch.zeros(4))), _batch_size(["text"])
+        (None, None)
+    """
+    sizes: set[int] = set()
+    stack: list[object] = [batch]
+    while stack and limit > 0:
+        limit -= 1
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.dim() > 0:
+                sizes.add(int(item.shape[0]))
+        elif isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return sizes.pop() if len(sizes) == 1 else None

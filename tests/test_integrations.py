@@ -1,0 +1,471 @@
+"""Trainer integrations, each run for real on the CPU for a few steps (streamwatch.integrations).
+
+* Lightning (``StreamwatchCallback``): one record per optimizer step under gradient accumulation, the
+  loss equal to what ``training_step`` computed (as Lightning scales it), batch sizes, validation under
+  ``phase="eval"``, the watch closed and every hook gone after ``fit`` (and after a failed ``fit``), the
+  final weights bit-identical with and without the callback, and the rank of every record equal to
+  ``trainer.global_rank`` in a real 2-rank DDP run under ``torchrun``.
+* Hugging Face (``StreamwatchCallback``): one record per optimizer step, the loss equal to the one the
+  Trainer logged (``state.log_history``) and to an independent computation, evaluation under
+  ``phase="eval"``, the watch closed and every hook gone.
+* Accelerate: ``observe(accelerator.unwrap_model(model), optimizer)`` unchanged, one record per
+  optimizer step under ``accelerator.accumulate``.
+* ``import streamwatch`` imports none of the trainer libraries, and a missing one is an ImportError
+  naming the extra.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import streamwatch as sw
+from streamwatch._taps import KINDS
+from tests.promserver import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = [
+    # Lightning 2.6 builds torch pytree LeafSpec objects, which torch 2.13 deprecates (Lightning's own code)
+    pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning"),
+    # on a machine with more than 2 CPUs Lightning suggests DataLoader workers
+    pytest.mark.filterwarnings("ignore:The '.*' does not have many workers"),
+]
+
+
+def _dataset(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def _leftover_hooks(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[str]:
+    """Every hook still registered on the model's modules and parameters, and on the optimizer."""
+    found = []
+    for name, module in model.named_modules():
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+            if getattr(module, attr, None):
+                found.append(f"{name or '<root>'}.{attr}")
+    for name, param in model.named_parameters():
+        for attr in ("_post_accumulate_grad_hooks", "_backward_hooks"):
+            if getattr(param, attr, None):
+                found.append(f"{name}.{attr}")
+    if optimizer is not None:
+        for attr in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+            if getattr(optimizer, attr, None):
+                found.append(f"optimizer.{attr}")
+    return found
+
+
+def _eval_records(records: list[sw.StepRecord]) -> set[int]:
+    """The indices of the records that hold evaluation-phase summaries."""
+    return {i for i, record in enumerate(records) if record.rows(phase="eval")}
+
+
+# -- Lightning ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pl() -> Any:
+    return pytest.importorskip("lightning.pytorch")
+
+
+def _lightning_module(pl: Any, fail_at: int | None = None) -> Any:
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 3))
+            self.losses: list[torch.Tensor] = []  # every training batch's loss, as training_step computed it
+
+        def training_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+            if fail_at is not None and self.global_step >= fail_at:
+                raise RuntimeError("the training step failed")
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y)
+            self.losses.append(loss.detach().clone())
+            return {"loss": loss, "samples": len(y)}
+
+        def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    return Net()
+
+
+def _fit(
+    pl: Any, tmp_path: Path, callbacks: list[Any], model: Any = None, *, epochs: int = 2, **fit: Any
+) -> tuple[Any, Any]:
+    """Two epochs of 5 batches of 8 with ``accumulate_grad_batches=2`` (optimizer steps on batches 2, 4
+    and 5 of each epoch: 6 steps), one sanity-check batch and a 2-batch validation after each epoch."""
+    torch.manual_seed(0)  # the initial weights and the dropout masks
+    if model is None:
+        model = _lightning_module(pl)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        accumulate_grad_batches=2,
+        num_sanity_val_steps=1,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    train = DataLoader(_dataset(40, seed=1), batch_size=8)
+    trainer.fit(model, train, DataLoader(_dataset(16, seed=2), batch_size=8), **fit)
+    return trainer, model
+
+
+def test_lightning_one_record_per_optimizer_step_with_the_trainers_loss(pl: Any, tmp_path: Path) -> None:
+    from streamwatch.integrations.lightning import StreamwatchCallback
+
+    records = sw.sinks.collect()
+    callback = StreamwatchCallback(sinks=[records])
+    trainer, model = _fit(pl, tmp_path, [callback])
+    watch = callback.watch
+    assert watch is not None
+
+    assert trainer.global_step == 6
+    assert watch.statistics().steps == watch.statistics().sampled == 6
+    assert [r.step for r in records.items] == list(range(6))
+    # Lightning divides each batch's loss by accumulate_grad_batches (2) before backward and reports it
+    # so; a step's loss is the sum over its batches (windows of 2, 2, 1 batches per epoch)
+    windows = [[0, 1], [2, 3], [4], [5, 6], [7, 8], [9]]
+    assert len(model.losses) == 10
+    expected = []
+    for window in windows:
+        total = model.losses[window[0]] / 2
+        for i in window[1:]:
+            total = total + model.losses[i] / 2
+        expected.append(float(total))
+    assert [r.scalars["loss"] for r in records.items] == expected
+    assert [r.scalars["batch_size"] for r in records.items] == [16.0, 16.0, 8.0] * 2
+    assert all(r.scalars["lr/0"] == 0.1 for r in records.items)
+    # validation is summarised under phase="eval" in the record of the next optimizer step: the sanity
+    # check in the first, epoch 0's validation in the first step of epoch 1; epoch 1's comes after the
+    # last step and belongs to none
+    assert _eval_records(records.items) == {0, 3}
+    layers = {k.layer for k in records.items[3].keys if k.phase == "eval" and k.kind == "activation"}
+    assert layers == {"net.0", "net.1", "net.2", "net.3"}
+    assert {r.rank for r in records.items} == {trainer.global_rank} == {0}
+    # the watch is closed: every hook is gone
+    assert watch.closed
+    assert _leftover_hooks(model, trainer.optimizers[0]) == []
+    latest = {s.name: s.value for s in watch.snapshot() if not s.labels.get("layer")}
+    assert latest["streamwatch_loss"] == expected[-1]
+
+
+def test_lightning_monitoring_does_not_change_training(pl: Any, tmp_path: Path) -> None:
+    from streamwatch.integrations.lightning import StreamwatchCallback
+
+    _, plain = _fit(pl, tmp_path / "plain", [])
+    callback = StreamwatchCallback(
+        taps=KINDS, cadence=dict.fromkeys(KINDS, 1), stats=("dead", "nonfinite"), every=1
+    )
+    _, observed = _fit(pl, tmp_path / "observed", [callback])
+    assert callback.watch is not None
+    assert callback.watch.statistics().sampled == 6
+    assert [float(x) for x in observed.losses] == [float(x) for x in plain.losses]
+    weights, reference = observed.state_dict(), plain.state_dict()
+    assert weights.keys() == reference.keys()
+    different = [name for name in weights if not torch.equal(weights[name], reference[name])]
+    assert different == []
+
+
+def test_lightning_failed_fit_closes_the_watch(pl: Any, tmp_path: Path) -> None:
+    from streamwatch.integrations.lightning import StreamwatchCallback
+
+    records = sw.sinks.collect()
+    callback = StreamwatchCallback(sinks=[records])
+    model = _lightning_module(pl, fail_at=2)
+    with pytest.raises(RuntimeError, match="the training step failed"):
+        _fit(pl, tmp_path, [callback], model)
+    assert callback.watch is not None
+    assert callback.watch.closed
+    assert [r.step for r in records.items] == [0, 1]  # the two completed optimizer steps
+    assert _leftover_hooks(model) == []
+
+
+def test_lightning_fit_resumed_from_a_checkpoint_steps_with_the_optimizer(pl: Any, tmp_path: Path) -> None:
+    from streamwatch.integrations.lightning import StreamwatchCallback
+
+    first, _ = _fit(pl, tmp_path, [], epochs=1)
+    first.save_checkpoint(tmp_path / "epoch0.ckpt")
+    records = sw.sinks.collect()
+    callback = StreamwatchCallback(sinks=[records])
+    # the trainer restores global_step (3) only after on_fit_start; the second epoch steps 3 more times
+    resumed, model = _fit(pl, tmp_path, [callback], ckpt_path=tmp_path / "epoch0.ckpt")
+    assert resumed.global_step == 6
+    assert [r.scalars["batch_size"] for r in records.items] == [16.0, 16.0, 8.0]
+    assert len(model.losses) == 5
+    assert records.items[0].scalars["loss"] == float(model.losses[0] / 2 + model.losses[1] / 2)
+
+
+def test_lightning_callback_checks_its_arguments(pl: Any) -> None:
+    from streamwatch.integrations.lightning import StreamwatchCallback
+
+    with pytest.raises(TypeError, match=r"unknown keyword argument\(s\) \['evry'\].*every"):
+        StreamwatchCallback(evry=2)
+    with pytest.raises(TypeError, match="the model and the optimizer come from the trainer"):
+        StreamwatchCallback(model=nn.Linear(1, 1))
+
+
+_DDP_SCRIPT = """
+import json, os, sys, warnings
+warnings.simplefilter("error")
+warnings.filterwarnings("ignore", message=r".*LeafSpec", category=FutureWarning)
+warnings.filterwarnings("ignore", message=r".*does not have many workers")
+import torch
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, TensorDataset
+import streamwatch as sw
+from streamwatch.integrations.lightning import StreamwatchCallback
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+class ProcessGroup(pl.Callback):  # after streamwatch's: what observe() saw when it created the watch
+    def on_fit_start(self, trainer, pl_module):
+        self.initialized = torch.distributed.is_initialized()
+        self.rank = torch.distributed.get_rank() if self.initialized else None
+
+g = torch.Generator().manual_seed(0)
+data = TensorDataset(torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g))
+records = sw.sinks.collect()
+callback, group = StreamwatchCallback(sinks=[records]), ProcessGroup()
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, callbacks=[callback, group],
+                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False)
+trainer.fit(Net(), DataLoader(data, batch_size=4))
+out = {"global_rank": trainer.global_rank, "world_size": trainer.world_size, "initialized": group.initialized,
+       "group_rank": group.rank, "record_ranks": [r.rank for r in records.items],
+       "steps": callback.watch.statistics().steps, "global_step": trainer.global_step,
+       "closed": callback.watch.closed}
+with open(os.path.join(sys.argv[1], f"rank{trainer.global_rank}.json"), "w") as f:
+    json.dump(out, f)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_lightning_ddp_records_carry_the_trainers_global_rank(pl: Any, tmp_path: Path) -> None:
+    script = tmp_path / "ddp_lightning.py"
+    script.write_text(_DDP_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "--master_addr=127.0.0.1",
+        str(script),
+        str(tmp_path),
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=110, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    for rank in (0, 1):
+        out = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert (out["global_rank"], out["world_size"]) == (rank, 2)
+        # the process group was up when the watch was created, so observe() took the rank from it
+        assert (out["initialized"], out["group_rank"]) == (True, rank)
+        assert out["record_ranks"] == [rank] * 3
+        assert out["steps"] == out["global_step"] == 3
+        assert out["closed"] is True
+
+
+def test_rank_mismatch_is_warned(monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamwatch.integrations import _check_rank
+
+    monkeypatch.delenv("RANK", raising=False)
+    _check_rank(0, "trainer.global_rank")  # agrees: silent (filterwarnings=error)
+    with pytest.warns(RuntimeWarning, match=r"global rank is 1 \(trainer.global_rank\).*rank=0"):
+        _check_rank(1, "trainer.global_rank")
+
+
+# -- Hugging Face transformers --------------------------------------------------------------------------
+
+
+class _HFNet(nn.Module):
+    """What the Hugging Face Trainer needs of a model: a forward that returns a dict with ``loss``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+        self.losses: list[torch.Tensor] = []  # every training micro-batch's loss
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        logits = self.net(x)
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = F.cross_entropy(logits, labels)
+            if self.training:
+                self.losses.append(out["loss"].detach().clone())
+        return out
+
+
+@pytest.mark.parametrize("logging_steps", [1, 2])
+def test_transformers_one_record_per_optimizer_step_with_the_logged_loss(
+    tmp_path: Path, logging_steps: int
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    from streamwatch.integrations.transformers import StreamwatchCallback
+
+    records = sw.sinks.collect()
+    callback = StreamwatchCallback(sinks=[records])
+    train, val = _dataset(20, seed=1), _dataset(8, seed=2)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,  # 5 micro-batches an epoch: optimizer steps after 2, 2 and 1
+        gradient_accumulation_steps=2,
+        num_train_epochs=2,
+        learning_rate=0.1,
+        logging_steps=logging_steps,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    model = _HFNet()
+    trainer = transformers.Trainer(
+        model=model,
+        args=args,
+        train_dataset=[{"x": x, "labels": y} for x, y in train],
+        eval_dataset=[{"x": x, "labels": y} for x, y in val],
+        callbacks=[callback],
+    )
+    trainer.train()
+    watch = callback.watch
+    assert watch is not None
+
+    assert trainer.state.global_step == 6
+    assert watch.statistics().steps == watch.statistics().sampled == 6
+    assert [r.step for r in records.items] == list(range(6))
+    # the record of optimizer step n (from 1) carries the loss the Trainer logged right after it
+    logged = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    assert sorted(logged) == list(range(logging_steps, 7, logging_steps))
+    for record in records.items:
+        assert record.scalars.get("loss") == logged.get(record.step + 1)
+    if logging_steps == 1:  # then that is each step's own loss: its micro-batches' losses, each divided
+        # by the micro-batches in the step (HF scales a short last window by its own length)
+        windows = [[0, 1], [2, 3], [4], [5, 6], [7, 8], [9]]
+        assert len(model.losses) == 10
+        expected = []
+        for window in windows:
+            total = model.losses[window[0]] / len(window)
+            for i in window[1:]:
+                total = total + model.losses[i] / len(window)
+            expected.append(float(total))
+        # (transformers 4.x logs the loss rounded to 4 decimals; 5.x as computed)
+        assert [r.scalars["loss"] for r in records.items] == pytest.approx(expected, rel=1e-6, abs=5e-5)
+    # evaluation after steps 2 and 4 is summarised under phase="eval" in the next step's record (the one
+    # after step 6 belongs to no step)
+    assert _eval_records(records.items) == {2, 4}
+    assert watch.closed
+    assert _leftover_hooks(model, trainer.optimizer.optimizer) == []
+
+
+def test_transformers_callback_checks_its_arguments() -> None:
+    pytest.importorskip("transformers")
+    from streamwatch.integrations.transformers import StreamwatchCallback
+
+    with pytest.raises(TypeError, match=r"unknown keyword argument\(s\) \['optimizer'\]"):
+        StreamwatchCallback(optimizer=None)
+
+
+# -- Accelerate -----------------------------------------------------------------------------------------
+
+
+def test_accelerate_observe_the_unwrapped_model_unchanged() -> None:
+    accelerate = pytest.importorskip("accelerate")
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(_dataset(40, seed=1), batch_size=8)
+    prepared, prepared_optimizer, prepared_loader = accelerator.prepare(model, optimizer, loader)
+    stepped: list[int] = []  # the reference: optimizer steps taken
+    handle = optimizer.register_step_post_hook(lambda *_: stepped.append(1))
+    records = sw.sinks.collect()
+    expected: list[float] = []
+    with sw.observe(accelerator.unwrap_model(prepared), optimizer, sinks=[records]) as watch:
+        window: list[torch.Tensor] = []
+        for x, y in prepared_loader:
+            with accelerator.accumulate(prepared):
+                loss = F.cross_entropy(prepared(x), y)
+                accelerator.backward(loss)
+                prepared_optimizer.step()
+                prepared_optimizer.zero_grad()
+            window.append(loss.detach())
+            if accelerator.sync_gradients:  # the optimizer stepped: one watch.step
+                step_loss = torch.stack(window).mean()
+                watch.step(loss=step_loss, batch_size=8 * len(window))
+                expected.append(float(step_loss))
+                window = []
+    handle.remove()
+    assert len(stepped) == 3  # 5 batches, accumulating 2: steps after batches 2, 4 and 5
+    assert watch.statistics().steps == len(records.items) == 3
+    assert [r.scalars["loss"] for r in records.items] == expected
+    assert [r.scalars["batch_size"] for r in records.items] == [16.0, 16.0, 8.0]
+    kinds = {k.kind for r in records.items for k in r.keys}
+    assert kinds == {"activation", "output_grad", "param", "param_grad", "update"}
+    assert _leftover_hooks(model, optimizer) == []
+
+
+# -- imports --------------------------------------------------------------------------------------------
+
+_IMPORTS = """
+import importlib, sys
+import streamwatch, streamwatch.integrations
+heavy = sorted(m for m in sys.modules
+               if m.split(".")[0] in {"lightning", "pytorch_lightning", "lightning_fabric", "transformers",
+                                      "accelerate"})
+assert not heavy, f"import streamwatch imported {heavy}"
+for extra in ("lightning", "transformers"):
+    sys.modules[extra] = None  # as if it were not installed
+    try:
+        importlib.import_module(f"streamwatch.integrations.{extra}")
+    except ImportError as err:
+        assert f"pip install 'streamwatch[{extra}]'" in str(err), err
+    else:
+        raise AssertionError(f"streamwatch.integrations.{extra} imported without {extra}")
+print("ok")
+"""
+
+
+def test_import_streamwatch_imports_no_trainer_library_and_a_missing_one_names_its_extra() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_IMPORTS)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "ok"
