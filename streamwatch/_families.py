@@ -28,7 +28,9 @@ from typing import Literal
 from streamwatch._record import Sample
 
 __all__ = [
+    "ALL_LAYERS",
     "DATA_FAMILIES",
+    "DETECTOR_FAMILIES",
     "FAMILIES",
     "HISTOGRAM_SAMPLE",
     "IDENTITY",
@@ -92,6 +94,10 @@ def _counter(name: str, help: str, *labels: str) -> Family:
 
 _TENSOR_KEY = ("phase", "layer", "kind", "param", "index")
 
+ALL_LAYERS = "__all__"
+"""The ``layer`` of a row that totals every layer of one phase and kind: what ranks without per-layer
+detail serve (``observe(detail=...)``, docs/scale.md), and a scrape over the series budget falls back to."""
+
 INFO = _gauge("info", "Process identity of a streamwatch exporter", "version")
 TENSOR = _gauge(
     "tensor",
@@ -112,6 +118,34 @@ LAYER_MEAN = _gauge(
 
 STEP = _gauge("step", "Index of the last step processed by the worker")
 
+# The built-in detectors' families (streamwatch.detectors, docs/detectors.md).
+LOSS_ZSCORE = _gauge("loss_zscore", "Robust z-score of the loss against its EWM baseline (LossSpike)")
+LOSS_SPIKES = _counter("loss_spikes", "Sampled steps whose loss z-score exceeded the LossSpike threshold")
+GRAD_NORM_RATIO = _gauge(
+    "grad_norm_ratio",
+    'Gradient norm over its EWM baseline per layer, layer="__all__" the global norm (GradientSpike)',
+    "layer",
+)
+GRAD_NORM_SPIKES = _counter(
+    "grad_norm_spikes", "Sampled steps whose grad norm ratio exceeded the GradientSpike threshold", "layer"
+)
+LAYER_UPDATE_RATIO = _gauge(
+    "layer_update_ratio", "||update|| / ||weight|| over a layer's parameters (UpdateRatioBand)", "layer"
+)
+UPDATE_RATIO_OUT_OF_BAND = _gauge(
+    "update_ratio_out_of_band",
+    "Decades a layer's update/weight ratio lies above (+) or below (-) the UpdateRatioBand band, 0 inside",
+    "layer",
+)
+DETECTOR_FAMILIES = (
+    LOSS_ZSCORE,
+    LOSS_SPIKES,
+    GRAD_NORM_RATIO,
+    GRAD_NORM_SPIKES,
+    LAYER_UPDATE_RATIO,
+    UPDATE_RATIO_OUT_OF_BAND,
+)
+
 HISTOGRAM_SAMPLE = "streamwatch_tensor_histogram"
 """The name ``snapshot()`` gives a histogram's bucket counts (label ``bucket``: the index in
 ``streamwatch.metrics.Buckets`` order); the exporter serves them as :data:`TENSOR_VALUES`."""
@@ -129,6 +163,7 @@ DATA_FAMILIES: tuple[Family, ...] = (
     _gauge("batch_size", "Samples in the last step"),
     _gauge("step_phase_seconds", "Host wall time of a part of the last sampled step (seconds)", "part"),
     _gauge("hessian_max_eig", "Largest-magnitude eigenvalue of the loss Hessian"),
+    *DETECTOR_FAMILIES,
     STEP,
     TENSOR_VALUES,
 )

@@ -36,6 +36,7 @@ from torch import nn
 from streamwatch import _kernel
 from streamwatch._channel import OVERFLOW_POLICIES, OverflowPolicy, channel
 from streamwatch._clock import Clock
+from streamwatch._detail import Detail, resolver, this_rank_keeps_detail
 from streamwatch._exceptions import Full, PipelineError, SendTimeout
 from streamwatch._families import check_served
 from streamwatch._governor import Governor, check_budget
@@ -109,6 +110,7 @@ class Watch:
         sinks: Iterable[Sink],
         metrics: Iterable[str | Metric] = (),
         close_timeout: float = 30.0,
+        detail: Detail = "all",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}")
@@ -137,6 +139,7 @@ class Watch:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"Expected `capacity` to be an integer >= 1, got {capacity!r}")
         self._close_timeout = seconds_or_forever(close_timeout, "close_timeout")
+        detailed = this_rank_keeps_detail(detail)  # per-layer series on this rank? (docs/scale.md)
         self._stuck: tuple[str, ...] = ()  # what close() gave up on, and the records it left
         self._unflushed = 0
         sinks = _sinks(sinks)
@@ -177,7 +180,7 @@ class Watch:
             self._state = TapState(
                 taps=frozenset(taps),
                 channel_last=channel_last,
-                dead_units="dead" in stats,
+                dead_units="dead" in stats and detailed,  # per-layer only: not worth it for totals
                 count_nonfinite="nonfinite" in stats,
                 kernel=_kernel.load() if _on_cpu(model) else None,
             )
@@ -206,7 +209,7 @@ class Watch:
                 rx,
                 [source() | self._store, *(source() | sink for sink in sinks)],
                 name="streamwatch-worker",
-                prepare=PendingRecord.resolve,
+                prepare=resolver(detailed),  # without detail: per-(phase, kind) totals, before any sink
             )
             self._taps = TapSet(model, modules, params, optimizer, self._state)
             self._metrics: tuple[Metric, ...] = ()
@@ -1029,6 +1032,7 @@ def observe(
     sinks: Iterable[Sink] = (),
     metrics: Iterable[str | Metric] = DEFAULT_METRICS,
     close_timeout: float = 30.0,
+    detail: Detail = "all",
 ) -> Watch:
     """Observe ``model``: summarise every selected layer's tensors on the device, one record per step.
 
@@ -1068,6 +1072,13 @@ def observe(
             (``math.inf``: forever). A sink that does not return in time is left behind on the daemon
             worker thread; close() warns, naming it and the records not flushed, and returns (see
             :meth:`Watch.close`).
+        detail: which ranks export per-layer series (docs/scale.md): ``"all"`` (default), ``"rank0"``,
+            ``"local_rank0"`` (one rank per node), ``"none"``, or a callable
+            ``(rank, local_rank, world_size) -> bool`` called once here. Any other rank reduces each
+            record on its worker to one ``layer="__all__"`` row per phase and kind (counts, sums and sums
+            of squares added over the layers, so global norms stay exact in PromQL; no dead units), before
+            any sink: snapshot, ``/metrics``, run file and pipelines alike. Loss, step times and
+            streamwatch's own metrics are served by every rank.
 
     Raises:
         RuntimeError: the model is already observed.
@@ -1091,4 +1102,5 @@ def observe(
         sinks=sinks,
         metrics=metrics,
         close_timeout=close_timeout,
+        detail=detail,
     )

@@ -37,7 +37,18 @@ def test_demo_serves_metrics_while_it_trains_and_writes_a_run_file(tmp_path: Pat
     from streamwatch.sinks._runfile import read_run
 
     run_dir = tmp_path / "run"
-    args = ["demo", "--no-live", "--steps", "120", "--port", "0", "--run-dir", str(run_dir), "--linger", "30"]
+    args = [
+        "demo",
+        "--no-live",
+        "--steps",
+        "120",
+        "--port",
+        "0",
+        "--run-dir",
+        str(run_dir),
+        "--linger",
+        "600",
+    ]
     proc = _streamwatch(*args, cwd=tmp_path)
     try:
         assert proc.stdout is not None

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from streamwatch._families import LAYER_MEAN, TENSOR
+from streamwatch._families import ALL_LAYERS, LAYER_MEAN, TENSOR
 from streamwatch._record import Sample, SeriesKey, StepRecord
 
 __all__ = ["DEFAULT_METRICS", "DERIVED", "layer_mean", "update_ratio"]
@@ -63,16 +63,22 @@ _LAYER_MEAN_STATS = ("mean", "l2", "rms")
 
 
 @functools.lru_cache(maxsize=16)
-def _layer_groups(keys: tuple[SeriesKey, ...]) -> tuple[np.ndarray, list[tuple[str, str]]]:
-    """Each row's (phase, kind) group index, and the groups in order (cached: layouts repeat)."""
+def _layer_groups(keys: tuple[SeriesKey, ...]) -> tuple[np.ndarray | None, np.ndarray, list[tuple[str, str]]]:
+    """The rows that are layers (None: all of them) — not the ``layer="__all__"`` totals a rank without
+    per-layer detail has (``observe(detail=...)``) — each one's (phase, kind) group index, and the groups
+    in order (cached: layouts repeat)."""
+    rows = [i for i, k in enumerate(keys) if k.layer != ALL_LAYERS]
     groups: dict[tuple[str, str], int] = {}
-    index = np.array([groups.setdefault((k.phase, k.kind), len(groups)) for k in keys], dtype=np.intp)
-    return index, list(groups)
+    index = np.array(
+        [groups.setdefault((keys[i].phase, keys[i].kind), len(groups)) for i in rows], dtype=np.intp
+    )
+    return (None if len(rows) == len(keys) else np.array(rows, dtype=np.intp)), index, list(groups)
 
 
 def layer_mean(record: StepRecord) -> list[Sample]:
     """The mean over layers of each layer's mean, L2 norm and RMS, per phase and kind (layers whose
-    value is unknown — NaN — left out).
+    value is unknown — NaN — left out; ``layer="__all__"`` totals are not layers: a record of those alone
+    has no layer mean).
 
     Example:
         >>> import numpy as np
@@ -82,10 +88,10 @@ def layer_mean(record: StepRecord) -> list[Sample]:
         >>> [(s.labels["stat"], s.value) for s in layer_mean(StepRecord(0, 0.0, 0, keys, table))][:1]
         [('mean', 1.5)]
     """
-    index, groups = _layer_groups(record.keys)
+    rows, index, groups = _layer_groups(record.keys)
     if not groups:
         return []
-    table = record.table
+    table = record.table if rows is None else record.table[rows]
     count, total, sumsq = table[:, 0], table[:, 1], table[:, 2]
     out: list[Sample] = []
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):

@@ -52,6 +52,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from streamwatch._families import (
+    ALL_LAYERS,
     DATA_FAMILIES,
     HISTOGRAM_SAMPLE,
     IDENTITY,
@@ -407,7 +408,7 @@ def _aggregate(table: np.ndarray, keys: list[SeriesKey]) -> list[Sample]:
         row[col["max"]] = np.max(part[:, col["max"]])
         row = row.reshape(1, -1)
         stats = {name: row[:, i] for i, name in enumerate(COLUMNS)} | derive(row)
-        labels = {"phase": phase, "layer": "__all__", "kind": kind, "param": "", "index": ""}
+        labels = {"phase": phase, "layer": ALL_LAYERS, "kind": kind, "param": "", "index": ""}
         for stat in CORE_STATS:
             value = float(stats[stat][0])
             if not math.isnan(value):

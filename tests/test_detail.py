@@ -1,0 +1,549 @@
+"""``observe(detail=...)``: which ranks keep per-layer series, the totals every other rank serves, and the
+numbers of docs/scale.md.
+
+* the policy: each mode picks the documented ranks; bad values, a callable that returns no bool and
+  ``"local_rank0"`` without ``LOCAL_RANK`` are refused before anything is attached; a callable gets
+  ``(rank, local_rank, world_size)``;
+* the totals (``layer="__all__"``) against plain torch over every layer's tensors, for every kind; NaN
+  rows, extremes, histograms and other opt-in values in :func:`reduce_record`; a mixed job's global norm
+  is the same from a rank with or without detail;
+* a reduced rank's run file replays exactly what the rank served;
+* docs/scale.md: the series per rank of each mode for a LLaMA-2-7B-shaped model, the totals at 1 024 ranks,
+  the bytes per series and the memory they imply are read from the doc and checked against a real render.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import streamwatch as sw
+from streamwatch import SeriesKey, StepRecord
+from streamwatch._detail import DETAIL_MODES, keeps_detail, reduce_record
+from streamwatch._families import ALL_LAYERS
+from streamwatch._replay import Replay
+from streamwatch._summary import COLUMNS
+from streamwatch.sinks._prometheus import Exporter
+from streamwatch.sinks._runfile import RunFile, read_run
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "scale.md"
+KINDS = ("activation", "output_grad", "param", "param_grad", "update")
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _mlp() -> tuple[nn.Sequential, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, watch: sw.Watch, steps: int = 1) -> None:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        watch.step(loss=loss, batch_size=8)
+    assert watch.flush()
+
+
+def _tensor(watch: sw.Watch) -> dict[tuple[str, str, str, str], float]:
+    """``{(layer, kind, param, stat): value}`` of the train-phase streamwatch_tensor samples."""
+    return {
+        (s.labels["layer"], s.labels["kind"], s.labels["param"], s.labels["stat"]): s.value
+        for s in watch.snapshot()
+        if s.name == "streamwatch_tensor" and s.labels["phase"] == "train"
+    }
+
+
+# -- the policy ---------------------------------------------------------------------------------------------
+
+
+def test_each_mode_picks_the_documented_ranks() -> None:
+    world, per_node = 16, 8
+
+    def picked(detail: Any) -> list[int]:
+        return [
+            r for r in range(world) if keeps_detail(detail, rank=r, local_rank=r % per_node, world_size=world)
+        ]
+
+    assert DETAIL_MODES == ("all", "rank0", "local_rank0", "none")
+    assert picked("all") == list(range(world))
+    assert picked("rank0") == [0]
+    assert picked("local_rank0") == [0, 8]
+    assert picked("none") == []
+    assert picked(lambda rank, local_rank, world_size: rank % 4 == world_size % 4) == [0, 4, 8, 12]
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        ("rank_0", ValueError),
+        ("", ValueError),
+        (3, TypeError),
+        (None, TypeError),
+        (b"all", TypeError),
+        (str, TypeError),
+    ],
+)
+def test_a_bad_policy_is_refused_before_anything_is_attached(bad: object, error: type[Exception]) -> None:
+    model, opt = _mlp()
+    with pytest.raises(
+        error, match=r"Expected `detail` to be one of \('all', 'rank0', 'local_rank0', 'none'\)"
+    ):
+        sw.observe(model, opt, detail=bad)  # type: ignore[arg-type]
+    assert not model._forward_hooks
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    sw.observe(model, opt).close()  # the model was left unobserved
+
+
+def test_a_callable_must_answer_with_a_bool(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    model, opt = _mlp()
+    with pytest.raises(TypeError, match=r"return a bool for \(rank=5, local_rank=1, world_size=8\), got 1"):
+        sw.observe(model, opt, detail=lambda rank, local_rank, world_size: 1)  # type: ignore[arg-type,return-value]
+    seen: list[tuple[int, int, int]] = []
+
+    def policy(rank: int, local_rank: int, world_size: int) -> bool:
+        seen.append((rank, local_rank, world_size))
+        return False
+
+    with sw.observe(model, opt, detail=policy) as watch:
+        _train(model, opt, watch)
+    assert seen == [(5, 1, 8)]  # called once, with torchrun's environment
+    assert {layer for layer, *_ in _tensor(watch)} == {ALL_LAYERS}
+
+
+def test_local_rank0_needs_the_local_rank_and_follows_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    model, opt = _mlp()
+    with pytest.raises(
+        ValueError, match=r"detail='local_rank0' needs the local rank, but \$LOCAL_RANK is not set"
+    ):
+        sw.observe(model, opt, detail="local_rank0")
+    for local_rank, layers in (("3", {ALL_LAYERS}), ("0", {"0", "1", "2", "3", "4"})):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        with sw.observe(model, opt, detail="local_rank0") as watch:
+            _train(model, opt, watch)
+        assert {layer for layer, *_ in _tensor(watch)} == layers
+    monkeypatch.setenv("LOCAL_RANK", "one")
+    with pytest.raises(ValueError, match=r"Expected \$LOCAL_RANK to be an integer"):
+        sw.observe(model, opt, detail="local_rank0")
+
+
+# -- the totals ---------------------------------------------------------------------------------------------
+
+
+def test_the_totals_are_torch_over_every_layer() -> None:
+    """A rank without detail: one row per kind whose statistics are those of every layer's tensors of that
+    kind taken together, computed here with plain torch (float64)."""
+    model, opt = _mlp()
+    seen: dict[str, list[torch.Tensor]] = {"activation": [], "output_grad": []}
+
+    def keep(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        seen["activation"].append(out.detach().clone())
+        out.register_hook(lambda grad: seen["output_grad"].append(grad.detach().clone()))
+
+    for module in model:
+        module.register_forward_hook(keep)
+    params = list(model.parameters())
+    with sw.observe(model, opt, detail="none", cadence={"param": 1, "update": 1}) as watch:
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        before = [p.detach().clone() for p in params]
+        grads = [p.grad.detach().clone() for p in params if p.grad is not None]
+        opt.step()
+        watch.step(loss=loss, batch_size=8)
+        assert watch.flush()
+    reference = {
+        **seen,
+        "param_grad": grads,
+        "param": [p.detach() for p in params],
+        "update": [p.detach() - b for p, b in zip(params, before, strict=True)],
+    }
+    got = _tensor(watch)
+    assert {(layer, kind, param) for layer, kind, param, _ in got} == {(ALL_LAYERS, k, "") for k in KINDS}
+    for kind, tensors in reference.items():
+        flat = torch.cat([t.reshape(-1).double() for t in tensors])
+        l1 = float(flat.abs().sum())  # float32 sums are exact to ~1e-7 of the sum of magnitudes
+        tolerance = {"sum": 1e-6 * l1, "mean": 1e-6 * l1 / flat.numel()}
+        want = {
+            "count": float(flat.numel()),
+            "sum": float(flat.sum()),
+            "sumsq": float(flat.pow(2).sum()),
+            "min": float(flat.min()),
+            "max": float(flat.max()),
+            "zeros": float((flat == 0).sum()),
+            "nonfinite": 0.0,
+            "l2": float(flat.norm()),
+            "mean": float(flat.mean()),
+            "rms": float(flat.pow(2).mean().sqrt()),
+        }
+        assert want["sumsq"] > 0
+        assert kind != "activation" or want["zeros"] > 0  # ReLU zeros exist
+        for stat, value in want.items():
+            close = math.isclose(
+                got[(ALL_LAYERS, kind, "", stat)], value, rel_tol=1e-6, abs_tol=tolerance.get(stat, 0)
+            )
+            assert close, (kind, stat, got[(ALL_LAYERS, kind, "", stat)], value)
+        # per-unit activity is not computed without detail: no dead units, no activation rate
+        assert not {stat for (_, k, _, stat) in got if k == kind} & {
+            "dead_fraction",
+            "activation_rate",
+            "units",
+        }
+    ratio = got[(ALL_LAYERS, "update", "", "update_ratio")]
+    assert math.isclose(
+        ratio, math.sqrt(got[(ALL_LAYERS, "update", "", "sumsq")] / got[(ALL_LAYERS, "param", "", "sumsq")])
+    )
+    names = {s.name for s in watch.snapshot()}
+    assert "streamwatch_layer_mean" not in names  # a mean over layers needs layers
+    assert {"streamwatch_loss", "streamwatch_step_seconds", "streamwatch_step_phase_seconds"} <= names
+
+
+def test_a_mixed_job_gets_the_same_global_norms_from_either_kind_of_rank() -> None:
+    """The same training observed with and without detail: the per-layer sums of squares add up to the
+    total (what ``sum by (run, rank)`` over a rank's series returns in PromQL, either way)."""
+    totals = {}
+    for detail in ("all", "none"):
+        model, opt = _mlp()
+        with sw.observe(model, opt, detail=detail) as watch:
+            _train(model, opt, watch, steps=2)
+        sums: dict[str, float] = {}
+        for (_, kind, _, stat), value in _tensor(watch).items():
+            if stat == "sumsq":
+                sums[kind] = sums.get(kind, 0.0) + value
+        totals[detail] = sums
+    assert totals["all"].keys() == totals["none"].keys() == set(KINDS)
+    for kind in KINDS:  # float32 sums: activations are summed in another order with per-unit activity
+        assert math.isclose(totals["all"][kind], totals["none"][kind], rel_tol=1e-6), kind
+
+
+def test_reduce_record_leaves_unknown_values_out_and_adds_histograms() -> None:
+    grad = [SeriesKey("train", layer, "param_grad", "weight") for layer in ("a", "b", "c")]
+    evals = SeriesKey("eval", "a", "activation", "")
+    table = np.full((4, len(COLUMNS)), np.nan)
+    col = {name: i for i, name in enumerate(COLUMNS)}
+    for row, (count, total, sumsq, low, high, zeros, nonfinite) in enumerate(
+        [
+            (4, 2.0, 6.0, -1.0, 2.0, 1, 0),
+            (2, np.nan, np.nan, np.nan, np.nan, np.nan, 1),  # a NaN gradient: only its count and flag
+            (3, -3.0, 9.0, -3.0, 0.5, 0, 0),
+            (5, 5.0, 5.0, 1.0, 1.0, 0, 0),
+        ]
+    ):
+        for name, value in zip(
+            ("count", "sum", "sumsq", "min", "max", "zeros", "nonfinite"),
+            (count, total, sumsq, low, high, zeros, nonfinite),
+            strict=True,
+        ):
+            table[row, col[name]] = value
+    table[3, col["units"]], table[3, col["dead"]], table[3, col["samples"]], table[3, col["active"]] = (
+        4,
+        1,
+        2,
+        5,
+    )
+    extras = {
+        (grad[0], "histogram"): np.array([0.0, 1.0, 3.0]),
+        (grad[2], "histogram"): np.array([1.0, 0.0, 2.0]),
+        (grad[0], "spectral_norm"): np.array([2.5]),
+    }
+    record = StepRecord(
+        7, 1.5, 3, (*grad, evals), table, {"loss": 0.25}, extras, {"param_grad": (0.0, math.inf)}
+    )
+    reduced = reduce_record(record)
+    assert reduced.keys == (
+        SeriesKey("train", ALL_LAYERS, "param_grad", ""),
+        SeriesKey("eval", ALL_LAYERS, "activation", ""),
+    )
+    assert (reduced.step, reduced.time, reduced.rank, reduced.scalars, reduced.edges) == (
+        7,
+        1.5,
+        3,
+        {"loss": 0.25},
+        {"param_grad": (0.0, math.inf)},
+    )
+    row = dict(zip(COLUMNS, reduced.table[0].tolist(), strict=True))
+    assert {k: row[k] for k in ("count", "sum", "sumsq", "min", "max", "zeros", "nonfinite")} == {
+        "count": 9.0,
+        "sum": -1.0,
+        "sumsq": 15.0,
+        "min": -3.0,
+        "max": 2.0,
+        "zeros": 1.0,
+        "nonfinite": 1.0,
+    }
+    assert all(math.isnan(row[k]) for k in ("units", "dead", "samples", "active"))  # unknown, not 0
+    assert reduced.table[1].tolist() == table[3].tolist()  # one row: itself
+    assert reduced.stat("activation_rate")[1] == 5 / (2 * 4)
+    assert list(reduced.extras) == [(reduced.keys[0], "histogram")]  # per-layer opt-in values dropped
+    assert reduced.extras[(reduced.keys[0], "histogram")].tolist() == [1.0, 1.0, 5.0]
+    assert not reduced.table.flags.writeable
+
+
+# -- the run file ------------------------------------------------------------------------------------------
+
+
+def test_a_reduced_rank_s_run_file_replays_what_it_served(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    model, opt = _mlp()
+    with sw.observe(model, opt, detail="none", sinks=[RunFile(path)]) as watch:
+        _train(model, opt, watch, steps=3)
+    live = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in watch.snapshot()}
+    run = read_run(path)
+    assert len(run.records) == 3
+    assert {key.layer for record in run.records for key in record.keys} == {ALL_LAYERS}
+    with Replay(run, port=0, speed=0) as replay:
+        assert replay.wait_until_done(timeout=30)
+        replayed = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in replay.store.samples()}
+    assert replayed == live
+
+
+# -- docs/scale.md -------------------------------------------------------------------------------------------
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class _Attention(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(d, d, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.o_proj(torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ v)
+
+
+class _MLP(nn.Module):
+    def __init__(self, d: int, f: int) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(d, f, bias=False), nn.Linear(d, f, bias=False)
+        self.down_proj, self.act_fn = nn.Linear(f, d, bias=False), nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, f: int) -> None:
+        super().__init__()
+        self.self_attn, self.mlp = _Attention(d), _MLP(d, f)
+        self.input_layernorm, self.post_attention_layernorm = _RMSNorm(d), _RMSNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Decoder(nn.Module):
+    def __init__(self, blocks: int, d: int, f: int, vocab: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(_Block(d, f) for _ in range(blocks))
+        self.norm = _RMSNorm(d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class Llama7BShape(nn.Module):
+    """LLaMA-2-7B's modules and names (Hugging Face ``LlamaForCausalLM``: 32 blocks) at tiny widths."""
+
+    vocab = 32
+
+    def __init__(self, blocks: int = 32, d: int = 8, f: int = 16) -> None:
+        super().__init__()
+        self.model = _Decoder(blocks, d, f, self.vocab)
+        self.lm_head = nn.Linear(d, self.vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model(ids))
+
+
+def _number(text: str) -> int:
+    return int(text.strip().strip("*").replace(",", "").replace(" ", ""))
+
+
+def _table(doc: str, header: str) -> dict[str, list[str]]:
+    """The Markdown table whose header row starts with ``header``: first cell -> the other cells."""
+    lines = doc.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    rows: dict[str, list[str]] = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        rows[cells[0].strip("*")] = cells[1:]
+    return rows
+
+
+def _render(watch: sw.Watch, budget: int) -> dict[str, int]:
+    """Series in one scrape of ``watch`` by family name (what Prometheus would hold per rank)."""
+    exporter = Exporter(watch.store, watch.statistics, serve=False, run="scale", series_budget=budget)
+    try:
+        body = exporter.collector.render().decode()
+    finally:
+        exporter.close()
+    counts: dict[str, int] = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name = re.split(r"[{ ]", line, maxsplit=1)[0]
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+_STEP_VALUES = (
+    "streamwatch_loss",
+    "streamwatch_learning_rate",
+    "streamwatch_step_seconds",
+    "streamwatch_samples_per_second",
+    "streamwatch_batch_size",
+    "streamwatch_step_phase_seconds",
+    "streamwatch_step",
+)
+
+
+def _groups(counts: dict[str, int]) -> dict[str, int]:
+    """The doc's rows: tensor, layer means, step values, identity and self metrics, total."""
+    tensor, means = counts.get("streamwatch_tensor", 0), counts.get("streamwatch_layer_mean", 0)
+    step = sum(counts.get(name, 0) for name in _STEP_VALUES)
+    total = sum(counts.values())
+    return {
+        "tensor": tensor,
+        "layer_mean": means,
+        "step": step,
+        "self": total - tensor - means - step,
+        "total": total,
+    }
+
+
+def _observed_counts(
+    detail: str, caplog: pytest.LogCaptureFixture
+) -> tuple[dict[str, int], dict[str, int], sw.Watch]:
+    torch.manual_seed(0)
+    model = Llama7BShape()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with sw.observe(model, opt, detail=detail) as watch:  # type: ignore[arg-type]
+        for _ in range(2):  # the second step's data wait is the fourth step part
+            ids = torch.randint(0, model.vocab, (2, 4))
+            loss = nn.functional.cross_entropy(model(ids).reshape(-1, model.vocab), ids.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            watch.step(loss=loss, batch_size=2)
+        assert watch.flush()
+        with caplog.at_level("WARNING", logger="streamwatch"):
+            full, budgeted = _render(watch, 10**6), _render(watch, 5000)
+    return full, budgeted, watch
+
+
+def test_docs_scale_numbers_are_what_a_7b_shaped_model_serves(caplog: pytest.LogCaptureFixture) -> None:
+    doc = DOC.read_text(encoding="utf-8")
+    model = Llama7BShape()
+    leaves = sum(1 for m in model.modules() if next(m.children(), None) is None)
+    params = len(list(model.parameters()))
+    found = re.search(r"\*\*(\d+) leaf modules\*\* and \*\*(\d+) parameter tensors\*\*", doc)
+    assert found
+    assert (int(found[1]), int(found[2])) == (leaves, params) == (323, 291)
+
+    detail, budgeted, watch = _observed_counts("all", caplog)
+    other, other_budgeted, _ = _observed_counts("none", caplog)
+    assert other_budgeted == other  # the totals are far under any budget
+    per_rank = _table(doc, "| series per rank |")
+    rows = {
+        "`streamwatch_tensor`": "tensor",
+        "`streamwatch_layer_mean`": "layer_mean",
+        "step values (loss, learning rate, step time, throughput, batch size, 4 step parts, step)": "step",
+        "`streamwatch_info` and streamwatch's own metrics": "self",
+        "total": "total",
+    }
+    assert set(per_rank) == set(rows)
+    for title, group in rows.items():
+        assert [_number(cell) for cell in per_rank[title]] == [
+            _groups(detail)[group],
+            _groups(other)[group],
+        ], title
+
+    # the breakdown of the per-layer tensor series, from the rows the store holds
+    _, keys = watch.store.table()
+    kinds = [key.kind for key in keys]
+    breakdown = re.search(
+        r"is (\d+) activation and output-gradient rows × (\d+) statistics \(([\d ]+)\), (\d+) weight, "
+        r"gradient and update rows × (\d+) statistics \(([\d ]+)\) and (\d+) `update_ratio` values",
+        " ".join(doc.split()),
+    )
+    assert breakdown
+    forward = sum(kinds.count(k) for k in ("activation", "output_grad"))
+    parameters = sum(kinds.count(k) for k in ("param", "param_grad", "update"))
+    numbers = [_number(group) for group in breakdown.groups()]
+    assert numbers == [forward, 20, forward * 20, parameters, 14, parameters * 14, kinds.count("update")]
+    assert forward * 20 + parameters * 14 + kinds.count("update") == _groups(detail)["tensor"]
+    assert 'exporting one aggregate per phase and kind (layer="__all__")' in caplog.text
+
+    # bytes per series: Robust Perception's constants with our label count, and 15 s scrapes for 3 hours
+    labels = (
+        11 + 2
+    )  # streamwatch_tensor's: the identity, phase, layer, kind, param, index, stat; job, instance
+    per_series = 2 * (732 + 32 * labels + 2 * len("streamwatch_tensor")) + (3 * 3600 // 15) * 2 * 1.5 * 2
+    stated = re.search(r"Memory per active series: ([\d,]+) bytes", doc)
+    assert stated
+    assert _number(stated[1]) == per_series == 6688
+
+    at_scale = _table(doc, "| mode | ranks with detail |")
+    world, per_node = 1024, 8
+    modes = {
+        '`"all"`': ("all", _groups(detail)["total"]),
+        '`"all"`, default `series_budget=5000`': ("all", _groups(budgeted)["total"]),
+        '`"local_rank0"`': ("local_rank0", _groups(detail)["total"]),
+        '`"rank0"`': ("rank0", _groups(detail)["total"]),
+        '`"none"`': ("none", _groups(detail)["total"]),
+    }
+    assert set(at_scale) == set(modes)
+    assert _groups(budgeted)["total"] == 80
+    for title, (mode, per_detail) in modes.items():
+        ranks, per_detail_cell, per_other_cell, active_cell, memory_cell = at_scale[title]
+        chosen = sum(
+            keeps_detail(mode, rank=r, local_rank=r % per_node, world_size=world) for r in range(world)
+        )
+        assert _number(ranks) == chosen, title
+        want_other = _groups(other)["total"]
+        assert (per_detail_cell == "—") == (chosen == 0), title
+        assert (per_other_cell == "—") == (chosen == world), title
+        if chosen:
+            assert _number(per_detail_cell) == per_detail, title
+        if chosen < world:
+            assert _number(per_other_cell) == want_other, title
+        active = chosen * per_detail + (world - chosen) * want_other
+        assert _number(active_cell) == active, title
+        assert memory_cell == f"{active * per_series / 2**30:.1f} GiB", title
