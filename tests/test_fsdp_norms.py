@@ -24,10 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,10 +32,11 @@ from typing import Any
 
 import pytest
 
-from tests.promserver import PrometheusServer, free_port, require_prometheus
+from tests.promserver import PrometheusServer, require_prometheus
 from tests.test_dashboards import exprs, load_generator
 from tests.test_dashboards_e2e import all_values, resolve_variables, substitute
 from tests.test_rules import RULES, rules_with_short_for
+from tests.torchrun import finish, free_ports, launch
 
 SCRIPT = Path(__file__).parent / "scripts" / "sharded_train.py"
 STEPS = 12
@@ -51,23 +48,6 @@ SHAPES = {"0": (32, 16), "2": (24, 32), "4": (5, 24)}  # the script's Linear lay
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
-def _free_ports(n: int) -> int:
-    """A base port with ``n`` consecutive ports of 127.0.0.1 free a moment ago."""
-    for _ in range(50):
-        base = free_port()
-        sockets = [socket.socket() for _ in range(n)]
-        try:
-            for i, sock in enumerate(sockets):
-                sock.bind(("127.0.0.1", base + i))
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-        return base
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
 @contextmanager
 def _job(
     tmp_path: Path, mode: str, ranks: int, *extra: str, rules: Path | None = None
@@ -77,21 +57,9 @@ def _job(
     run = f"{mode}{ranks}"
     out = tmp_path / run
     out.mkdir()
-    base = _free_ports(ranks)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={ranks}",
-        f"--master_port={free_port()}",
-        "--master_addr=127.0.0.1",
-        str(SCRIPT),
-        *("--mode", mode, "--port", str(base), "--out", str(out), "--name", run, "--steps", str(STEPS)),
-        *extra,
-    ]
-    with (out / "torchrun.log").open("wb") as log:
-        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = free_ports(ranks)
+    args = ("--mode", mode, "--port", str(base), "--out", str(out), "--name", run, "--steps", str(STEPS))
+    proc = launch(SCRIPT, ranks, out, *args, *extra)
     try:
         targets = [f"127.0.0.1:{base + i}" for i in range(ranks)]
         rule_files = [rules] if rules is not None else []
@@ -105,14 +73,7 @@ def _job(
             prom.wait_for(f'count(streamwatch_step{{run="{run}"}} == {STEPS - 1}) == {ranks}', timeout=60)
             yield prom, refs, run
     finally:
-        (out / "done").touch()
-        try:
-            rc = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise
-        assert rc == 0, (out / "torchrun.log").read_text(errors="replace")[-3000:]
+        finish(proc, out)
 
 
 def _by(prom: PrometheusServer, promql: str, *labels: str) -> dict[tuple[str, ...], float]:

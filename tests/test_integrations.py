@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -32,7 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import streamwatch as sw
 from streamwatch._taps import KINDS
-from tests.promserver import free_port
+from tests import torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -273,18 +272,14 @@ with open(os.path.join(sys.argv[1], f"rank{trainer.global_rank}.json"), "w") as 
 def test_lightning_ddp_records_carry_the_trainers_global_rank(pl: Any, tmp_path: Path) -> None:
     script = tmp_path / "ddp_lightning.py"
     script.write_text(_DDP_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        "--master_addr=127.0.0.1",
-        str(script),
-        str(tmp_path),
-    ]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=110, check=False)
+    done = subprocess.run(
+        torchrun.command(script, 2, str(tmp_path)),
+        env=torchrun.environment(),
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     for rank in (0, 1):
         out = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -10,73 +10,27 @@ diverge otherwise — the ranks only all-reduce inside DDP).
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.promserver import PrometheusServer, free_port, require_prometheus
+from tests.promserver import PrometheusServer, require_prometheus
+from tests.torchrun import finish, free_ports, launch
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_train.py"
 IDENTITY = ("run", "rank", "local_rank", "world_size", "host", "job", "instance", "__name__")
 
 
-def _two_free_ports() -> int:
-    for _ in range(50):
-        base = free_port()
-        with socket.socket() as a, socket.socket() as b:
-            try:
-                a.bind(("127.0.0.1", base))
-                b.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-        return base
-    raise RuntimeError("no two consecutive free ports")
-
-
 def _torchrun(out: Path, base: int, *extra: str) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        "--master_addr=127.0.0.1",
-        str(SCRIPT),
-        "--port",
-        str(base),
-        "--out",
-        str(out),
-        *extra,
-    ]
-    log = (out / "torchrun.log").open("wb")
-    try:
-        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    finally:
-        log.close()
-
-
-def _finish(proc: subprocess.Popen[bytes], out: Path) -> None:
-    (out / "done").touch()
-    try:
-        rc = proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise
-    log = (out / "torchrun.log").read_text(errors="replace")
-    assert rc == 0, log[-3000:]
+    return launch(SCRIPT, 2, out, "--port", str(base), "--out", str(out), *extra)
 
 
 @pytest.mark.timeout(180)
 def test_two_ranks_on_their_own_ports_scraped_by_prometheus(tmp_path: Path) -> None:
     require_prometheus()
-    base = _two_free_ports()
+    base = free_ports(2)
     out = tmp_path / "run"
     out.mkdir()
     proc = _torchrun(out, base)
@@ -111,7 +65,7 @@ def test_two_ranks_on_their_own_ports_scraped_by_prometheus(tmp_path: Path) -> N
                 (r, p) for r in ("0", "1") for p in ("data_wait", "forward", "backward", "optimizer")
             }
     finally:
-        _finish(proc, out)
+        finish(proc, out)
 
 
 def _assert_served_equals_snapshot(prom: PrometheusServer, rank: int, samples: list[dict[str, Any]]) -> None:
@@ -142,7 +96,7 @@ def test_injected_faults_on_one_rank_fire_the_non_finite_and_straggler_alerts(tm
         rules = rules_with_short_for(rules, alert, "1s")
     rule_file = tmp_path / "rules.yml"
     rule_file.write_text(rules)
-    base = _two_free_ports()
+    base = free_ports(2)
     out = tmp_path / "run"
     out.mkdir()
     proc = _torchrun(out, base, "--nan-rank", "0", "--slow-rank", "1", "--steps", "20")
@@ -165,4 +119,4 @@ def test_injected_faults_on_one_rank_fire_the_non_finite_and_straggler_alerts(tm
             assert firing("StreamwatchStragglerRank") == {"1"}  # only the slow rank
             assert "0" in firing("StreamwatchNonFiniteValues")
     finally:
-        _finish(proc, out)
+        finish(proc, out)

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import streamwatch as sw
+from tests.torchrun import linger
 
 
 def main() -> None:
@@ -56,11 +57,7 @@ def main() -> None:
     watch.flush()
     snapshot = [{"name": s.name, "labels": dict(s.labels), "value": s.value} for s in watch.snapshot()]
     (args.out / f"snapshot-{rank}.json").write_text(json.dumps({"port": exporter.port, "samples": snapshot}))
-    deadline = time.monotonic() + 90
-    while not (args.out / "done").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    watch.close()
-    dist.destroy_process_group()
+    linger(watch, args.out)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import streamwatch as sw
+from tests.torchrun import linger
 
 
 def _sumsq(t: torch.Tensor) -> float:
@@ -115,11 +116,7 @@ def main() -> None:
         local[n].update(param=_sumsq(after_local), update=_sumsq(after_local - before_local[n]))
     watch.flush()
     (args.out / f"ref-{rank}.json").write_text(json.dumps({"full": full, "local": local}))
-    deadline = time.monotonic() + 90
-    while not (args.out / "done").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    watch.close()
-    dist.destroy_process_group()
+    linger(watch, args.out)
 
 
 if __name__ == "__main__":
