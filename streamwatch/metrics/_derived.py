@@ -63,16 +63,21 @@ _LAYER_MEAN_STATS = ("mean", "l2", "rms")
 
 
 @functools.lru_cache(maxsize=16)
-def _layer_groups(keys: tuple[SeriesKey, ...]) -> tuple[np.ndarray | None, np.ndarray, list[tuple[str, str]]]:
-    """The rows that are layers (None: all of them) — not the ``layer="__all__"`` totals a rank without
-    per-layer detail has (``observe(detail=...)``) — each one's (phase, kind) group index, and the groups
-    in order (cached: layouts repeat)."""
-    rows = [i for i, k in enumerate(keys) if k.layer != ALL_LAYERS]
-    groups: dict[tuple[str, str], int] = {}
-    index = np.array(
-        [groups.setdefault((keys[i].phase, keys[i].kind), len(groups)) for i in rows], dtype=np.intp
-    )
-    return (None if len(rows) == len(keys) else np.array(rows, dtype=np.intp)), index, list(groups)
+def _layer_groups(
+    keys: tuple[SeriesKey, ...],
+) -> tuple[np.ndarray, np.ndarray, list[dict[str, str]]]:
+    """A record layout's layer rows grouped by (phase, kind): the rows in group order, each group's first
+    position among them (for ``np.add.reduceat``), and the samples' labels, stat-major (cached: layouts
+    repeat). ``layer="__all__"`` totals (ranks without per-layer detail, ``observe(detail=...)``) are
+    not layers and are left out."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, k in enumerate(keys):
+        if k.layer != ALL_LAYERS:
+            groups.setdefault((k.phase, k.kind), []).append(i)
+    rows = np.array([i for members in groups.values() for i in members], dtype=np.intp)
+    starts = np.cumsum([0] + [len(members) for members in groups.values()])[:-1].astype(np.intp)
+    labels = [{"phase": p, "kind": k, "stat": stat} for stat in _LAYER_MEAN_STATS for p, k in groups]
+    return rows, starts, labels
 
 
 def layer_mean(record: StepRecord) -> list[Sample]:
@@ -88,25 +93,23 @@ def layer_mean(record: StepRecord) -> list[Sample]:
         >>> [(s.labels["stat"], s.value) for s in layer_mean(StepRecord(0, 0.0, 0, keys, table))][:1]
         [('mean', 1.5)]
     """
-    rows, index, groups = _layer_groups(record.keys)
-    if not groups:
+    rows, starts, labels = _layer_groups(record.keys)
+    if not labels:
         return []
-    table = record.table if rows is None else record.table[rows]
+    table = record.table[rows]  # grouped: each (phase, kind) group's rows are adjacent
     count, total, sumsq = table[:, 0], table[:, 1], table[:, 2]
-    out: list[Sample] = []
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        values = {"mean": total / count, "l2": np.sqrt(sumsq), "rms": np.sqrt(sumsq / count)}
-        for name in _LAYER_MEAN_STATS:
-            v = values[name]
-            known = ~np.isnan(v)
-            n = np.bincount(index, weights=known, minlength=len(groups))
-            means = np.bincount(index, weights=np.where(known, v, 0.0), minlength=len(groups)) / n
-            for (phase, kind), m in zip(groups, means, strict=True):
-                if m == m:  # no known layer, or +inf and -inf: absent
-                    out.append(
-                        Sample(LAYER_MEAN.name, {"phase": phase, "kind": kind, "stat": name}, float(m))
-                    )
-    return out
+        # columns in _LAYER_MEAN_STATS order
+        values = np.stack((total / count, np.sqrt(sumsq), np.sqrt(sumsq / count)), axis=1)
+        known = ~np.isnan(values)
+        # one segmented sum per group (reduceat adds only within a segment: an inf stays in its group)
+        means = np.add.reduceat(np.where(known, values, 0.0), starts) / np.add.reduceat(known, starts)
+    # no known layer (0/0), or +inf and -inf in one group: absent
+    return [
+        Sample(LAYER_MEAN.name, label, m)
+        for label, m in zip(labels, means.T.ravel().tolist(), strict=True)
+        if m == m
+    ]
 
 
 DERIVED: dict[str, Callable[[StepRecord], list[Sample]]] = {
