@@ -2,7 +2,7 @@
 
 from importlib import metadata as _metadata
 
-from streamwatch import metrics, ops, sinks
+from streamwatch import detectors, metrics, ops, sinks
 from streamwatch._channel import (
     OVERFLOW_POLICIES,
     ChannelStatistics,
@@ -18,12 +18,14 @@ from streamwatch._exceptions import (
     EndOfChannel,
     Full,
     Lagged,
+    NonFiniteError,
     PipelineError,
     RecvTimeout,
     SendTimeout,
     StreamwatchError,
     WouldBlock,
 )
+from streamwatch._nonfinite import FirstNonFinite
 from streamwatch._observe import DEFAULT_METRICS, Sample, Watch, observe
 from streamwatch._pipeline import Chain, Node, Operator, Pipeline, Sink, Source, Stream, source
 from streamwatch._record import SeriesKey, StepRecord
@@ -39,9 +41,11 @@ __all__ = [
     "ChannelStatistics",
     "Empty",
     "EndOfChannel",
+    "FirstNonFinite",
     "Full",
     "Lagged",
     "Node",
+    "NonFiniteError",
     "Operator",
     "OverflowPolicy",
     "Permit",
@@ -67,6 +71,7 @@ __all__ = [
     "WorkerStatistics",
     "WouldBlock",
     "channel",
+    "detectors",
     "metrics",
     "observe",
     "ops",

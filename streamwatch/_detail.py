@@ -212,8 +212,10 @@ def reduce_record(record: StepRecord) -> StepRecord:
             extras[merged] = seen + vector
     for vector in extras.values():
         vector.setflags(write=False)
+    positions = record.execution_order()  # each total runs where its first layer's row ran
+    order = tuple(int(positions[rows].min()) for rows in groups.values())
     return StepRecord(
-        record.step, record.time, record.rank, keys, table, record.scalars, extras, record.edges
+        record.step, record.time, record.rank, keys, table, record.scalars, extras, record.edges, order
     )
 
 

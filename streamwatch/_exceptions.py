@@ -12,7 +12,8 @@ naturally catch, so ``except TimeoutError`` and ``except StreamwatchError`` both
     ├── ChannelClosed(BrokenPipeError)    send on a closed channel (hands the item back); says who closed it
     ├── EndOfChannel(EOFError)            receive on a channel that is closed *and* drained
     ├── Lagged(RuntimeError)              a subscriber fell behind; ``missed`` items were overwritten
-    └── PipelineError(RuntimeError)       a pipeline raised on the worker; the original is ``__cause__``
+    ├── PipelineError(RuntimeError)       a pipeline raised on the worker; the original is ``__cause__``
+    └── NonFiniteError(FloatingPointError) a NaN/Inf appeared and observe(on_nonfinite="raise") was asked for
 
 Errors that hand an item back carry it as ``.item`` so nothing is lost silently: the caller
 decides whether to retry, drop (and count) or re-raise.
@@ -28,6 +29,7 @@ __all__ = [
     "EndOfChannel",
     "Full",
     "Lagged",
+    "NonFiniteError",
     "PipelineError",
     "RecvTimeout",
     "SendTimeout",
@@ -129,3 +131,43 @@ class PipelineError(StreamwatchError, RuntimeError):
         super().__init__(head + ":\n" + "\n".join(lines))
         self.errors = errors
         self.pipeline = errors[0][0] if errors else ""
+
+
+class NonFiniteError(StreamwatchError, FloatingPointError):
+    """A NaN or an Inf appeared in the observed training (``observe(on_nonfinite="raise")``), raised from
+    a later ``watch.step()`` (how late: docs/nonfinite.md). Your training produced it, not streamwatch.
+
+    The attributes are those of ``watch.statistics().first_nonfinite`` for the episode that raised:
+    ``step``, ``phase``, ``layer``, ``kind``, ``param``, ``index``, ``direction`` (``"forward"``,
+    ``"backward"`` or ``"optimizer"``) and ``rank``. When the step had no record (it was not sampled),
+    only the sentinel saw it: ``kind`` is ``"loss"`` (or ``"grad_norm"``) and ``layer`` is ``""``.
+
+    Example:
+        >>> err = NonFiniteError("boom", step=3, phase="train", layer="fc", kind="activation", param="",
+        ...                      index="", direction="forward", rank=0)
+        >>> isinstance(err, FloatingPointError), err.layer, err.direction
+        (True, 'fc', 'forward')
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int,
+        phase: str,
+        layer: str,
+        kind: str,
+        param: str,
+        index: str,
+        direction: str,
+        rank: int,
+    ) -> None:
+        super().__init__(message)
+        self.step = step
+        self.phase = phase
+        self.layer = layer
+        self.kind = kind
+        self.param = param
+        self.index = index
+        self.direction = direction
+        self.rank = rank

@@ -32,6 +32,8 @@ __all__ = [
     "DATA_FAMILIES",
     "DETECTOR_FAMILIES",
     "FAMILIES",
+    "FIRST_NONFINITE_INFO",
+    "FIRST_NONFINITE_STEP",
     "HISTOGRAM_SAMPLE",
     "IDENTITY",
     "INFO",
@@ -118,6 +120,16 @@ LAYER_MEAN = _gauge(
 
 STEP = _gauge("step", "Index of the last step processed by the worker")
 
+# Where the run's first NaN/Inf started (streamwatch._nonfinite, docs/nonfinite.md).
+FIRST_NONFINITE_INFO = _gauge(
+    "first_nonfinite_info",
+    "1 for the first tensor (in execution order) of the first step with a non-finite value",
+    *_TENSOR_KEY,
+    "direction",
+    "certain",
+)
+FIRST_NONFINITE_STEP = _gauge("first_nonfinite_step", "The first step with a non-finite value")
+
 # The built-in detectors' families (streamwatch.detectors, docs/detectors.md).
 LOSS_ZSCORE = _gauge("loss_zscore", "Robust z-score of the loss against its EWM baseline (LossSpike)")
 LOSS_SPIKES = _counter("loss_spikes", "Sampled steps whose loss z-score exceeded the LossSpike threshold")
@@ -164,6 +176,8 @@ DATA_FAMILIES: tuple[Family, ...] = (
     _gauge("step_phase_seconds", "Host wall time of a part of the last sampled step (seconds)", "part"),
     _gauge("hessian_max_eig", "Largest-magnitude eigenvalue of the loss Hessian"),
     *DETECTOR_FAMILIES,
+    FIRST_NONFINITE_INFO,
+    FIRST_NONFINITE_STEP,
     STEP,
     TENSOR_VALUES,
 )
@@ -198,6 +212,9 @@ SELF_FAMILIES: tuple[Family, ...] = (
         "overhead_ratio",
         "Monitoring's measured cost as a fraction of the run's time (overhead governor; absent otherwise)",
     ),
+    _counter("sentinel_trips", "Steps whose per-step sentinel found a non-finite loss (or gradient norm)"),
+    _counter("escalations", "Times the sentinel escalated sampling to every step (observe(escalate=...))"),
+    _gauge("escalated", "1 while sampling is escalated to every step after a sentinel trip, else 0"),
 )
 """Families about the serving process: its identity and how its monitoring is doing."""
 

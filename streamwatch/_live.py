@@ -177,7 +177,9 @@ class LiveView:
     first ``top`` layers, the rest summarised as ``… N more``) of activation l2, gradient l2 (the
     weight's, else the output gradient's), update l2, dead-unit rate and non-finite count; and
     streamwatch's own health (records dropped, queue, worker lag, overhead per step, hook errors, the
-    sampling interval and, with ``observe(overhead=...)``, the measured overhead and its budget).
+    sampling interval and, with ``observe(overhead=...)``, the measured overhead and its budget, an
+    escalation after a non-finite loss, and where the run's first NaN/Inf started:
+    ``statistics().first_nonfinite``, docs/nonfinite.md).
     Missing values show ``—``.
 
     :meth:`render` is pure (it reads ``watch.store.samples()`` and ``watch.statistics()``). As a context
@@ -302,6 +304,11 @@ class LiveView:
                 f" (measured overhead {format_percent(stats.overhead_ratio)}, "
                 f"budget {format_percent(stats.overhead_budget)})"
             )
+        if stats.escalated_until is not None:  # a sentinel trip: every step sampled for a while
+            text.append(f"   escalated until step {stats.escalated_until}", style="yellow")
+        first = stats.first_nonfinite
+        text.append("\n             first non-finite ")
+        text.append(first.describe() if first is not None else "none", style="bold red" if first else "")
         return text
 
     # -- live display ------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import numbers
@@ -37,9 +38,23 @@ from streamwatch import _kernel
 from streamwatch._channel import OVERFLOW_POLICIES, OverflowPolicy, channel
 from streamwatch._clock import Clock
 from streamwatch._detail import Detail, resolver, this_rank_keeps_detail
+from streamwatch._detectors import DEFAULT_DETECTORS, Detector, check_detectors
+from streamwatch._detectors import pipelines as detector_pipelines
 from streamwatch._exceptions import Full, PipelineError, SendTimeout
 from streamwatch._families import check_served
 from streamwatch._governor import Governor, check_budget
+from streamwatch._nonfinite import (
+    DEFAULT_ESCALATE,
+    FirstNonFinite,
+    NonFiniteTracker,
+    Reaction,
+    Sentinel,
+    check_escalate,
+    check_on_nonfinite,
+    check_sentinel,
+    direction_of,
+    log,
+)
 from streamwatch._pipeline import Pipeline, Sink, source
 from streamwatch._record import PendingRecord, Sample, SlotPool
 from streamwatch._store import SeriesStore, WatchStatistics
@@ -68,6 +83,9 @@ STATS = ("dead", "nonfinite")
 flag is reported instead)."""
 
 _FORWARD_KINDS = ("input", "activation", "output_grad", "input_grad")
+GRAD_NORM_TRIAL = 8
+"""Steps over which an automatic gradient-norm sentinel (``overhead=`` with the default ``sentinel``) is
+timed before it is kept or turned off."""
 _governor_clock: Clock = time.perf_counter
 """The clock a Watch's overhead governor times steps with (``observe(overhead=...)``): a seam for tests,
 which monkeypatch it with a :class:`streamwatch.testing.FakeClock` before ``observe()``."""
@@ -111,6 +129,10 @@ class Watch:
         metrics: Iterable[str | Metric] = (),
         close_timeout: float = 30.0,
         detail: Detail = "all",
+        detectors: Iterable[Detector] = DEFAULT_DETECTORS,
+        on_nonfinite: Reaction = "warn",
+        escalate: int = DEFAULT_ESCALATE,
+        sentinel: Collection[str] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}")
@@ -127,6 +149,12 @@ class Watch:
             raise ValueError(f"Expected `every` to be a positive integer, got {every!r}")
         budget = None if overhead is None else check_budget(overhead, "overhead")
         # Every argument is checked before anything is attached: a refused observe() touches nothing.
+        chosen_detectors = check_detectors(detectors)
+        reaction = check_on_nonfinite(on_nonfinite)
+        self._escalate = check_escalate(escalate)
+        # sentinel=None: the loss, and under a governor the gradient norm too while it is affordable
+        checks = check_sentinel(("loss",) if sentinel is None else sentinel)
+        auto_grad_norm = sentinel is None and budget is not None
         taps = _names(taps, "taps", KINDS)
         stats = _names(stats, "stats", STATS)
         merged = _cadence(cadence)
@@ -199,6 +227,22 @@ class Watch:
             # everything after the channel reads the store; it runs the worker-side metrics itself
             self._store = SeriesStore(metrics=derived)
             self._reported_store_failures = 0
+            # NaN/Inf: where it started (worker), the per-step sentinel and escalation (this thread)
+            self._reaction = reaction
+            self._detectors = chosen_detectors
+            self._tracker = NonFiniteTracker(self._store, reaction)
+            self._reported_tracker_failures = 0
+            self._sentinel = Sentinel(grad_norm="grad_norm" in checks or auto_grad_norm) if checks else None
+            self._sentinel_loss = "loss" in checks
+            # (grad-norm check seconds, step seconds) of the first steps, while an automatic grad-norm
+            # check is on trial against the governor's budget; None when no trial runs
+            self._grad_norm_trial: list[tuple[float, float]] | None = [] if auto_grad_norm else None
+            self._budget = budget
+            self._escalated_until: int | None = None
+            self._escalations = 0
+            self._tripped: list[int] = []  # sentinel trips learnt at this step's boundary
+            self._last_trip = -2
+            self._sent_steps: collections.deque[int] = collections.deque(maxlen=capacity + 2)
             edges: dict[str, tuple[float, ...]] = {}
             for metric in objects:
                 edges.update(metric.edges())
@@ -207,11 +251,19 @@ class Watch:
             self._rx = rx  # the worker's once it starts; closed here only if observe() fails before
             self._worker = Worker(
                 rx,
-                [source() | self._store, *(source() | sink for sink in sinks)],
+                [
+                    # The tracker and the detectors publish into the store before it counts the record
+                    # (watch.flush() waits for that count): their values are in when it returns.
+                    source() | self._tracker,
+                    *detector_pipelines(self._store, chosen_detectors),
+                    source() | self._store,
+                    *(source() | sink for sink in sinks),
+                ],
                 name="streamwatch-worker",
                 prepare=resolver(detailed),  # without detail: per-(phase, kind) totals, before any sink
             )
             self._taps = TapSet(model, modules, params, optimizer, self._state)
+            self._all_on = dict.fromkeys(KINDS, False) | {kind: True for kind, _ in self._periods}
             self._metrics: tuple[Metric, ...] = ()
             binding = Binding(model, tuple(params), optimizer, self._paused)
             for metric in objects:
@@ -282,6 +334,10 @@ class Watch:
             TypeError, ValueError: an argument is not what it should be (the message names it). The step
                 then ends without a record: what was summarised for it is dropped, never merged into the
                 next step, and counted in ``statistics().failed_steps``.
+            NonFiniteError: with ``observe(on_nonfinite="raise")``, a NaN/Inf appeared: raised once per
+                episode, after the step has ended normally (its record sent, the step counted); from
+                this step for its own non-finite loss, later for a NaN the loss does not show
+                (docs/nonfinite.md gives the bounds).
         """
         if self._closed:
             raise RuntimeError("this Watch is closed; create a new one with streamwatch.observe()")
@@ -293,6 +349,8 @@ class Watch:
                 self._end_step(now, failed=True)
                 raise
             self._step_boundary(now, checked)
+            if self._reaction == "raise" and (self._tripped or self._tracker.pending):
+                self._raise_nonfinite()
         finally:
             state = self._state
             end = time.perf_counter()
@@ -335,6 +393,8 @@ class Watch:
                     self._taps.summarize_params()
                 self._send(seconds, checked, device)
             failed = False
+            if self._sentinel is not None:
+                self._run_sentinel(checked, seconds)
         except (Full, SendTimeout):
             raise  # overflow="error" / a blocking send that timed out: the policy the user chose
         except Exception as exc:  # streamwatch's own failure: training goes on; warned, raised at close
@@ -391,6 +451,94 @@ class Watch:
             raise
         if sent:
             self._sampled += 1
+            self._sent_steps.append(self._step)
+
+    def _run_sentinel(self, checked: _StepArgs, seconds: float) -> None:
+        """The per-step finite check (every step, sampled or not); a trip may escalate the sampling.
+        Never raises into the step: a failure is counted like a hook's."""
+        sentinel = self._sentinel
+        assert sentinel is not None
+        if self._tripped:
+            self._tripped = []
+        trial = self._grad_norm_trial
+        start = time.perf_counter() if trial is not None else 0.0
+        try:
+            grads = (
+                [p.grad for _, _, p in self._taps.params if p.grad is not None] if sentinel.grad_norm else ()
+            )
+            tripped = sentinel.check(self._step, checked.loss if self._sentinel_loss else None, grads)
+        except Exception as exc:
+            self._state.fail(exc)
+            return
+        if trial is not None and grads:
+            self._judge_grad_norm(trial, time.perf_counter() - start, seconds)
+        if not tripped:
+            return
+        self._tripped = tripped
+        if self._escalate and self._escalated_until is None:
+            # From the next step on, every step is sampled in full (every tapped kind): when the fault
+            # recurs, its record holds the origin. One escalation at a time: bounded cost.
+            self._escalated_until = self._step + 1 + self._escalate
+            self._escalations += 1
+            if self._reaction == "warn":
+                log.warning(
+                    "streamwatch: non-finite %s at step %d (sentinel); sampling every step, every tapped "
+                    "kind, for the next %d steps so that the origin is recorded if it happens again",
+                    "loss" if self._sentinel_loss else "gradient norm",
+                    tripped[0],
+                    self._escalate,
+                )
+
+    def _sentinel_checks(self) -> tuple[str, ...]:
+        sentinel = self._sentinel
+        if sentinel is None:
+            return ()
+        checks = ("loss",) if self._sentinel_loss else ()
+        return (*checks, "grad_norm") if sentinel.grad_norm and self._grad_norm_trial is None else checks
+
+    def _judge_grad_norm(self, trial: list[tuple[float, float]], cost: float, seconds: float) -> None:
+        """Under a governor with the default sentinel: keep the gradient-norm check if, over the first
+        :data:`GRAD_NORM_TRIAL` steps that had gradients, its median cost is at most a quarter of what the
+        budget allows per step (``budget * step seconds``); else turn it off for the run."""
+        if seconds > 0:
+            trial.append((cost, seconds))
+        if len(trial) < GRAD_NORM_TRIAL:
+            return
+        costs = sorted(c for c, _ in trial)
+        steps = sorted(s for _, s in trial)
+        affordable = costs[len(costs) // 2] <= 0.25 * (self._budget or 0.0) * steps[len(steps) // 2]
+        assert self._sentinel is not None
+        self._sentinel.grad_norm = affordable
+        self._grad_norm_trial = None
+
+    def _raise_nonfinite(self) -> None:
+        """``on_nonfinite="raise"``: raise :class:`NonFiniteError` for a new episode. A sentinel trip on a
+        step whose record was sent waits for the worker's verdict on it (the origin); a trip on a step
+        without a record raises with what the sentinel saw; a verdict the worker found on its own (a
+        non-finite tensor while the loss stayed finite) is raised as soon as it is there."""
+        tripped, self._tripped = self._tripped, []
+        new = [t for t in tripped if t != self._last_trip + 1]  # consecutive trips: one episode
+        if tripped:
+            self._last_trip = tripped[-1]
+        if new and new[0] in self._sent_steps:
+            self.flush(timeout=min(self._close_timeout or 30.0, 30.0))
+        verdict = self._tracker.take_verdict()
+        if verdict is not None:
+            raise verdict.error()
+        episode = self._tracker.episode
+        if new and new[0] in self._sent_steps and episode is not None and episode.step < new[0]:
+            # the record continues an episode whose verdict was taken already (the caller went on)
+            raise episode.error(
+                f"step {new[0]}'s loss is non-finite too: the episode that began there goes on"
+            )
+        if new:
+            kind = "loss" if self._sentinel_loss else "grad_norm"
+            seen = FirstNonFinite(new[0], "train", "", kind, "", "", direction_of(kind), self._rank)
+            raise seen.error(
+                "the step was not sampled, so only the sentinel saw it and the origin is unknown: sample "
+                'more steps (every=) or use on_nonfinite="warn", whose escalation records the origin if it '
+                "recurs"
+            )
 
     def _set_sampling(self, step: int, governed: bool | None = None) -> None:
         """Set the flags the hooks read for ``step``: whether it is sampled (one step in ``every``, or
@@ -405,7 +553,12 @@ class Watch:
             self._sample_count += sampled
         if self._metrics:
             self._set_metrics(step, k if sampled else None)
-        if not sampled:  # most steps with every > 1 or a governor: reuse the all-off flags
+        if self._escalated_until is not None and step >= self._escalated_until:
+            self._escalated_until = None  # the escalation is over
+        if self._escalated_until is not None:  # a sentinel trip: every step, every tapped kind
+            state.on = self._all_on
+            state.forward = any(self._all_on[kind] for kind in _FORWARD_KINDS)
+        elif not sampled:  # most steps with every > 1 or a governor: reuse the all-off flags
             state.on, state.forward = self._all_off, False
         else:
             state.on = dict.fromkeys(KINDS, False) | {
@@ -460,10 +613,12 @@ class Watch:
     def _surface_errors(self) -> None:
         """Warn (once each) about new hook and pipeline errors; they are raised again at close()."""
         failures = self._store.failures
+        callback_failures = self._tracker.failures
         if (
             not self._worker.has_errors
             and len(self._state.errors) == self._reported_hook_errors
             and len(failures) == self._reported_store_failures
+            and len(callback_failures) == self._reported_tracker_failures
         ):
             return  # the common case, without taking the worker's lock
         new: list[tuple[str, BaseException]] = []
@@ -473,6 +628,8 @@ class Watch:
             new.extend(err.errors)
         new.extend(failures[self._reported_store_failures :])
         self._reported_store_failures = len(failures)
+        new.extend(callback_failures[self._reported_tracker_failures :])
+        self._reported_tracker_failures = len(callback_failures)
         hook_errors = self._state.errors
         for exc in hook_errors[self._reported_hook_errors :]:
             new.append(("<tap>", exc))
@@ -613,6 +770,11 @@ class Watch:
         return _Served(self._store, full, checked)
 
     @property
+    def detectors(self) -> tuple[Detector, ...]:
+        """The detectors ``observe(detectors=...)`` runs on the worker (docs/detectors.md)."""
+        return self._detectors
+
+    @property
     def store(self) -> SeriesStore:
         """The :class:`streamwatch.SeriesStore` the worker feeds: the latest value of every series, read
         through its protocol (``samples()``, ``table()``, ``edges``, ``step``, ``version()``) by
@@ -646,7 +808,7 @@ class Watch:
             worker_lag_seconds=self._store.lag,
             skipped=dict(self._state.skipped),
             hook_errors=self._state.hook_errors,
-            pipeline_failures=worker_stats.failed + len(self._store.failures),
+            pipeline_failures=worker_stats.failed + len(self._store.failures) + len(self._tracker.failures),
             kernel=self._kernel_status,
             overhead_seconds=self._overhead,
             overhead_seconds_total=self._overhead_total,
@@ -656,6 +818,12 @@ class Watch:
             sampling_interval=self._every if governor is None else governor.interval,
             overhead_ratio=None if governor is None else governor.overhead_ratio,
             overhead_budget=None if governor is None else governor.budget,
+            first_nonfinite=self._tracker.first,
+            nonfinite_episodes=self._tracker.episodes,
+            sentinel_trips=0 if self._sentinel is None else self._sentinel.trips,
+            sentinel=self._sentinel_checks(),
+            escalations=self._escalations,
+            escalated_until=self._escalated_until,
         )
 
     def close(self, timeout: float | None = None) -> None:
@@ -714,6 +882,8 @@ class Watch:
             self._errors.append(("<tap>", exc))
         self._errors.extend(self._store.failures[self._reported_store_failures :])
         self._reported_store_failures = len(self._store.failures)
+        self._errors.extend(self._tracker.failures[self._reported_tracker_failures :])
+        self._reported_tracker_failures = len(self._tracker.failures)
         if self._errors:
             errors, self._errors = self._errors, []
             raise PipelineError(errors) from errors[0][1]
@@ -1033,6 +1203,10 @@ def observe(
     metrics: Iterable[str | Metric] = DEFAULT_METRICS,
     close_timeout: float = 30.0,
     detail: Detail = "all",
+    detectors: Iterable[Detector] = DEFAULT_DETECTORS,
+    on_nonfinite: Reaction = "warn",
+    escalate: int = DEFAULT_ESCALATE,
+    sentinel: Collection[str] | None = None,
 ) -> Watch:
     """Observe ``model``: summarise every selected layer's tensors on the device, one record per step.
 
@@ -1079,6 +1253,23 @@ def observe(
             of squares added over the layers, so global norms stay exact in PromQL; no dead units), before
             any sink: snapshot, ``/metrics``, run file and pipelines alike. Loss, step times and
             streamwatch's own metrics are served by every rank.
+        detectors: built-in detector pipelines run on the worker (docs/detectors.md): default
+            :data:`streamwatch.detectors.DEFAULT_DETECTORS` (``LossSpike``, ``GradientSpike``,
+            ``UpdateRatioBand``); a list to choose and configure them; ``()`` for none.
+        on_nonfinite: what happens when a NaN/Inf appears (docs/nonfinite.md): ``"warn"`` (default: logs
+            the first tensor of each episode of non-finite steps, once), ``"raise"``
+            (:class:`streamwatch.NonFiniteError` from a later ``watch.step()``: the same step for a
+            non-finite loss), or a callable, called on the worker thread with a
+            :class:`streamwatch.FirstNonFinite` once per episode (if it raises, it is stopped, counted
+            and reported like a failing sink). ``watch.statistics().first_nonfinite`` holds the run's
+            first whatever the reaction.
+        escalate: when the per-step sentinel trips, sample every step and every tapped kind for this
+            many steps (default 100), so that the origin is recorded if the fault recurs; ``0``: never.
+        sentinel: the per-step finite check, on every step, sampled or not: ``("loss",)`` (a few µs on the
+            CPU, no host sync on CUDA); ``("loss", "grad_norm")`` also checks the global gradient norm
+            (one pass over the gradients); ``()`` turns it off. Default (None): the loss, and with
+            ``overhead=`` the gradient norm too if, timed over the first 8 steps with gradients, it costs
+            at most a quarter of the budget (``statistics().sentinel`` says which).
 
     Raises:
         RuntimeError: the model is already observed.
@@ -1103,4 +1294,8 @@ def observe(
         metrics=metrics,
         close_timeout=close_timeout,
         detail=detail,
+        detectors=detectors,
+        on_nonfinite=on_nonfinite,
+        escalate=escalate,
+        sentinel=sentinel,
     )

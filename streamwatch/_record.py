@@ -16,6 +16,7 @@ dropped and counted (the overflow policy of the channel decides about records al
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
@@ -91,6 +92,10 @@ class StepRecord:
         edges: what it takes to render the extras without the metric objects: the ``histogram``
             buckets' upper bounds (Prometheus ``le``, ascending, the last ``inf``) by tap kind, aligned
             with the counts after the non-finite bucket. The same mapping for every record of a run.
+        order: each row's position in the step's execution (forward, then backward, then the optimizer,
+            as the hooks fired; a key summarised several times in a step takes its first position), one
+            integer per row; smaller ran earlier. Empty: the rows are in execution order (records built
+            by hand, run files written before it existed). Read it through :meth:`execution_order`.
 
     Example:
         >>> import numpy as np
@@ -108,6 +113,20 @@ class StepRecord:
     scalars: Mapping[str, float] = field(default_factory=dict)
     extras: Mapping[tuple[SeriesKey, str], np.ndarray] = field(default_factory=dict)
     edges: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    order: tuple[int, ...] = ()
+
+    def execution_order(self) -> np.ndarray:
+        """Each row's position in the step's execution (:attr:`order`, or the row order without one).
+
+        Example:
+            >>> import numpy as np
+            >>> keys = tuple(SeriesKey("train", layer, "activation", "") for layer in "ab")
+            >>> StepRecord(0, 0.0, 0, keys, np.zeros((2, 11)), order=(5, 2)).execution_order().tolist()
+            [5, 2]
+        """
+        if len(self.order) == len(self.keys):
+            return np.asarray(self.order, dtype=np.int64)
+        return np.arange(len(self.keys), dtype=np.int64)
 
     def column(self, name: str) -> np.ndarray:
         """One column of :attr:`table` by name (see ``streamwatch._summary.COLUMNS``)."""
@@ -196,6 +215,7 @@ class PendingRecord:
     edges: Mapping[str, tuple[float, ...]] = field(default_factory=dict)  # StepRecord.edges
     event: Any = None  # torch.cuda.Event on CUDA
     release: Callable[[], None] | None = None  # gives the pinned slot back to its pool
+    order: list[int] = field(default_factory=list)  # each row's position in the step's execution
 
     def resolve(self) -> StepRecord:
         """Wait for the copy (on the calling thread — the worker's), then merge and derive."""
@@ -245,6 +265,7 @@ class PendingRecord:
         )
         keys, table = finalize(raw)
         table.setflags(write=False)
+        order = _merged_order(self.keys, self.order, len(keys))
         scalars = dict(self.host_scalars)
         for i, name in enumerate(self.scalar_names):
             scalars[name] = float(flat[nd * nstats + i])
@@ -256,7 +277,26 @@ class PendingRecord:
             value.setflags(write=False)
             extras[extra] = value
             start += length
-        return StepRecord(self.step, self.time, self.rank, keys, table, scalars, extras, self.edges)  # type: ignore[arg-type]
+        return StepRecord(self.step, self.time, self.rank, keys, table, scalars, extras, self.edges, order)  # type: ignore[arg-type]
+
+
+def _merged_order(keys: list[Hashable], order: list[int], merged: int) -> tuple[int, ...]:
+    """The execution position of each row after :func:`finalize` merged equal keys (each key keeps its
+    first row's place and position; keys are merged in order of first appearance, as ``finalize`` does);
+    ``()`` when the rows are in execution order already (the common case, and what a run file holds)."""
+    if len(order) != len(keys):  # no explicit order: the rows are in execution order
+        return ()
+    if merged == len(keys):
+        if order == list(range(len(order))):  # the common case, compared at C speed
+            return ()
+        positions = tuple(order)
+    else:
+        first: dict[Hashable, int] = {}
+        for key, position in zip(keys, order, strict=True):
+            first.setdefault(key, position)
+        positions = tuple(first.values())
+    # rows already in execution order need no explicit order: () (as a run file reads them back)
+    return () if all(b > a for a, b in itertools.pairwise(positions)) else positions
 
 
 class StepBuffer:
@@ -282,6 +322,7 @@ class StepBuffer:
         "host_units",
         "keys",
         "latest",
+        "order",
         "samples",
         "unit_counts",
         "units",
@@ -296,6 +337,7 @@ class StepBuffer:
     # key -> (first row, its per-unit counts: a device tensor, or an offset into the fused rows' arena)
     unit_counts: dict[Hashable, tuple[int, torch.Tensor | int]]
     latest: dict[Hashable, int]  # row index of replaceable keys
+    order: list[int]  # each row's position in the step's execution (explicit: rows may be laid out ahead)
     device: torch.device | None
 
     def __init__(self, rows: int = 64, units: int = 4096) -> None:
@@ -314,6 +356,7 @@ class StepBuffer:
                 self.counts[index] = count
                 return index
             self.latest[key] = len(self.keys)
+        self.order.append(len(self.order))
         self.keys.append(key)
         self.counts.append(count)
         self.units.append(0)
@@ -370,7 +413,7 @@ class StepBuffer:
         try:
             self._add_host(kernel, key, x, unit_dim, bounds, replace, minus)
         except BaseException:
-            del self.keys[n:], self.counts[n:], self.units[n:], self.samples[n:]
+            del self.keys[n:], self.counts[n:], self.units[n:], self.samples[n:], self.order[n:]
             if self._arena_used != arena_used:
                 self.arena[arena_used : self._arena_used] = 0
                 self._arena_used = arena_used
@@ -537,6 +580,7 @@ class StepBuffer:
             edges=edges if edges is not None else {},
             event=event,
             release=release,
+            order=self.order,
         )
         # The next step's table and arena, preallocated at this step's sizes: the record keeps these.
         self.host = np.empty((max(len(self.keys), 16), NSTATS), dtype=np.float64)
@@ -549,6 +593,7 @@ class StepBuffer:
     def clear(self) -> None:
         """Forget the current step's rows (the host table is reused)."""
         self.keys = []
+        self.order = []
         self.counts = []
         self.units = []
         self.samples = []

@@ -9,7 +9,10 @@ live exporter served at that record (``streamwatch_tensor``, ``streamwatch_tenso
 ``streamwatch_layer_mean``, ``streamwatch_loss``, ...), with the identity labels ``run`` (``run=``,
 else the run file's directory name), ``rank`` (the records'), ``local_rank``, ``world_size`` and
 ``host``. The monitoring's own counters (records dropped, queue length, ...) report the replay: records
-replayed so far, nothing dropped.
+replayed so far, nothing dropped. What a live watch computes on its worker from the records is computed
+again: the default detectors (``streamwatch.detectors.DEFAULT_DETECTORS``: their series and counters, from
+the first record of each pass) and the first non-finite value (``streamwatch_first_nonfinite_info``). A
+detector that raises is dropped and the rest go on.
 
 Looping never spins a core: a pass through the records, with the pause before the next one, lasts at
 least :data:`MIN_PASS_SECONDS`; with ``speed=0`` there is no timeline to repeat, so the last record is
@@ -27,6 +30,9 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from streamwatch._detectors import DEFAULT_DETECTORS, pipelines
+from streamwatch._nonfinite import NonFiniteTracker
+from streamwatch._pipeline import Pipeline, source
 from streamwatch._store import SeriesStore, WatchStatistics
 from streamwatch.metrics._derived import DEFAULT_METRICS
 from streamwatch.sinks._http import MetricsServer, listen
@@ -108,6 +114,10 @@ class Replay:
         self.labels = labels
         self._metrics = tuple(metrics)
         self._store = SeriesStore(self._metrics)
+        self._tracker = NonFiniteTracker(self._store, None)
+        self._pipelines = self._fresh_pipelines()
+        self.detector_failures: list[tuple[str, BaseException]] = []
+        """Detectors dropped because they raised (``(pipeline, exception)``), over every pass."""
         self._served = 0  # records served, over every pass
         self._collector = StoreCollector(self._store, self.statistics, labels, series_budget)
         self._server: MetricsServer | None = None
@@ -131,7 +141,11 @@ class Replay:
     def statistics(self) -> WatchStatistics:
         """The replay's own statistics, served as the monitoring's: records replayed so far (over every
         pass of a loop), nothing dropped or queued."""
-        return WatchStatistics.replayed(self._served)
+        return WatchStatistics.replayed(self._served, self._tracker.first)
+
+    def _fresh_pipelines(self) -> list[Pipeline]:
+        """The tracker and the default detectors, publishing into the current store (a pass's own)."""
+        return [source() | self._tracker, *pipelines(self._store, DEFAULT_DETECTORS)]
 
     def start(self) -> Replay:
         """Start serving (an HTTP server thread) and stepping (a thread advancing through the records).
@@ -201,10 +215,18 @@ class Replay:
                     return
                 # start over: the first record's values, not the last pass's
                 self._store = self._collector.store = SeriesStore(self._metrics)
+                self._tracker = NonFiniteTracker(self._store, None)
+                self._pipelines = self._fresh_pipelines()
         finally:
             self._done.set()
 
     def _send(self, record: StepRecord) -> None:
+        for pipeline in list(self._pipelines):  # before the store counts the record, as live
+            try:
+                pipeline.push(record)
+            except Exception as exc:  # this detector stops; the rest go on
+                self._pipelines.remove(pipeline)
+                self.detector_failures.append((repr(pipeline), exc))
         self._store.send(record)
         self._served += 1
 

@@ -42,6 +42,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from streamwatch._families import HISTOGRAM_SAMPLE, STEP, TENSOR, scalar_sample
+from streamwatch._nonfinite import FirstNonFinite
 from streamwatch._pipeline import Sink
 from streamwatch._record import Sample, SeriesKey, StepRecord
 from streamwatch._summary import COLUMNS, derive
@@ -85,6 +86,16 @@ class WatchStatistics:
             run's time, measured by the governor (the cost of a sampled step over the interval); None
             before it has measured it, and with a fixed interval.
         overhead_budget: the ``overhead=`` budget; None with a fixed interval.
+        first_nonfinite: where the run's first NaN/Inf started: the first tensor, in execution order,
+            of the first record with a non-finite value (a :class:`streamwatch.FirstNonFinite`), or None
+            (docs/nonfinite.md). Computed on the worker: ``watch.flush()`` makes it current.
+        nonfinite_episodes: runs of consecutive records with a non-finite value (each gets one reaction).
+        sentinel_trips: steps whose per-step sentinel found a non-finite loss (or gradient norm),
+            sampled or not.
+        escalations: times a sentinel trip escalated sampling to every step (``observe(escalate=...)``).
+        escalated_until: while escalated, the first step after the escalation; else None.
+        sentinel: what the per-step sentinel checks: ``("loss",)``, ``("loss", "grad_norm")`` or ``()``
+            (under ``overhead=`` with the default, ``grad_norm`` once its trial found it affordable).
 
     Example:
         >>> WatchStatistics.replayed(3).records_received
@@ -112,11 +123,18 @@ class WatchStatistics:
     sampling_interval: int = 1
     overhead_ratio: float | None = None
     overhead_budget: float | None = None
+    first_nonfinite: FirstNonFinite | None = None
+    nonfinite_episodes: int = 0
+    sentinel_trips: int = 0
+    escalations: int = 0
+    escalated_until: int | None = None
+    sentinel: tuple[str, ...] = ()
 
     @classmethod
-    def replayed(cls, records: int) -> WatchStatistics:
+    def replayed(cls, records: int, first_nonfinite: FirstNonFinite | None = None) -> WatchStatistics:
         """The statistics of a replay that served ``records`` records: nothing dropped, queued or lost."""
         return cls(
+            first_nonfinite=first_nonfinite,
             steps=records,
             sampled=records,
             records_received=records,
@@ -238,9 +256,15 @@ class SeriesStore(Sink):
             self.records += 1
             self.lag = time.time() - record.time
 
-    def put(self, samples: Iterable[Sample]) -> None:
-        """Latest values of derived or user-served series, replacing those with the same name and labels."""
+    def put(self, samples: Iterable[Sample], replace: bool = False) -> None:
+        """Latest values of derived or user-served series, replacing those with the same name and labels;
+        with ``replace``, every earlier series of the names in ``samples`` goes first (an info series
+        whose labels changed)."""
+        samples = list(samples)
         with self._lock:
+            if replace:
+                names = {sample.name for sample in samples}
+                self._put = {key: s for key, s in self._put.items() if key[0] not in names}
             for sample in samples:
                 self._put[(sample.name, tuple(sorted(sample.labels.items())))] = sample
             self._changes += 1

@@ -682,8 +682,14 @@ class TapSet:
         state.times.optimizer_end = state.times.clock()
         for metric in state.step_metrics:
             state.call(metric.after_optimizer_step, state.buffer)
+        # The updates first, then the weights they produced: in the step's execution order an update
+        # comes before the weight it changed (a bad update is the origin, a bad weight its consequence).
+        self._summarize_updates()
         if state.on.get("param"):
             self.summarize_params()
+
+    def _summarize_updates(self) -> None:
+        state = self.state
         before, self._before = self._before, None
         if before is None:
             return

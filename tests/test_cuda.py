@@ -121,3 +121,31 @@ def test_opt_in_tensor_metrics_make_no_host_sync_and_reach_the_worker() -> None:
     assert spectral == pytest.approx(float(torch.linalg.matrix_norm(weight, ord=2)), rel=1e-2)
     histogram = last.extras[(sw.SeriesKey("train", "1", "activation", ""), "histogram")]
     assert histogram.sum() == 32 * 128
+
+
+def test_the_nonfinite_sentinel_makes_no_host_sync_and_reports_the_step_later() -> None:
+    """The loss of step 3 is NaN on the device: the sentinel's flag is copied without blocking into a
+    pinned slot and read once its event completed, so the trip (and the escalation) is known a few steps
+    later, on a training thread that never waited for the device."""
+    model, opt = make()
+    x = torch.randn(32, 64, device="cuda")
+    y = torch.randint(0, 10, (32,), device="cuda")
+    watch = sw.observe(model, opt, every=50, escalate=4, on_nonfinite=lambda value: None)
+    train_step(model, opt, watch, x, y)  # warm-up: lazy CUDA init, the sentinel's pinned ring and events
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(1, 6):
+            logits = model(x)
+            loss = torch.nn.functional.cross_entropy(logits, y) * (float("nan") if step == 3 else 1.0)
+            watch.step(loss=loss)  # no backward: the weights stay finite
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    logits = model(x)
+    watch.step(loss=torch.nn.functional.cross_entropy(logits, y))  # the copies are done: read them
+    stats = watch.statistics()
+    watch.close()
+    assert stats.sentinel_trips == 1
+    assert stats.escalations == 1
+    assert stats.hook_errors == 0

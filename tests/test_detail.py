@@ -27,7 +27,7 @@ from torch import nn
 import streamwatch as sw
 from streamwatch import SeriesKey, StepRecord
 from streamwatch._detail import DETAIL_MODES, keeps_detail, reduce_record
-from streamwatch._families import ALL_LAYERS
+from streamwatch._families import ALL_LAYERS, DETECTOR_FAMILIES
 from streamwatch._replay import Replay
 from streamwatch._summary import COLUMNS
 from streamwatch.sinks._prometheus import Exporter
@@ -434,16 +434,21 @@ _STEP_VALUES = (
 )
 
 
+_DETECTOR_VALUES = tuple(family.exposed for family in DETECTOR_FAMILIES)
+
+
 def _groups(counts: dict[str, int]) -> dict[str, int]:
-    """The doc's rows: tensor, layer means, step values, identity and self metrics, total."""
+    """The doc's rows: tensor, layer means, step values, detectors, identity and self metrics, total."""
     tensor, means = counts.get("streamwatch_tensor", 0), counts.get("streamwatch_layer_mean", 0)
     step = sum(counts.get(name, 0) for name in _STEP_VALUES)
+    detectors = sum(counts.get(name, 0) for name in _DETECTOR_VALUES)
     total = sum(counts.values())
     return {
         "tensor": tensor,
         "layer_mean": means,
         "step": step,
-        "self": total - tensor - means - step,
+        "detectors": detectors,
+        "self": total - tensor - means - step - detectors,
         "total": total,
     }
 
@@ -485,6 +490,7 @@ def test_docs_scale_numbers_are_what_a_7b_shaped_model_serves(caplog: pytest.Log
         "`streamwatch_tensor`": "tensor",
         "`streamwatch_layer_mean`": "layer_mean",
         "step values (loss, learning rate, step time, throughput, batch size, 4 step parts, step)": "step",
+        "the detectors (`streamwatch.detectors.DEFAULT_DETECTORS`)": "detectors",
         "`streamwatch_info` and streamwatch's own metrics": "self",
         "total": "total",
     }
@@ -530,7 +536,7 @@ def test_docs_scale_numbers_are_what_a_7b_shaped_model_serves(caplog: pytest.Log
         '`"none"`': ("none", _groups(detail)["total"]),
     }
     assert set(at_scale) == set(modes)
-    assert _groups(budgeted)["total"] == 80
+    assert _groups(budgeted)["total"] == 958  # 83 + the detectors' 875 (the budget caps tensor series)
     for title, (mode, per_detail) in modes.items():
         ranks, per_detail_cell, per_other_cell, active_cell, memory_cell = at_scale[title]
         chosen = sum(

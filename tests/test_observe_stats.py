@@ -875,7 +875,7 @@ def test_snapshot_equals_the_last_record_and_never_holds_nan(train: Train) -> No
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     recs = sw.sinks.collect()
     # metrics=(): the summaries alone (update_ratio's values are tested in test_metrics.py)
-    with sw.observe(model, opt, cadence=EVERY_STEP, sinks=[recs], metrics=()) as watch:
+    with sw.observe(model, opt, cadence=EVERY_STEP, sinks=[recs], metrics=(), detectors=()) as watch:
         train(model, opt, watch, 3)  # batches of 8 samples, 4 features, 3 classes
     samples = watch.snapshot()
     last = recs.items[-1]

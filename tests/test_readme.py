@@ -51,6 +51,11 @@ EXPECTED = {
         "records = sampled steps: True",
         "budget: 0.05 interval >= 1: True",
     ],
+    "docs/nonfinite.md": [
+        # the unsampled fault escalated the sampling and its recurrence was recorded with its origin
+        "13 2 activation forward True",
+        "trips 2 escalations 1 sampled 21",
+    ],
     "docs/architecture.md": [
         "ChannelStatistics(capacity=64, len=0, reserved=0, sent=1000, received=1000, dropped_oldest=0",
         "100 smoothed values",

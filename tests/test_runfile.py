@@ -514,7 +514,10 @@ def test_report(trained: tuple[Path, list[StepRecord]]) -> None:
     assert first.step == NAN_STEP
     row = int(np.flatnonzero(first.column("nonfinite") > 0)[0])
     assert first.keys[row].layer == "0"
-    assert f"first non-finite: step {NAN_STEP}, layer '0', kind {first.keys[row].kind}" in text
+    assert (
+        f"first non-finite: step {NAN_STEP}, rank 0, layer '0', kind {first.keys[row].kind}, name '', "
+        "direction forward" in text
+    )
 
     def section(title: str) -> list[str]:
         lines = text.splitlines()

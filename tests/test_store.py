@@ -55,7 +55,8 @@ def _train(
 def test_a_store_fed_the_records_serves_what_snapshot_serves() -> None:
     model, opt = _model()
     records = sw.sinks.collect()
-    with sw.observe(model, opt, sinks=[records], cadence={"param": 1, "update": 1}) as watch:
+    # detectors=(): the store alone runs no detector (streamwatch.detectors.pipelines adds them)
+    with sw.observe(model, opt, sinks=[records], cadence={"param": 1, "update": 1}, detectors=()) as watch:
         _train(watch, model, opt, 3)
         snapshot = watch.snapshot()
     store = SeriesStore()

@@ -368,6 +368,9 @@ class StoreCollector(Collector):
             "streamwatch_overhead_seconds": stats.overhead_seconds_total,
             "streamwatch_sampling_interval": stats.sampling_interval,
             "streamwatch_overhead_ratio": stats.overhead_ratio,
+            "streamwatch_sentinel_trips": stats.sentinel_trips,
+            "streamwatch_escalations": stats.escalations,
+            "streamwatch_escalated": float(stats.escalated_until is not None),
         }
         blocks: list[Block] = []
         for family in SELF_FAMILIES:

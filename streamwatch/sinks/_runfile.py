@@ -35,6 +35,9 @@ ending with ``\\n``. Three kinds of line exist (and a rare fourth, below):
 
    (on one line). ``rows`` holds the record's table in row order, each row its key id followed by one
    value per header column; ``extras`` holds opt-in metric vectors as ``[key_id, stat, [v, ...]]``.
+   ``order`` (optional: written only when the rows are not already in execution order) holds each row's
+   position in the step's execution (:attr:`streamwatch.StepRecord.order`), integers, one per row;
+   readers that do not know it ignore it, and without it the row order is the execution order.
 
 Numbers: floats are written with ``repr`` (shortest exact round trip); floats that are whole numbers
 below 2**53 in magnitude are written as JSON integers (``256`` rather than ``256.0``; ``-0.0`` keeps its
@@ -90,6 +93,7 @@ from typing import IO, Any, TypeGuard
 
 import numpy as np
 
+from streamwatch._nonfinite import NonFiniteTracker
 from streamwatch._pipeline import Sink
 from streamwatch._record import SeriesKey, StepRecord
 from streamwatch._summary import COLUMNS, derive
@@ -385,7 +389,7 @@ class RunFile(Sink):
             ]
             for (key, stat), value in item.extras.items()
         ]
-        line = {
+        line: dict[str, object] = {
             "step": int(item.step),
             "time": _encode(float(item.time)),
             "rank": int(item.rank),
@@ -393,6 +397,9 @@ class RunFile(Sink):
             "scalars": {name: _encode(float(v)) for name, v in item.scalars.items()},
             "extras": extras,
         }
+        order = item.order
+        if len(order) == len(item.keys) and any(position != i for i, position in enumerate(order)):
+            line["order"] = [int(position) for position in order]
         text = _dumps(line) + "\n"
         if new:
             text = _dumps({"keys": new}) + "\n" + text
@@ -500,6 +507,9 @@ def _parse_step(
         vector = np.array(_values(entry[2], len(entry[2]), "an extra"), dtype=np.float64)
         vector.setflags(write=False)
         extra[(key_of(entry[0]), entry[1])] = vector
+    order = obj.get("order", [])
+    if not isinstance(order, list) or (order and (len(order) != len(rows) or not all(map(_is_int, order)))):
+        raise ValueError(f"'order' must be a list of one integer per row, got {order!r}")
     return StepRecord(
         step=step,
         time=_decode(stamp),
@@ -509,6 +519,7 @@ def _parse_step(
         scalars={str(name): _decode(v) for name, v in scalars.items()},
         extras=extra,
         edges=edges,
+        order=tuple(order),
     )
 
 
@@ -632,8 +643,10 @@ def report(run: RunData, *, top: int = 5) -> str:
       non-finite norms rank first;
     * dead fraction: ``dead_fraction`` of each ``activation`` row in the last record that has
       activations (rows without units are left out);
-    * first non-finite: the first record with a row whose ``nonfinite`` column is > 0, and the first such
-      row (step, layer, kind, name).
+    * first non-finite: what ``watch.statistics().first_nonfinite`` said live, recomputed from the records
+      (:class:`streamwatch._nonfinite.NonFiniteTracker`): the first non-finite tensor in the step's
+      execution order (step, rank, layer, kind, name, direction), marked uncertain when the step before
+      it was not recorded in full.
 
     Example:
         >>> import tempfile, pathlib, numpy as np
@@ -643,8 +656,8 @@ def report(run: RunData, *, top: int = 5) -> str:
         >>> key = SeriesKey("train", "fc", "param_grad", "weight")
         >>> sink.send(StepRecord(7, 0.0, 0, (key,), np.array([[4, 2, 9, -1, 2, 0, 1, 0, 0, 0, 0.0]])))
         >>> sink.close()
-        >>> print(report(read_run(path)).splitlines()[-1])
-        first non-finite: step 7, layer 'fc', kind param_grad, name 'weight'
+        >>> print(report(read_run(path)).splitlines()[-1])  # doctest: +ELLIPSIS
+        first non-finite: step 7, rank 0, layer 'fc', kind param_grad, name 'weight', direction backward; ...
     """
     records = run.records
     lines = [f"streamwatch run: {run.path}"]
@@ -697,16 +710,19 @@ def report(run: RunData, *, top: int = 5) -> str:
             lines.append(f"  {rank:>2}. {layer or '<root>':<{width}}  {value:.2%}")
 
     lines.append("")
+    tracker = NonFiniteTracker(None, None)  # what the live watch's worker computed, from the same records
     for record in records:
-        bad = np.flatnonzero(record.column("nonfinite") > 0)
-        if len(bad):
-            key = record.keys[int(bad[0])]
-            more = f" (+{len(bad) - 1} more rows)" if len(bad) > 1 else ""
-            lines.append(
-                f"first non-finite: step {record.step}, layer {key.layer!r}, kind {key.kind}, "
-                f"name {key.name!r}{more}"
-            )
-            break
-    else:
+        tracker.send(record)
+    first = tracker.first
+    if first is None:
         lines.append("first non-finite: none")
+    else:
+        record = next(r for r in records if r.step == first.step and r.rank == first.rank)
+        bad = int(np.count_nonzero(record.column("nonfinite") > 0)) - (first.kind != "loss")
+        more = f" (+{bad} more rows)" if bad > 0 else ""
+        sure = "" if first.certain else "; uncertain: the step before was not recorded in full"
+        lines.append(
+            f"first non-finite: step {first.step}, rank {first.rank}, layer {first.layer!r}, kind "
+            f"{first.kind}, name {first.param or first.index!r}, direction {first.direction}{more}{sure}"
+        )
     return "\n".join(lines) + "\n"

@@ -1,0 +1,594 @@
+"""The detectors' implementation; the public face and the overview are in :mod:`streamwatch.detectors`.
+
+Every smoothed detector is ``map(extract) | filter(present) | scan(fold, Baseline.empty()) | map(samples)``:
+:meth:`_Smoothed.fold` is the one place the baseline and the scores are computed, vectorised over the
+series of a record (the loss; the global and per-layer gradient norms) with numpy. The state is an
+immutable :class:`Baseline` (``ops.scan`` starts every pipeline from the same initial state).
+
+Example:
+    >>> import numpy as np
+    >>> from streamwatch import StepRecord
+    >>> values = LossSpike().extract(StepRecord(0, 0.0, 0, (), np.empty((0, 11)), {"loss": 0.5}))
+    >>> values.names, values.values.tolist()
+    (('',), [0.5])
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import math
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+import numpy as np
+
+from streamwatch import ops
+from streamwatch._families import (
+    GRAD_NORM_RATIO,
+    GRAD_NORM_SPIKES,
+    LAYER_UPDATE_RATIO,
+    LOSS_SPIKES,
+    LOSS_ZSCORE,
+    UPDATE_RATIO_OUT_OF_BAND,
+    Family,
+)
+from streamwatch._pipeline import Operator, Pipeline, Sink, describe, source
+from streamwatch._record import Sample, SeriesKey, StepRecord
+from streamwatch._store import SeriesStore
+
+if TYPE_CHECKING:
+    from streamwatch._observe import Watch
+
+__all__ = [
+    "DEFAULT_DETECTORS",
+    "GLOBAL",
+    "Baseline",
+    "Detector",
+    "GradientSpike",
+    "LossSpike",
+    "UpdateRatioBand",
+    "Values",
+    "attach",
+    "check_detectors",
+    "pipelines",
+]
+
+GLOBAL = "__all__"
+"""The ``layer`` label of the global gradient norm (as for the series budget's aggregates)."""
+
+MAD_TO_SIGMA = math.sqrt(math.pi / 2)
+"""σ / E|x − μ| for a normal distribution: the mean absolute deviation times this estimates σ."""
+
+SCALE_FLOOR = 1e-9
+"""The loss z-score's scale is at least this fraction of the baseline (of 1 below 1): a constant history
+gives finite z-scores."""
+
+
+# -- what flows between the stages ---------------------------------------------------------------------
+
+
+class Values(NamedTuple):
+    """One record's values for a detector: a value per named series (NaN: this record has none)."""
+
+    names: tuple[str, ...]
+    values: np.ndarray
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class Baseline:
+    """A smoothed detector's state after a record, one entry per series (an immutable value: ``ops.scan``
+    starts every pipeline from the same initial state, and each fold returns a new one).
+
+    Attributes:
+        names: the series (``""`` for the loss; ``"__all__"`` and the layers for gradients).
+        n: finite values folded into each baseline.
+        mean: the exponentially weighted mean (of winsorised values once warmed up).
+        dev: the exponentially weighted mean absolute deviation from the previous mean.
+        score: each series' score for the last record (z-score or ratio); NaN where none was reported.
+        fresh: the series that had a finite value in the last record.
+        spikes: sampled steps whose score exceeded the threshold, per series.
+    """
+
+    names: tuple[str, ...]
+    n: np.ndarray
+    mean: np.ndarray
+    dev: np.ndarray
+    score: np.ndarray
+    fresh: np.ndarray
+    spikes: np.ndarray
+
+    @classmethod
+    def empty(cls) -> Baseline:
+        """The state before the first record: no series."""
+        nothing = np.empty(0)
+        return cls((), np.empty(0, dtype=np.int64), nothing, nothing, nothing, np.empty(0, bool), nothing)
+
+    def aligned(self, values: Values) -> tuple[Baseline, np.ndarray]:
+        """This state grown by the series ``values`` brings for the first time, and ``values`` laid out
+        over its series (NaN for the series the record lacks)."""
+        if values.names == self.names:
+            return self, values.values
+        index = {name: i for i, name in enumerate(self.names)}
+        new = tuple(name for name in values.names if name not in index)
+        state = self
+        if new:
+            k = len(new)
+            state = Baseline(
+                self.names + new,
+                np.concatenate([self.n, np.zeros(k, dtype=np.int64)]),
+                np.concatenate([self.mean, np.zeros(k)]),
+                np.concatenate([self.dev, np.zeros(k)]),
+                np.concatenate([self.score, np.full(k, np.nan)]),
+                np.concatenate([self.fresh, np.zeros(k, dtype=bool)]),
+                np.concatenate([self.spikes, np.zeros(k)]),
+            )
+            index.update({name: len(self.names) + i for i, name in enumerate(new)})
+        laid = np.full(len(state.names), np.nan)
+        laid[[index[name] for name in values.names]] = values.values
+        return state, laid
+
+    def __repr__(self) -> str:
+        return f"<baseline series={len(self.names)}>"
+
+
+def _present(item: object) -> bool:
+    return item is not None
+
+
+class _Publish(Sink):
+    """The end of a detector's pipeline: its samples become the store's latest values."""
+
+    __slots__ = ("detector", "store")
+
+    def __init__(self, store: SeriesStore, detector: Detector) -> None:
+        self.store = store
+        self.detector = detector
+
+    def send(self, item: Any) -> None:
+        if item:
+            self.store.put(item)
+
+    def __repr__(self) -> str:
+        return f"<publish {describe(self.detector)}>"
+
+
+# -- the detectors ---------------------------------------------------------------------------------------
+
+
+class Detector(abc.ABC):
+    """A built-in detector: a frozen description whose :meth:`chain` turns step records into
+    :class:`streamwatch.Sample` lists; :meth:`pipeline` ends it in a series store.
+
+    Subclasses are frozen dataclasses: one object can serve many pipelines (the state lives in the
+    pipeline's nodes, as for every operator).
+    """
+
+    @abc.abstractmethod
+    def chain(self) -> Operator:
+        """The operators from a :class:`streamwatch.StepRecord` to the list of samples it yields."""
+
+    def pipeline(self, store: SeriesStore) -> Pipeline:
+        """``source() | chain() | publish(store)``: a pipeline that receives every record and puts this
+        detector's values into ``store`` (``watch.store``, or a replay's)."""
+        return source() | self.chain() | _Publish(store, self)
+
+
+def _check_threshold(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ValueError(f"Expected `{name}` to be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+class _Smoothed(Detector):
+    """A score of each new value against an exponentially weighted baseline of the values before it.
+
+    The baseline of each series, updated with every finite value ``x`` after scoring it:
+
+    * the ``t``-th value enters with weight ``a = max(alpha, 1/t)``: the first ``1/alpha`` values make a
+      plain mean, later ones an EWM (``mean += a * (x - mean)``), so the baseline is unbiased from the
+      start rather than pulled towards its first value;
+    * the deviation ``|x - mean|`` (from the mean before the update: the prediction error) is averaged
+      the same way, over the ``t - 1`` deviations seen;
+    * once ``warmup`` values are in, each value is scored, and enters the baseline winsorised at the
+      threshold (:meth:`_score` says where): a value that is not a spike enters as it is, a spike as if
+      it were exactly at the threshold, so one outlier cannot drag the baseline (or inflate the scale)
+      far enough to hide the next one.
+    """
+
+    threshold: float
+    alpha: float
+    warmup: int
+    scores: ClassVar[Family]
+    """The family of the scores (a gauge)."""
+    counts: ClassVar[Family]
+    """The family of the spike counts (a counter)."""
+    label: ClassVar[str]
+    """The label naming a series (``""``: one series, no label)."""
+
+    def _check(self) -> None:
+        _check_threshold(self.threshold, "threshold")
+        alpha = self.alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < alpha <= 1:
+            raise ValueError(f"Expected `alpha` to be a number in (0, 1], got {alpha!r}")
+        warmup = self.warmup
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 2:
+            raise ValueError(
+                f"Expected `warmup` to be an int >= 2 (a baseline needs a mean and a deviation), "
+                f"got {warmup!r}"
+            )
+
+    @abc.abstractmethod
+    def extract(self, record: StepRecord) -> Values | None:
+        """The record's values, or None if it has none (skipped)."""
+
+    @abc.abstractmethod
+    def _score(self, state: Baseline, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(score, low, high)``: each value's score against the baseline, and the bounds it enters the
+        baseline within once warmed up."""
+
+    def samples(self, state: Baseline) -> list[Sample]:
+        """The samples to publish after a record: for each series it had a value for, the score (once
+        warmed up) and the spike count when it is new or changed (the store keeps the latest values)."""
+        scores, counts, label = self.scores, self.counts, self.label
+        counted = (state.n == 1) | (state.score > self.threshold)  # NaN compares False
+        out: list[Sample] = []
+        for i in np.flatnonzero(state.fresh).tolist():
+            labels = {label: state.names[i]} if label else {}
+            if counted[i]:
+                out.append(Sample(counts.name, labels, float(state.spikes[i])))
+            score = float(state.score[i])
+            if score == score:
+                out.append(Sample(scores.name, labels, score))
+        return out
+
+    def fold(self, state: Baseline, values: Values) -> Baseline:
+        """Score one record's values against ``state`` and fold them in: the next state."""
+        state, x = state.aligned(values)
+        with np.errstate(all="ignore"):
+            ok = np.isfinite(x)
+            ready = ok & (state.n >= self.warmup)
+            score, low, high = self._score(state, x)
+            score = np.where(ready, score, np.nan)
+            spike = ready & (score > self.threshold)
+            entering = np.where(ready, np.minimum(np.maximum(x, low), high), x)
+            first = state.n == 0
+            a = np.maximum(self.alpha, 1.0 / (state.n + 1))
+            mean = np.where(ok, state.mean + a * (entering - state.mean), state.mean)
+            b = np.maximum(self.alpha, 1.0 / np.maximum(state.n, 1))
+            dev = np.where(
+                ok & ~first, state.dev + b * (np.abs(entering - state.mean) - state.dev), state.dev
+            )
+        return Baseline(state.names, state.n + ok, mean, dev, score, ok, state.spikes + spike)
+
+    def chain(self) -> Operator:
+        return (
+            ops.map(self.extract)
+            | ops.filter(_present)
+            | ops.scan(self.fold, Baseline.empty())
+            | ops.map(self.samples)
+        )
+
+
+@dataclass(frozen=True)
+class LossSpike(_Smoothed):
+    """The loss's robust z-score against an exponentially weighted baseline of its recent history.
+
+    For each sampled step with a finite loss ``x``, once ``warmup`` losses are in the baseline::
+
+        z = (x - mean) / max(sqrt(pi/2) * dev, 1e-9 * max(|mean|, 1))
+
+    with ``mean`` and ``dev`` the EWM mean and mean absolute deviation of the previous losses (see
+    docs/detectors.md; ``sqrt(pi/2) * dev`` estimates σ for normal noise, so ``z`` reads in standard
+    deviations). The value enters the baseline winsorised at ``mean ± threshold * scale``.
+
+    Served: ``streamwatch_loss_zscore`` (the last sampled step's z; absent during the warm-up) and
+    ``streamwatch_loss_spikes_total`` (steps with ``z > threshold``; 0 from the first loss on).
+
+    Args:
+        threshold: a z above it is a spike. 6: normal noise exceeds it about once in 10⁹ steps, so in a
+            long run with heavy-tailed minibatch losses and an estimated scale it still stays quiet,
+            while a diverging step or a corrupt batch is typically tens of σ out.
+        alpha: the EWM weight of a new value (0.05: a memory of about 20 sampled steps).
+        warmup: losses in the baseline before z is reported (20: one memory length, 19 deviations).
+
+    Example:
+        >>> LossSpike(threshold=8)
+        LossSpike(threshold=8, alpha=0.05, warmup=20)
+    """
+
+    threshold: float = 6.0
+    alpha: float = 0.05
+    warmup: int = 20
+    scores: ClassVar[Family] = LOSS_ZSCORE
+    counts: ClassVar[Family] = LOSS_SPIKES
+    label: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    def extract(self, record: StepRecord) -> Values | None:
+        """The record's train loss (None without one)."""
+        loss = record.scalars.get("loss")
+        if loss is None:
+            return None
+        return Values(_LOSS, np.array([float(loss)]))
+
+    def _score(self, state: Baseline, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        scale = np.maximum(MAD_TO_SIGMA * state.dev, SCALE_FLOOR * np.maximum(np.abs(state.mean), 1.0))
+        margin = self.threshold * scale
+        return (x - state.mean) / scale, state.mean - margin, state.mean + margin
+
+
+_LOSS = ("",)
+
+
+@functools.lru_cache(maxsize=16)
+def _grad_layout(keys: tuple[SeriesKey, ...]) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
+    """(the train ``param_grad`` rows, each one's series, the series) of a record layout (cached).
+
+    Series 0 is the global norm; rows that are already totals over the layers (``layer="__all__"``: a
+    rank without per-layer detail, ``observe(detail=...)``) count towards it only.
+    """
+    layers: dict[str, int] = {GLOBAL: 0}
+    rows = [i for i, k in enumerate(keys) if k.kind == "param_grad" and k.phase == "train"]
+    index = [layers.setdefault(keys[i].layer, len(layers)) for i in rows]
+    return np.array(rows, dtype=np.intp), np.array(index, dtype=np.intp), tuple(layers)
+
+
+@dataclass(frozen=True)
+class GradientSpike(_Smoothed):
+    """The global and every layer's gradient norm over its exponentially weighted mean.
+
+    For each sampled step with gradient rows, the norms ``g = sqrt(Σ sumsq)`` of the train
+    ``param_grad`` rows — all of them (``layer="__all__"``) and each layer's (weight and bias together) —
+    and, once ``warmup`` norms are in the baseline::
+
+        ratio = g / mean
+
+    with ``mean`` the EWM of the previous norms (no ratio while ``mean`` is 0). The norm enters the
+    baseline winsorised at ``threshold * mean``.
+
+    Served: ``streamwatch_grad_norm_ratio{layer}`` and ``streamwatch_grad_norm_spikes_total{layer}``
+    (steps with ``ratio > threshold``; 0 from the first gradients on).
+
+    Args:
+        threshold: a ratio above it is a spike. 10, as the ``StreamwatchGradientExplosion`` rule:
+            minibatch noise moves a gradient norm by a factor of 2–3 around its mean, an explosion by
+            orders of magnitude.
+        alpha: the EWM weight of a new norm (0.05: a memory of about 20 sampled steps).
+        warmup: norms in the baseline before the ratio is reported (20).
+        layers: also each layer's norm (False: only the global one).
+
+    Example:
+        >>> GradientSpike(layers=False)
+        GradientSpike(threshold=10.0, alpha=0.05, warmup=20, layers=False)
+    """
+
+    threshold: float = 10.0
+    alpha: float = 0.05
+    warmup: int = 20
+    layers: bool = True
+    scores: ClassVar[Family] = GRAD_NORM_RATIO
+    counts: ClassVar[Family] = GRAD_NORM_SPIKES
+    label: ClassVar[str] = "layer"
+
+    def __post_init__(self) -> None:
+        self._check()
+        if not isinstance(self.layers, bool):
+            raise TypeError(f"Expected `layers` to be True or False, got {self.layers!r}")
+
+    def extract(self, record: StepRecord) -> Values | None:
+        """The global and per-layer gradient norms (None without gradient rows)."""
+        rows, index, names = _grad_layout(record.keys)
+        if not rows.size:
+            return None
+        sumsq = record.column("sumsq")[rows]
+        with np.errstate(all="ignore"):
+            if not self.layers:
+                return Values(_GLOBAL, np.sqrt(np.array([sumsq.sum()])))
+            per_series = np.bincount(index, weights=sumsq, minlength=len(names))
+            per_series[0] = per_series.sum()  # the global norm: every row
+            return Values(names, np.sqrt(per_series))
+
+    def _score(self, state: Baseline, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        known = state.mean > 0
+        ratio = np.where(known, x / state.mean, np.nan)
+        return ratio, np.full(len(x), -np.inf), np.where(known, self.threshold * state.mean, np.inf)
+
+
+_GLOBAL = (GLOBAL,)
+
+
+@functools.lru_cache(maxsize=16)
+def _update_layout(keys: tuple[SeriesKey, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[str, ...]]:
+    """(train ``update`` rows, their ``param`` rows, each pair's layer index, the layers) (cached)."""
+    weights = {(k.layer, k.name): i for i, k in enumerate(keys) if k.kind == "param" and k.phase == "train"}
+    layers: dict[str, int] = {}
+    updates, params, index = [], [], []
+    for i, k in enumerate(keys):
+        j = weights.get((k.layer, k.name))
+        if k.kind == "update" and k.phase == "train" and j is not None:
+            updates.append(i)
+            params.append(j)
+            index.append(layers.setdefault(k.layer, len(layers)))
+    return (
+        np.array(updates, dtype=np.intp),
+        np.array(params, dtype=np.intp),
+        np.array(index, dtype=np.intp),
+        tuple(layers),
+    )
+
+
+@dataclass(frozen=True)
+class UpdateRatioBand(Detector):
+    """Every layer's update/weight ratio against a band.
+
+    For each sampled step with ``update`` and ``param`` rows (both kinds every 10th sampled step by
+    default), per layer, over its parameters with both rows::
+
+        ratio = sqrt(Σ update sumsq / Σ weight sumsq)          # ‖Δw‖ / ‖w‖
+        out_of_band = log10(ratio / high) if ratio > high, log10(ratio / low) if ratio < low, else 0
+
+    A layer whose weights are all zero has no ratio; one that was not updated at all has ratio 0 and
+    ``out_of_band = -inf``. No warm-up and no memory: a wrong learning rate is persistent, and the
+    alert's ``for:`` asks for persistence.
+
+    Served: ``streamwatch_layer_update_ratio{layer}`` and ``streamwatch_update_ratio_out_of_band{layer}``.
+
+    Args:
+        low, high: the band. 1e-5 and 1e-1: two decades either side of the classic ~1e-3 heuristic, so
+            learning-rate warm-up and decay and Adam-style updates (about lr / rms(w), 1e-3 to 5e-2) stay
+            inside, while a layer changing by a tenth of its norm per step is unstable and one changing
+            by less than 1e-5 is not learning.
+
+    Example:
+        >>> UpdateRatioBand(low=1e-4)
+        UpdateRatioBand(low=0.0001, high=0.1)
+    """
+
+    low: float = 1e-5
+    high: float = 1e-1
+
+    def __post_init__(self) -> None:
+        low, high = _check_threshold(self.low, "low"), _check_threshold(self.high, "high")
+        if not low < high:
+            raise ValueError(f"Expected `low` < `high`, got low={self.low!r}, high={self.high!r}")
+
+    def extract(self, record: StepRecord) -> Values | None:
+        """Each layer's update/weight ratio (None without update and weight rows)."""
+        updates, params, index, names = _update_layout(record.keys)
+        if not updates.size:
+            return None
+        sumsq = record.column("sumsq")
+        n = len(names)
+        with np.errstate(all="ignore"):
+            ratio = np.sqrt(
+                np.bincount(index, weights=sumsq[updates], minlength=n)
+                / np.bincount(index, weights=sumsq[params], minlength=n)
+            )
+        return Values(names, ratio)
+
+    def samples(self, values: Values) -> list[Sample]:
+        """``streamwatch_layer_update_ratio`` and ``streamwatch_update_ratio_out_of_band`` per layer with a
+        finite ratio."""
+        ratio = values.values
+        with np.errstate(all="ignore"):
+            excess = np.where(
+                ratio > self.high,
+                np.log10(ratio / self.high),
+                np.where(ratio < self.low, np.log10(ratio / self.low), 0.0),
+            )
+        out: list[Sample] = []
+        for i in np.flatnonzero(np.isfinite(ratio)).tolist():
+            labels = {"layer": values.names[i]}
+            out.append(Sample(LAYER_UPDATE_RATIO.name, labels, float(ratio[i])))
+            out.append(Sample(UPDATE_RATIO_OUT_OF_BAND.name, labels, float(excess[i]) + 0.0))  # no -0.0
+        return out
+
+    def chain(self) -> Operator:
+        return ops.map(self.extract) | ops.filter(_present) | ops.map(self.samples)
+
+
+DEFAULT_DETECTORS: tuple[Detector, ...] = (LossSpike(), GradientSpike(), UpdateRatioBand())
+"""The detectors with their documented defaults (docs/detectors.md)."""
+
+
+def check_detectors(detectors: object) -> tuple[Detector, ...]:
+    """``detectors`` checked: a collection of detectors, at most one of each class (two would serve the
+    same series), read once (``observe(detectors=...)`` checks its argument with this before attaching
+    anything).
+
+    Raises:
+        TypeError: not a collection of detectors (a single detector is refused, naming the fix).
+        ValueError: two detectors of one class.
+
+    Example:
+        >>> check_detectors([LossSpike()])
+        (LossSpike(threshold=6.0, alpha=0.05, warmup=20),)
+    """
+    if isinstance(detectors, Detector):
+        raise TypeError(
+            f"Expected a collection of detectors, got the single detector {detectors!r}: pass "
+            f"[{detectors!r}] (or replace one of streamwatch.detectors.DEFAULT_DETECTORS with it)"
+        )
+    if isinstance(detectors, str | bytes) or not isinstance(detectors, Iterable):
+        raise TypeError(
+            f"Expected `detectors` to be a collection of streamwatch detectors, got {detectors!r}"
+        )
+    out = tuple(detectors)
+    seen: set[type] = set()
+    for detector in out:
+        if not isinstance(detector, Detector):
+            raise TypeError(
+                "Expected every entry of `detectors` to be a streamwatch.detectors.Detector, "
+                f"got {detector!r}"
+            )
+        if type(detector) in seen:
+            raise ValueError(
+                f"Expected at most one {type(detector).__name__} in `detectors`: two would serve the same "
+                "series"
+            )
+        seen.add(type(detector))
+    return out
+
+
+def pipelines(store: SeriesStore, detectors: Iterable[Detector] = DEFAULT_DETECTORS) -> list[Pipeline]:
+    """One pipeline per detector, each publishing into ``store``: hand them to a worker that feeds it
+    step records (each is stopped alone if it fails).
+
+    Raises:
+        TypeError: ``detectors`` is not a collection of detectors.
+        ValueError: two detectors of one class.
+
+    Example:
+        >>> import streamwatch as sw
+        >>> [str(p).split(" | ")[1] for p in pipelines(sw.SeriesStore())]
+        ['<map LossSpike.extract>', '<map GradientSpike.extract>', '<map UpdateRatioBand.extract>']
+    """
+    return [detector.pipeline(store) for detector in check_detectors(detectors)]
+
+
+_ATTACHED: weakref.WeakKeyDictionary[Watch, set[type[Detector]]] = weakref.WeakKeyDictionary()
+"""The detector classes :func:`attach` added to each watch (beside those ``observe()`` built in)."""
+
+
+def attach(watch: Watch, detectors: Iterable[Detector] = DEFAULT_DETECTORS) -> list[Pipeline]:
+    """Attach detectors to a running watch (each with ``watch.pipe``, publishing into ``watch.store``).
+
+    ``observe()`` runs :data:`DEFAULT_DETECTORS` already (``observe(detectors=...)`` chooses them); this
+    adds detectors to a watch made with fewer (``detectors=()``). Their values appear in
+    ``watch.snapshot()`` and on ``/metrics``. They see the records that arrive from now on; a
+    ``watch.flush()`` may return before they have seen the last one (``close()`` waits for them).
+
+    Raises:
+        TypeError: ``detectors`` is not a collection of detectors.
+        ValueError: two detectors of one class, or one of a class the watch already runs (two would
+            serve the same series).
+
+    Example:
+        >>> import torch, streamwatch as sw
+        >>> from streamwatch import detectors
+        >>> model = torch.nn.Linear(3, 1)
+        >>> with sw.observe(model, detectors=()) as watch:
+        ...     _ = detectors.attach(watch, [detectors.LossSpike(warmup=2)])
+        ...     for _ in range(4):
+        ...         loss = model(torch.randn(8, 3)).pow(2).mean()
+        ...         loss.backward()
+        ...         watch.step(loss=loss)
+        >>> sorted({s.name for s in watch.snapshot() if s.name.startswith("streamwatch_loss_")})
+        ['streamwatch_loss_spikes', 'streamwatch_loss_zscore']
+    """
+    chosen = check_detectors(detectors)
+    running = {type(d) for d in watch.detectors} | _ATTACHED.get(watch, set())
+    clash = [d for d in chosen if type(d) in running]
+    if clash:
+        raise ValueError(
+            f"Expected detectors the watch does not run yet, got {clash[0]!r}: a {type(clash[0]).__name__} "
+            "already runs on it (observe() runs streamwatch.detectors.DEFAULT_DETECTORS unless told "
+            "otherwise); to configure it, pass it to observe(detectors=[...]) instead"
+        )
+    _ATTACHED.setdefault(watch, set()).update(type(d) for d in chosen)
+    return [watch.pipe(pipeline) for pipeline in pipelines(watch.store, chosen)]

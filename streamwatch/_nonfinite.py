@@ -1,0 +1,516 @@
+"""The first bad value: where a NaN/Inf started, a per-step sentinel, and the reactions to it.
+
+Three parts, each on its own side of the channel:
+
+* :func:`find_first` (pure, any thread) — the first non-finite tensor of one :class:`StepRecord`, in the
+  step's execution order (:meth:`StepRecord.execution_order`: forward, the loss, backward, the
+  optimizer), as a frozen :class:`FirstNonFinite`.
+* :class:`NonFiniteTracker` (a sink on the worker thread) — runs :func:`find_first` on every record,
+  keeps the run's first value, publishes it into the series store
+  (``streamwatch_first_nonfinite_info{...} 1`` and ``streamwatch_first_nonfinite_step``) and reacts
+  once per *episode* (consecutive records with a non-finite value): ``"warn"`` logs, ``"raise"`` hands
+  the value to the training thread, a callable is called with it.
+* :class:`Sentinel` (the training thread, every step, sampled or not) — a finite check of the loss (and,
+  opt-in, of the global gradient norm). On the CPU it reads the value at once (a few µs). On CUDA it
+  never waits for the device: the flag ``~isfinite(loss)`` is copied without blocking into a pinned ring
+  slot with an event, and read once the event has completed, a few steps later.
+
+Example:
+    >>> import numpy as np
+    >>> from streamwatch import SeriesKey, StepRecord
+    >>> keys = (SeriesKey("train", "fc", "param_grad", "weight"), SeriesKey("train", "fc", "activation", ""))
+    >>> table = np.zeros((2, 11)); table[:, 6] = 1  # both rows hold a non-finite value
+    >>> record = StepRecord(7, 0.0, 0, keys, table, order=(3, 1))  # ... but the activation ran first
+    >>> first = find_first(record)
+    >>> first.step, first.layer, first.kind, first.direction
+    (7, 'fc', 'activation', 'forward')
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+
+from streamwatch._exceptions import NonFiniteError
+from streamwatch._families import FIRST_NONFINITE_INFO, FIRST_NONFINITE_STEP
+from streamwatch._pipeline import Sink
+from streamwatch._record import Sample, StepRecord
+
+if TYPE_CHECKING:
+    from streamwatch._store import SeriesStore
+
+__all__ = [
+    "DEFAULT_ESCALATE",
+    "DIRECTIONS",
+    "SENTINEL_CHECKS",
+    "FirstNonFinite",
+    "NonFiniteTracker",
+    "Reaction",
+    "Sentinel",
+    "check_escalate",
+    "check_on_nonfinite",
+    "check_sentinel",
+    "direction_of",
+    "find_first",
+]
+
+log = logging.getLogger("streamwatch")
+
+Direction = Literal["forward", "backward", "optimizer"]
+DIRECTIONS: tuple[Direction, ...] = ("forward", "backward", "optimizer")
+_DIRECTION: dict[str, Direction] = {
+    "input": "forward",
+    "activation": "forward",
+    "loss": "forward",
+    "output_grad": "backward",
+    "input_grad": "backward",
+    "param_grad": "backward",
+    "grad_norm": "backward",
+    "update": "optimizer",
+    "param": "optimizer",
+}
+_PARAM_KINDS = frozenset({"param", "param_grad", "update"})
+
+DEFAULT_ESCALATE = 100
+"""Steps sampled in full (every step, every tapped kind) after the sentinel trips: docs/nonfinite.md."""
+
+SENTINEL_CHECKS = ("loss", "grad_norm")
+"""What the per-step sentinel can check: ``loss`` (default, a few µs) and ``grad_norm`` (opt-in: one
+``torch._foreach_norm`` pass over every gradient, ~0.4 ms per 13 MB of gradients on CPU)."""
+
+Reaction = str | Callable[["FirstNonFinite"], object]
+
+
+def direction_of(kind: str) -> Direction:
+    """Where in the step a tensor of ``kind`` is produced.
+
+    Example:
+        >>> direction_of("activation"), direction_of("param_grad"), direction_of("update")
+        ('forward', 'backward', 'optimizer')
+    """
+    return _DIRECTION.get(kind, "forward")
+
+
+@dataclass(frozen=True, slots=True)
+class FirstNonFinite:
+    """The first tensor of a step that held a NaN or an Inf, in the step's execution order.
+
+    Attributes:
+        step: the step (``watch.step()`` calls before it).
+        phase: ``"train"`` or ``"eval"``.
+        layer: the module's qualified name (``""`` for the loss, ``"__all__"`` on a rank without
+            per-layer detail).
+        kind: ``activation``, ``output_grad``, ``param_grad``, ``update``, ``param``, ``input``,
+            ``input_grad``, or ``loss`` (the loss was the first non-finite value: every tapped tensor of
+            the forward pass was finite).
+        param: the parameter (``weight``/``bias``) for parameter kinds, else ``""``.
+        index: the leaf of a tuple/dict output (``"0"``, ``"logits"``), else ``""``.
+        direction: ``"forward"``, ``"backward"`` or ``"optimizer"``.
+        rank: the process rank.
+        count: the non-finite values in that tensor (exact with ``stats=("nonfinite",)``; otherwise 1,
+            a presence flag).
+        certain: whether the records rule out an earlier origin: the step before was recorded in full
+            (every tapped kind) with finite values (or this is the first step), and this step's record
+            holds every tapped kind that runs before the value.
+            When False, the step before may have started it unseen — typically an update on a step that
+            did not sample updates (the default cadence samples them on one sampled step in 10) — and
+            the escalation that follows a sentinel trip records every kind until a recurrence gives a
+            certain value, which then replaces this one (docs/nonfinite.md).
+
+    Example:
+        >>> value = FirstNonFinite(12, "train", "fc", "param_grad", "weight", "", "backward", 0, 3.0, True)
+        >>> value.describe()
+        "step 12, rank 0: param_grad of layer 'fc' (param 'weight', backward, train): 3 non-finite values"
+    """
+
+    step: int
+    phase: str
+    layer: str
+    kind: str
+    param: str
+    index: str
+    direction: str
+    rank: int
+    count: float = 1.0
+    certain: bool = False
+
+    def labels(self) -> dict[str, str]:
+        """The labels of ``streamwatch_first_nonfinite_info`` (the rank is the process identity's)."""
+        return {
+            "phase": self.phase,
+            "layer": self.layer,
+            "kind": self.kind,
+            "param": self.param,
+            "index": self.index,
+            "direction": self.direction,
+            "certain": "true" if self.certain else "false",
+        }
+
+    def describe(self) -> str:
+        """One line for logs, reports and errors."""
+        where = f"param {self.param!r}, " if self.param else (f"index {self.index!r}, " if self.index else "")
+        what = "the loss" if self.kind == "loss" else f"{self.kind} of layer {self.layer!r}"
+        values = f"{self.count:g} non-finite value{'s' if self.count != 1 else ''}"
+        sure = "" if self.certain else "; the step before was not recorded in full, so it may have started it"
+        head = f"step {self.step}, rank {self.rank}: {what}"
+        return f"{head} ({where}{self.direction}, {self.phase}): {values}{sure}"
+
+    def error(self, note: str = "") -> NonFiniteError:
+        """The :class:`streamwatch.NonFiniteError` that ``on_nonfinite="raise"`` raises for this value."""
+        message = f"non-finite value first at {self.describe()}"
+        return NonFiniteError(
+            message + (f"; {note}" if note else ""),
+            step=self.step,
+            phase=self.phase,
+            layer=self.layer,
+            kind=self.kind,
+            param=self.param,
+            index=self.index,
+            direction=self.direction,
+            rank=self.rank,
+        )
+
+
+def find_first(record: StepRecord) -> FirstNonFinite | None:
+    """The first non-finite tensor of ``record`` in its execution order, or None if all are finite.
+
+    The loss (``scalars["loss"]``) counts as computed after every training forward row and before the
+    first backward row: a NaN that first appears in the loss function is reported as ``kind="loss"``.
+    """
+    nonfinite = record.column("nonfinite") if len(record.keys) else np.empty(0)
+    with np.errstate(invalid="ignore"):
+        bad = np.flatnonzero(~(nonfinite <= 0))  # > 0, or NaN (unknown counts as suspect)
+    loss = record.scalars.get("loss")
+    loss_bad = loss is not None and not math.isfinite(loss)
+    if not len(bad) and not loss_bad:
+        return None
+    positions = record.execution_order()
+    first: int | None = int(bad[np.argmin(positions[bad])]) if len(bad) else None
+    if loss_bad:
+        later = [
+            int(positions[i])
+            for i, key in enumerate(record.keys)
+            if key.phase == "train" and direction_of(key.kind) != "forward"
+        ]
+        loss_position = min(later) - 0.5 if later else math.inf
+        if first is None or loss_position < positions[first]:
+            return FirstNonFinite(record.step, "train", "", "loss", "", "", "forward", record.rank, 1.0)
+    assert first is not None
+    key = record.keys[first]
+    is_param = key.kind in _PARAM_KINDS
+    count = float(nonfinite[first]) if nonfinite[first] > 0 else 1.0
+    return FirstNonFinite(
+        record.step,
+        key.phase,
+        key.layer,
+        key.kind,
+        key.name if is_param else "",
+        "" if is_param else key.name,
+        direction_of(key.kind),
+        record.rank,
+        count,
+    )
+
+
+def first_of_run(records: Iterable[StepRecord]) -> FirstNonFinite | None:
+    """The first non-finite tensor of the first record that has one (what a run file holds).
+
+    Example:
+        >>> first_of_run([]) is None
+        True
+    """
+    for record in records:
+        found = find_first(record)
+        if found is not None:
+            return found
+    return None
+
+
+class NonFiniteTracker(Sink):
+    """The worker side: the run's first non-finite value, published into ``store``, and the reaction.
+
+    Put it before the store in the worker's pipelines (its values are then in when the store counts
+    the record: ``watch.flush()`` waits for that). Not thread-safe for writers (one worker thread);
+    :attr:`first`, :attr:`episodes` and :meth:`take_verdict` may be read from any thread.
+
+    Args:
+        store: where ``streamwatch_first_nonfinite_info`` and ``_step`` are published (None: nowhere).
+        reaction: ``"warn"`` (log once per episode), ``"raise"`` (keep the episode's value for
+            :meth:`take_verdict`), a callable (called with it here, on the worker thread; if it raises
+            it is stopped, counted in :attr:`failures` and reported like a failing sink), or None
+            (no reaction: a replay).
+
+    Example:
+        >>> import numpy as np
+        >>> from streamwatch import SeriesKey, SeriesStore, StepRecord
+        >>> store, seen = SeriesStore(metrics=()), []
+        >>> tracker = NonFiniteTracker(store, seen.append)
+        >>> key = SeriesKey("train", "fc", "activation", "")
+        >>> for step, flag in enumerate([0, 1, 1, 0, 1]):
+        ...     row = np.array([[4, 0, 0, 0, 0, 0, flag, 0, 0, 0, 0.0]])
+        ...     tracker.send(StepRecord(step, 0.0, 0, (key,), row))
+        >>> [v.step for v in seen], tracker.first.step, tracker.episodes
+        ([1, 4], 1, 2)
+        >>> sorted((s.name, s.value) for s in store.samples() if "first" in s.name)
+        [('streamwatch_first_nonfinite_info', 1.0), ('streamwatch_first_nonfinite_step', 1.0)]
+    """
+
+    def __init__(self, store: SeriesStore | None, reaction: Reaction | None = "warn") -> None:
+        self.store = store
+        self.reaction: Reaction | None = reaction
+        self.first: FirstNonFinite | None = None
+        self.episode: FirstNonFinite | None = None  # the latest episode's first value
+        self._kinds: set[str] = set()  # the training kinds seen so far: a record with all of them is full
+        self._last_full_finite: int | None = None  # the last step recorded in full with finite values
+        self.episodes = 0
+        self.failures: list[tuple[str, BaseException]] = []
+        self._in_episode = False
+        self._lock = threading.Lock()
+        self._verdicts: collections.deque[FirstNonFinite] = collections.deque(maxlen=16)
+
+    def send(self, item: Any) -> None:
+        """Look at one record (the worker thread)."""
+        record: StepRecord = item
+        kinds = {key.kind for key in record.keys if key.phase == "train"}
+        self._kinds |= kinds
+        full = bool(kinds) and kinds >= self._kinds
+        found = find_first(record)
+        if found is None:
+            self._in_episode = False
+            if full:
+                self._last_full_finite = record.step
+            return
+        # Certain: nothing unrecorded can have come first — the step before was recorded in full with
+        # finite values (or this is the first step), and this record holds every kind that runs up to
+        # the value's direction (a step may end early: a loop that skips the backward of a NaN loss).
+        rank = DIRECTIONS.index(direction_of(found.kind))
+        needed = {kind for kind in self._kinds if DIRECTIONS.index(direction_of(kind)) <= rank}
+        certain = kinds >= needed and (record.step == 0 or self._last_full_finite == record.step - 1)
+        found = dataclasses.replace(found, certain=certain)
+        with self._lock:
+            if self.first is None or (certain and not self.first.certain):
+                self.first = found  # the first value; an uncertain one gives way to the first certain one
+                if self.store is not None:
+                    self.store.put(
+                        [
+                            Sample(FIRST_NONFINITE_INFO.name, found.labels(), 1.0),
+                            Sample(FIRST_NONFINITE_STEP.name, {}, float(found.step)),
+                        ],
+                        replace=True,
+                    )
+            if self._in_episode:
+                return
+            self._in_episode = True
+            self.episodes += 1
+            self.episode = found
+        self._react(found)
+
+    def _react(self, found: FirstNonFinite) -> None:
+        reaction = self.reaction
+        if reaction == "warn":
+            log.warning(
+                "streamwatch: non-finite value first at %s (once per episode of non-finite steps; "
+                "observe(on_nonfinite=...) picks another reaction)",
+                found.describe(),
+            )
+        elif reaction == "raise":
+            with self._lock:
+                self._verdicts.append(found)
+        elif callable(reaction):
+            try:
+                reaction(found)
+            except Exception as exc:  # stops only the callback: counted, warned, raised at close()
+                self.reaction = None
+                self.failures.append((f"on_nonfinite callback {reaction!r}", exc))
+
+    @property
+    def pending(self) -> bool:
+        """Whether a ``"raise"`` verdict waits for the training thread (a cheap read, no lock)."""
+        return bool(self._verdicts)
+
+    def take_verdict(self) -> FirstNonFinite | None:
+        """The oldest episode's value not yet raised (``"raise"``), or None."""
+        with self._lock:
+            return self._verdicts.popleft() if self._verdicts else None
+
+    def __repr__(self) -> str:
+        return f"<NonFiniteTracker first={self.first} episodes={self.episodes}>"
+
+
+# -- the training thread's sentinel ---------------------------------------------------------------------
+
+
+class Sentinel:
+    """A finite check of the loss (and optionally the global gradient norm) on every step.
+
+    :meth:`check` returns the steps whose check failed, as soon as that is known: at once on the CPU (or
+    for a Python number), a few steps later on CUDA, where the flag is copied without blocking into a
+    pinned ring slot and read once its event has completed (``event.query()``: the training thread
+    never waits). When every slot is still in flight (the host more than ``slots`` steps ahead of the
+    device), the step's flag is OR-ed into a carry on the device and the whole range is reported at the
+    step of its first member.
+
+    Example:
+        >>> sentinel = Sentinel(grad_norm=False)
+        >>> sentinel.check(0, 0.5, ()), sentinel.check(1, float("nan"), ())
+        ([], [1])
+        >>> sentinel.check(2, torch.tensor(1.0), ()), sentinel.trips
+        ([], 1)
+    """
+
+    def __init__(self, grad_norm: bool, slots: int = 8) -> None:
+        self.grad_norm = grad_norm
+        self.slots = slots
+        self.trips = 0
+        self._pinned: torch.Tensor | None = None
+        self._events: list[Any] = []
+        self._free: list[int] = []
+        self._pending: collections.deque[tuple[int, int]] = collections.deque()  # (slot, first step)
+        self._carry: torch.Tensor | None = None
+        self._carry_first = 0
+
+    def check(self, step: int, loss: torch.Tensor | float | None, grads: Iterable[torch.Tensor]) -> list[int]:
+        """Check ``step``'s loss (and gradients, if ``grad_norm``); the steps now known to have failed."""
+        flag: torch.Tensor | None = None
+        tripped: list[int] = []
+        if isinstance(loss, torch.Tensor):
+            if loss.device.type == "cpu":
+                if not math.isfinite(loss.item()):  # a CPU scalar: reading it waits for nothing
+                    tripped.append(step)
+            else:
+                flag = ~torch.isfinite(loss.detach().reshape(()))
+        elif loss is not None and not math.isfinite(loss):
+            tripped.append(step)
+        if self.grad_norm:
+            flag = self._check_grads(step, grads, flag, tripped)
+        if self._pending:  # earlier steps' flags whose copy completed (frees their slots first)
+            tripped.extend(self._poll())
+        if flag is not None:
+            self._queue(step, flag)
+        if tripped:
+            tripped = sorted(set(tripped))
+            self.trips += len(tripped)
+        return tripped
+
+    def _check_grads(
+        self, step: int, grads: Iterable[torch.Tensor], flag: torch.Tensor | None, tripped: list[int]
+    ) -> torch.Tensor | None:
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_device.setdefault(grad.device, []).append(grad.detach())
+        for device, tensors in by_device.items():
+            with torch.no_grad():
+                total = torch.stack(torch._foreach_norm(tensors)).sum()
+            if device.type == "cpu":
+                if not math.isfinite(total.item()) and step not in tripped:
+                    tripped.append(step)
+            else:
+                bad = ~torch.isfinite(total)
+                flag = bad if flag is None else flag | bad.to(flag.device, non_blocking=True)
+        return flag
+
+    def _queue(self, step: int, flag: torch.Tensor) -> None:
+        """Copy ``flag`` (a device bool) into a free pinned slot with an event; no slot: carry it."""
+        if self._pinned is None:
+            self._pinned, self._events = self._allocate()
+            self._free = list(range(self.slots))
+        if self._carry is not None:
+            flag, first = flag | self._carry, self._carry_first
+        else:
+            first = step
+        if not self._free:
+            self._carry, self._carry_first = flag, first
+            return
+        self._carry = None
+        slot = self._free.pop()
+        self._pinned[slot].copy_(flag, non_blocking=True)
+        self._record(self._events[slot], flag.device)  # after the copy, on its stream
+        self._pending.append((slot, first))
+
+    def _allocate(self) -> tuple[torch.Tensor, list[Any]]:
+        """The ring: ``slots`` pinned host flags and an event per slot (the device seam tests replace)."""
+        return torch.zeros(self.slots, dtype=torch.bool, pin_memory=True), [
+            torch.cuda.Event() for _ in range(self.slots)
+        ]
+
+    def _record(self, event: Any, device: torch.device) -> None:
+        event.record(torch.cuda.current_stream(device))
+
+    def _poll(self) -> list[int]:
+        """Read the slots whose copy completed (in order); the first steps of those that were set."""
+        found: list[int] = []
+        pinned = self._pinned
+        while self._pending and pinned is not None:
+            slot, first = self._pending[0]
+            if not self._events[slot].query():
+                break
+            self._pending.popleft()
+            if bool(pinned[slot]):
+                found.append(first)
+            self._free.append(slot)
+        return found
+
+
+# -- argument checks --------------------------------------------------------------------------------------
+
+
+def check_on_nonfinite(value: object) -> Reaction:
+    """``observe(on_nonfinite=...)``: ``"warn"``, ``"raise"`` or a callable.
+
+    Example:
+        >>> check_on_nonfinite("raise")
+        'raise'
+    """
+    if value in ("warn", "raise") or callable(value):
+        return value
+    raise ValueError(
+        f'Expected `on_nonfinite` to be "warn", "raise" or a callable taking a '
+        f"streamwatch.FirstNonFinite, got {value!r}"
+    )
+
+
+def check_escalate(value: object) -> int:
+    """``observe(escalate=...)``: steps sampled in full after the sentinel trips, an integer >= 0
+    (0: never escalate).
+
+    Example:
+        >>> check_escalate(50)
+        50
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"Expected `escalate` to be an integer >= 0 (steps sampled in full after the sentinel trips; "
+            f"0 turns escalation off), got {value!r}"
+        )
+    return value
+
+
+def check_sentinel(value: object) -> frozenset[str]:
+    """``observe(sentinel=...)``: a collection of :data:`SENTINEL_CHECKS` (empty: no sentinel).
+
+    Example:
+        >>> sorted(check_sentinel(("loss", "grad_norm")))
+        ['grad_norm', 'loss']
+    """
+    message = (
+        f"Expected `sentinel` to be a collection of {SENTINEL_CHECKS} (() turns the per-step check off), "
+        f"got {value!r}"
+    )
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise ValueError(message)
+    try:
+        chosen = frozenset(value)
+    except TypeError:
+        raise ValueError(message) from None
+    if chosen - set(SENTINEL_CHECKS):
+        raise ValueError(message)
+    return chosen
