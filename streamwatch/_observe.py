@@ -1128,11 +1128,12 @@ def _accuracy(outputs: object, targets: object) -> tuple[Callable[[], torch.Tens
     assert isinstance(outputs, torch.Tensor)
     assert isinstance(targets, torch.Tensor)
     o, t = outputs.detach(), targets.detach()
-    shapes = (
-        f"`outputs` of shape {list(o.shape)} ({o.dtype}) and `targets` of shape {list(t.shape)} ({t.dtype})"
-    )
 
-    def refuse(why: str) -> ValueError:
+    def refuse(why: str) -> ValueError:  # the message is built only here: this runs on every step
+        shapes = (
+            f"`outputs` of shape {list(o.shape)} ({o.dtype}) and `targets` of shape {list(t.shape)} "
+            f"({t.dtype})"
+        )
         return ValueError(
             f"Cannot score train accuracy from {shapes}: {why}. streamwatch reads class indices "
             "([N] int with [N, C] logits, [N, ...] with [N, ..., C] or [N, C, ...]), one-hot or "

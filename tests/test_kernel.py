@@ -380,18 +380,23 @@ def test_a_missing_library_falls_back_to_torch_with_one_warning(
     assert _kernel.load() is None  # decided once per process: no second look, no second warning
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU())
     with sw.observe(model) as watch:  # the torch path, and no further warning (filterwarnings=error)
-        model(torch.randn(2, 3)).sum().backward()
+        x = torch.randn(2, 3)
+        model(x).sum().backward()
         watch.step()
     assert watch.statistics().kernel.startswith(
         "torch: the fused CPU kernel is unavailable (no _fused library"
     )
+    with torch.no_grad():
+        hidden = model[0](x)
     latest = {
         (s.labels["layer"], s.labels["kind"], s.labels["stat"]): s.value
         for s in watch.snapshot()
-        if "layer" in s.labels
+        if s.name == "streamwatch_tensor"
     }
     assert latest[("0", "activation", "count")] == 8
-    assert latest[("0", "activation", "sum")] > 0  # the ReLU's output, summarised by torch
+    # summarised by torch: the Linear's output and the ReLU's, against a plain torch reference
+    assert latest[("0", "activation", "sum")] == pytest.approx(float(hidden.sum()), rel=1e-6, abs=1e-6)
+    assert latest[("1", "activation", "sum")] == pytest.approx(float(hidden.relu().sum()), rel=1e-6, abs=1e-6)
 
 
 def test_an_unloadable_library_falls_back_to_torch_and_names_it(tmp_path: Path, fresh_loader: None) -> None:
