@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import math
 import numbers
 import os
@@ -1121,42 +1122,87 @@ def _check_step(loss: object, outputs: object, targets: object, batch_size: obje
 
 def _accuracy(outputs: object, targets: object) -> tuple[Callable[[], torch.Tensor], int]:
     """How to count the correct predictions (a device scalar, computed later) and how many are scored,
-    for the layouts documented in :meth:`Watch.step`; anything else is refused, naming the shapes."""
+    for the layouts documented in :meth:`Watch.step`; anything else is refused, naming the shapes. The
+    layout is decided once per combination of shapes, dtypes and devices (this runs on every step)."""
     for name, value in (("outputs", outputs), ("targets", targets)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"Expected `{name}` to be a torch.Tensor (for train accuracy), got {value!r}")
     assert isinstance(outputs, torch.Tensor)
     assert isinstance(targets, torch.Tensor)
     o, t = outputs.detach(), targets.detach()
+    score, n = _layout(o.shape, t.shape, o.dtype, t.dtype, o.device, t.device)
+    return (lambda: score(o, t)), n
 
-    def refuse(why: str) -> ValueError:  # the message is built only here: this runs on every step
-        shapes = (
-            f"`outputs` of shape {list(o.shape)} ({o.dtype}) and `targets` of shape {list(t.shape)} "
-            f"({t.dtype})"
-        )
+
+_Score = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _equal(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return (o == t).sum(dtype=torch.float32)
+
+
+def _binary(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return ((o > 0) == (t > 0.5)).sum(dtype=torch.float32)
+
+
+def _one_hot(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return (o.argmax(-1) == t.argmax(-1)).sum(dtype=torch.float32)
+
+
+def _binary_last(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return ((o.squeeze(-1) > 0) == (t > 0.5)).sum(dtype=torch.float32)
+
+
+def _binary_first(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return ((o.squeeze(1) > 0) == (t > 0.5)).sum(dtype=torch.float32)
+
+
+def _classes_last(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return (o.argmax(-1) == t).sum(dtype=torch.float32)
+
+
+def _classes_first(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return (o.argmax(1) == t).sum(dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(
+    o_shape: torch.Size,
+    t_shape: torch.Size,
+    o_dtype: torch.dtype,
+    t_dtype: torch.dtype,
+    o_device: torch.device,
+    t_device: torch.device,
+) -> tuple[_Score, int]:
+    """The scorer and the number of predictions scored for one layout of ``outputs`` and ``targets``
+    (cached: a training loop repeats its layout; a refusal is not cached and raises every time)."""
+
+    def refuse(why: str) -> ValueError:
         return ValueError(
-            f"Cannot score train accuracy from {shapes}: {why}. streamwatch reads class indices "
+            f"Cannot score train accuracy from `outputs` of shape {list(o_shape)} ({o_dtype}) and `targets` "
+            f"of shape {list(t_shape)} ({t_dtype}): {why}. streamwatch reads class indices "
             "([N] int with [N, C] logits, [N, ...] with [N, ..., C] or [N, C, ...]), one-hot or "
             "probabilities ([N, C] float like the logits), binary scores (one logit per label, or [N, 1] "
             "with [N]) and predicted labels (int outputs shaped like targets); see Watch.step"
         )
 
-    if o.is_complex() or t.is_complex():
+    if o_dtype.is_complex or t_dtype.is_complex:
         raise refuse("complex tensors are not scores or labels")
-    if o.device != t.device:
-        raise refuse(f"they are on different devices ({o.device} and {t.device})")
-    labels = not t.is_floating_point()  # integer or bool targets
-    if not o.is_floating_point():  # predicted labels
-        if o.shape != t.shape:
+    if o_device != t_device:
+        raise refuse(f"they are on different devices ({o_device} and {t_device})")
+    labels = not t_dtype.is_floating_point  # integer or bool targets
+    n = t_shape.numel()
+    if not o_dtype.is_floating_point:  # predicted labels
+        if o_shape != t_shape:
             raise refuse("integer outputs are predicted labels, which must be shaped like the targets")
-        return (lambda: (o == t).sum(dtype=torch.float32)), t.numel()
-    n = t.numel()
-    if o.shape == t.shape:
+        return _equal, n
+    o_dim, t_dim = len(o_shape), len(t_shape)
+    if o_shape == t_shape:
         # one logit per label: a single score per sample ([N], [N, 1], [N, 1, ...]) or bool labels
-        if o.dim() <= 1 or o.shape[-1] == 1 or o.shape[1] == 1 or t.dtype == torch.bool:
-            return (lambda: ((o > 0) == (t > 0.5)).sum(dtype=torch.float32)), n
-        if o.dim() == 2 and not labels:  # one-hot or class probabilities
-            return (lambda: (o.argmax(-1) == t.argmax(-1)).sum(dtype=torch.float32)), o.shape[0]
+        if o_dim <= 1 or o_shape[-1] == 1 or o_shape[1] == 1 or t_dtype == torch.bool:
+            return _binary, n
+        if o_dim == 2 and not labels:  # one-hot or class probabilities
+            return _one_hot, o_shape[0]
         if labels:
             raise refuse(
                 "integer targets shaped like the outputs could be one-hot (F.one_hot) or per-element "
@@ -1166,13 +1212,13 @@ def _accuracy(outputs: object, targets: object) -> tuple[Callable[[], torch.Tens
             "floating targets shaped like the outputs are one-hot only as [N, C] (flatten to [M, C]); "
             "for per-element binary labels pass bool targets"
         )
-    if o.dim() == t.dim() + 1:
-        last = o.shape[:-1] == t.shape
-        first = o.dim() >= 3 and o.shape[0] == t.shape[0] and o.shape[2:] == t.shape[1:]
-        if last and o.shape[-1] == 1:  # [N, 1] logits with [N] labels: binary
-            return (lambda: ((o.squeeze(-1) > 0) == (t > 0.5)).sum(dtype=torch.float32)), n
-        if first and o.shape[1] == 1:
-            return (lambda: ((o.squeeze(1) > 0) == (t > 0.5)).sum(dtype=torch.float32)), n
+    if o_dim == t_dim + 1:
+        last = o_shape[:-1] == t_shape
+        first = o_dim >= 3 and o_shape[0] == t_shape[0] and o_shape[2:] == t_shape[1:]
+        if last and o_shape[-1] == 1:  # [N, 1] logits with [N] labels: binary
+            return _binary_last, n
+        if first and o_shape[1] == 1:
+            return _binary_first, n
         if (last or first) and not labels:
             raise refuse("class indices must be an integer tensor (targets.long())")
         if last and first:
@@ -1181,9 +1227,9 @@ def _accuracy(outputs: object, targets: object) -> tuple[Callable[[], torch.Tens
                 "targets"
             )
         if last:
-            return (lambda: (o.argmax(-1) == t).sum(dtype=torch.float32)), n
+            return _classes_last, n
         if first:
-            return (lambda: (o.argmax(1) == t).sum(dtype=torch.float32)), n
+            return _classes_first, n
     raise refuse("the shapes do not match any of these layouts (is the batch the same?)")
 
 
