@@ -1056,6 +1056,15 @@ def _split_metrics(
                     f"{metric!r} reads {missing} tensors, which are not tapped; add them to `taps=` "
                     f"(now {sorted(taps)})"
                 )
+            binned = set(metric.edges())
+            for other in objects:  # one record holds one histogram per tensor: a second would replace it
+                shared = sorted(binned & set(other.edges()))
+                if shared:
+                    raise ValueError(
+                        f"{metric!r} and {other!r} both bin {shared} tensors into histograms, and a record "
+                        "holds one histogram per tensor (the second would silently replace the first): "
+                        "pass one Histogram per kind (kinds=(...) takes several kinds)"
+                    )
             objects.append(metric)
         else:
             raise TypeError(

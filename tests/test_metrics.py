@@ -108,6 +108,14 @@ def test_worker_metrics_can_be_switched_off_and_unknown_names_are_refused() -> N
         sw.observe(model, metrics=[sw.metrics.Histogram(kinds=("input",))])
     with pytest.raises(ValueError, match=r"what optimizer.step\(\) does: pass the optimizer"):
         sw.observe(model, metrics=[sw.metrics.GradientCosine(of="update")])
+    with pytest.raises(ValueError, match=r"both bin \['activation'\] tensors into histograms"):
+        sw.observe(
+            model,
+            metrics=[
+                sw.metrics.Histogram(kinds=("activation", "param_grad")),
+                sw.metrics.Histogram(kinds=("activation",), buckets=sw.metrics.Buckets(lo=-3, hi=0)),
+            ],
+        )
     sw.observe(model).close()  # a refused observe attached nothing: observing again works
 
 
