@@ -4,7 +4,7 @@ parameter. Under ``torch.compile`` they stay in for good (no recompilation per s
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -12,16 +12,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import streamwatch as sw
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-
-
-def batch() -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    return torch.randn(32, 8, generator=generator), torch.randint(0, 4, (32,), generator=generator)
+from tests.test_observe_compile import batch, make_model
 
 
 def module_hooks(model: nn.Module) -> int:
@@ -33,7 +24,10 @@ def param_hooks(model: nn.Module) -> int:
     return sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, watch: sw.Watch) -> None:
+def train_step(
+    model: Callable[[torch.Tensor], torch.Tensor], opt: torch.optim.Optimizer, watch: sw.Watch
+) -> None:
+    """One training step of ``model`` (the module, or a compiled one) on the fixed batch."""
     x, y = batch()
     loss = nn.functional.cross_entropy(model(x), y)
     opt.zero_grad()
@@ -112,12 +106,7 @@ def compiled_run(static_from_start: bool) -> tuple[list[tuple[int, int]], int]:
             watch._taps.static = True
             watch._taps.arm()
         for _ in range(6):
-            x, y = batch()
-            loss = nn.functional.cross_entropy(compiled(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            watch.step(loss=loss)
+            train_step(compiled, opt, watch)
             seen.append((module_hooks(model), param_hooks(model)))
     return seen, counters["stats"]["unique_graphs"]
 
