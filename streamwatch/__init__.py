@@ -26,7 +26,7 @@ from streamwatch._exceptions import (
     WouldBlock,
 )
 from streamwatch._nonfinite import FirstNonFinite
-from streamwatch._observe import DEFAULT_METRICS, Sample, Watch, observe
+from streamwatch._observe import DEFAULT_METRICS, DEFAULT_OVERHEAD, SCALAR_SECONDS, Sample, Watch, observe
 from streamwatch._pipeline import Chain, Node, Operator, Pipeline, Sink, Source, Stream, source
 from streamwatch._record import SeriesKey, StepRecord
 from streamwatch._store import SeriesSource, SeriesStore, WatchStatistics
@@ -35,7 +35,9 @@ from streamwatch._worker import Worker, WorkerStatistics
 
 __all__ = [
     "DEFAULT_METRICS",
+    "DEFAULT_OVERHEAD",
     "OVERFLOW_POLICIES",
+    "SCALAR_SECONDS",
     "Chain",
     "ChannelClosed",
     "ChannelStatistics",

@@ -87,6 +87,12 @@ _FORWARD_KINDS = ("input", "activation", "output_grad", "input_grad")
 GRAD_NORM_TRIAL = 8
 """Steps over which an automatic gradient-norm sentinel (``overhead=`` with the default ``sentinel``) is
 timed before it is kept or turned off."""
+SCALAR_SECONDS = 1.0
+"""Between sampled steps, a scalar record (loss, learning rates, step time, throughput, accuracy; no layer
+rows) is sent when this many seconds have passed since the last record, so those values are never
+staler than this on ``/metrics``."""
+DEFAULT_OVERHEAD = 0.02
+"""``observe()``'s default: the overhead governor holds monitoring to 2 % of the run's time."""
 _governor_clock: Clock = time.perf_counter
 """The clock a Watch's overhead governor times steps with (``observe(overhead=...)``): a seam for tests,
 which monkeypatch it with a :class:`streamwatch.testing.FakeClock` before ``observe()``."""
@@ -144,6 +150,8 @@ class Watch:
                 f"Expected `every` or `overhead`, got both (every={every!r}, overhead={overhead!r}): pass "
                 "one: every= fixes the interval, overhead= sets a budget"
             )
+        if every is None and overhead is None:
+            overhead = DEFAULT_OVERHEAD  # the default is a budget, not an interval
         if every is None:
             every = 1
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -218,6 +226,9 @@ class Watch:
             self._rank = _rank()
             self._step = 0
             self._sampled = 0
+            self._scalar_records = 0  # scalar records sent between sampled steps (SCALAR_SECONDS)
+            self._sampling_now = True  # the step running now is sampled (set with the flags)
+            self._last_record = time.perf_counter()
             self._failed_steps = 0
             self._last = time.perf_counter()
             self._errors: list[tuple[str, BaseException]] = []
@@ -389,10 +400,15 @@ class Watch:
             device: dict[str, torch.Tensor] = {}
             if self._step_metrics:
                 self._run_step_metrics(device)
-            if any(state.on.values()) or len(state.buffer) or state.buffer.extras or device:
+            buffer = state.buffer
+            if self._sampling_now or len(buffer) or buffer.extras or device:
                 if state.on.get("param") and not self._taps.has_optimizer:
                     self._taps.summarize_params()
-                self._send(seconds, checked, device)
+                self._send(seconds, checked, device, full=True)
+            elif now - self._last_record >= SCALAR_SECONDS:
+                # Between sampled steps, the cheap values (loss, lr, step time, throughput) still go out
+                # at least once a second: a scalar record, no layer rows.
+                self._send(seconds, checked, device, full=False)
             failed = False
             if self._sentinel is not None:
                 self._run_sentinel(checked, seconds)
@@ -404,11 +420,14 @@ class Watch:
             self._end_step(now, failed)
         self._surface_errors()
 
-    def _send(self, seconds: float, checked: _StepArgs, device: dict[str, torch.Tensor]) -> None:
+    def _send(self, seconds: float, checked: _StepArgs, device: dict[str, torch.Tensor], full: bool) -> None:
+        """Seal this step's record and offer it to the worker: ``full`` for a sampled step (or one with
+        rows: an evaluation pass, a metric), else a scalar record between sampled steps."""
         host: dict[str, float] = {"step_seconds": seconds}
-        times = self._state.times
-        for part, value in times.parts(times.clock()).items():
-            host[f"part/{part}"] = value
+        if full:
+            times = self._state.times
+            for part, value in times.parts(times.clock()).items():
+                host[f"part/{part}"] = value
         if checked.batch_size is not None:
             host["batch_size"] = float(checked.batch_size)
             if seconds > 0:
@@ -451,8 +470,10 @@ class Watch:
             _release_dropped(pending, "error")  # the pinned slot goes back; the step is counted as failed
             raise
         if sent:
-            self._sampled += 1
-            self._sent_steps.append(self._step)
+            self._last_record = time.perf_counter()
+            self._sampled += full
+            self._scalar_records += not full
+            self._sent_steps.append(self._step)  # its loss is there for the worker's non-finite verdict
 
     def _run_sentinel(self, checked: _StepArgs, seconds: float) -> None:
         """The per-step finite check (every step, sampled or not); a trip may escalate the sampling.
@@ -557,15 +578,20 @@ class Watch:
         if self._escalated_until is not None and step >= self._escalated_until:
             self._escalated_until = None  # the escalation is over
         if self._escalated_until is not None:  # a sentinel trip: every step, every tapped kind
+            sampled = True
             state.on = self._all_on
             state.forward = any(self._all_on[kind] for kind in _FORWARD_KINDS)
         elif not sampled:  # most steps with every > 1 or a governor: reuse the all-off flags
+            if not self._sampling_now and not state.step_metrics and not self._taps.pending:
+                return  # as the step before: nothing to change (the unsampled step's fast path)
             state.on, state.forward = self._all_off, False
         else:
             state.on = dict.fromkeys(KINDS, False) | {
                 kind: k % cadence == 0 for kind, cadence in self._periods
             }
             state.forward = any(state.on[kind] for kind in _FORWARD_KINDS)
+        self._sampling_now = sampled
+        state.timed = sampled or bool(state.step_metrics)
         self._taps.arm()  # only the hooks this step needs are installed
 
     def _set_metrics(self, step: int, k: int | None) -> None:
@@ -712,7 +738,10 @@ class Watch:
         deadline = time.monotonic() + _seconds(timeout, "timeout")
         while True:
             stats = self.statistics()
-            if stats.records_received + stats.dropped_oldest + stats.dropped_newest >= stats.sampled:
+            if (
+                stats.records_received + stats.dropped_oldest + stats.dropped_newest
+                >= stats.sampled + stats.scalar_records
+            ):
                 return True
             if time.monotonic() > deadline or self._worker.has_errors:
                 return False
@@ -800,6 +829,7 @@ class Watch:
         return WatchStatistics(
             steps=self._step,
             sampled=self._sampled,
+            scalar_records=self._scalar_records,
             records_received=self._store.records,
             dropped_oldest=channel_stats.dropped_oldest,
             dropped_newest=channel_stats.dropped_newest,
@@ -1047,8 +1077,8 @@ def _split_metrics(
             if governed and metric.needs_prepare:
                 raise ValueError(
                     f"{metric!r} acts on the step before each step it samples, which the overhead governor "
-                    "cannot know in advance (it decides when a step begins): pass every=N instead of "
-                    "overhead= to use it"
+                    "(observe()'s default, or overhead=) cannot know in advance: it decides when a step "
+                    "begins. Pass every=N (a fixed interval) to use it"
                 )
             missing = [kind for kind in metric.kinds if kind not in taps]
             if missing:
@@ -1138,9 +1168,15 @@ def _accuracy(outputs: object, targets: object) -> tuple[Callable[[], torch.Tens
             raise TypeError(f"Expected `{name}` to be a torch.Tensor (for train accuracy), got {value!r}")
     assert isinstance(outputs, torch.Tensor)
     assert isinstance(targets, torch.Tensor)
-    o, t = outputs.detach(), targets.detach()
-    score, n = _layout(o.shape, t.shape, o.dtype, t.dtype, o.device, t.device)
-    return (lambda: score(o, t)), n
+    score, n = _layout(
+        outputs.shape, targets.shape, outputs.dtype, targets.dtype, outputs.device, targets.device
+    )
+    return functools.partial(_count_correct, score, outputs, targets), n
+
+
+def _count_correct(score: _Score, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Score detached tensors: called only for a step that sends a record."""
+    return score(outputs.detach(), targets.detach())
 
 
 _Score = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -1269,14 +1305,16 @@ def observe(
     Args:
         model: the module to observe; attach before any ``torch.compile``.
         optimizer: enables the ``param`` (after each step), ``update`` and learning-rate taps.
-        every: sample one step in ``every`` (default 1: every step); unsampled steps cost one flag check
-            per hook and send no record.
-        overhead: instead of ``every``, a budget: the fraction of the run's time monitoring may cost, in
-            (0, 1) (``0.02`` is 2 %). An overhead governor (docs/governor.md) times every step, measures
-            what a sampled step costs and samples one step in ``N``, the smallest ``N`` that keeps the
-            measured cost within the budget, but at least once every 1000 steps and every 60 s. The first
-            step is sampled. Opt-in; passing both ``every`` and ``overhead`` is a ``ValueError``, and so is
-            an opt-in metric that must prepare the step before the ones it samples (``GradientCosine``).
+        every: sample one step in ``every`` (``every=1``: every step); a fixed interval, which turns the
+            overhead governor off. Unsampled steps run without the per-layer hooks and send a scalar
+            record at most once a second (``SCALAR_SECONDS``).
+        overhead: the default, ``0.02`` (:data:`DEFAULT_OVERHEAD`): a budget, the fraction of the run's
+            time monitoring may cost, in (0, 1). The overhead governor (docs/governor.md) times every step,
+            measures what a sampled step costs and samples one step in ``N``, the smallest ``N`` that keeps
+            the measured cost within the budget, but at least once every 1000 steps and every 60 s. The
+            first step is sampled. Passing both ``every`` and ``overhead`` is a ``ValueError``, and so is
+            an opt-in metric that must prepare the step before the ones it samples (``GradientCosine``)
+            without ``every=``.
         select: which modules — None (every leaf module), a glob, a module class, a tuple of classes
             or a :class:`streamwatch.Select`. It must match at least one module (else ``ValueError``,
             listing module names); TorchScript modules cannot be observed (``TypeError``).

@@ -57,7 +57,9 @@ class WatchStatistics:
 
     Attributes:
         steps: ``watch.step()`` calls.
-        sampled: steps whose record was sent to the worker.
+        sampled: sampled steps whose record was sent to the worker.
+        scalar_records: scalar records sent between sampled steps (loss, learning rates, step time,
+            throughput; no layer rows), at most one per ``streamwatch.SCALAR_SECONDS``.
         records_received: records the worker turned into step records.
         dropped_oldest: queued records evicted because the worker fell behind (``overflow="drop_oldest"``).
         dropped_newest: records discarded at send (``overflow="drop_newest"``).
@@ -129,6 +131,7 @@ class WatchStatistics:
     escalations: int = 0
     escalated_until: int | None = None
     sentinel: tuple[str, ...] = ()
+    scalar_records: int = 0
 
     @classmethod
     def replayed(cls, records: int, first_nonfinite: FirstNonFinite | None = None) -> WatchStatistics:

@@ -22,8 +22,9 @@ those two taps are skipped there and counted (``skipped["compiled_grad_hook"]``)
 
 Hooks never raise into the training step: an exception inside one is caught, counted and kept for
 ``Watch.close()``. The per-module and per-parameter hooks are *armed* only for the steps that sample
-their kinds (:meth:`TapSet.arm`, at each step boundary): an unsampled step runs the model with none of
-them, only the root module's two hooks and the optimizer's pre/post hooks. Forward passes under
+their kinds (:meth:`TapSet.arm`, at each step boundary), and so are the root module's forward hook and
+the optimizer's pre/post hooks (they time the step's parts, take weights and updates): an unsampled step
+runs the model with one hook only, the root module's pre-hook. Forward passes under
 ``eval()`` or ``torch.no_grad()`` arm the module hooks for that pass from the root module's pre-hook and
 are summarised under ``phase="eval"`` on every step they happen, so evaluation loops are never lost and
 never mix into training series. Once a hook runs inside ``torch.compile`` every hook stays armed (no
@@ -293,6 +294,7 @@ class TapState:
     hook_errors: int = 0
     paused: bool = False  # an opt-in metric runs the model itself (probe batch, Hessian): no taps
     compiled: bool = False  # a hook ran inside torch.compile: hooks stay installed (TapSet.static)
+    timed: bool = True  # the step samples something: its parts are timed, the optimizer hooks are in
     busy: float = 0.0  # seconds spent inside streamwatch's hooks since the last step boundary
     times: StepTimes = field(default_factory=StepTimes)
     # this step's opt-in metrics: tensor metrics by the kind they read, and parameter-level ones
@@ -467,11 +469,14 @@ class TapSet:
         # Hooks installed only while a step (or an evaluation pass) needs them, by group: "forward" (the
         # selected modules' forward and pre-forward hooks) and "param_grad" (post-accumulate hooks). An
         # unsampled step then runs the model with none of them: no Python call per module or parameter.
+        # "step": the root module's forward (post-)hook and the optimizer's pre/post hooks, which time the
+        # step's parts and take weights and updates: in only for steps that sample something.
         self._registrations: dict[str, list[Callable[[], RemovableHandle]]] = {
             "forward": [],
             "param_grad": [],
+            "step": [],
         }
-        self._armed: dict[str, list[RemovableHandle]] = {"forward": [], "param_grad": []}
+        self._armed: dict[str, list[RemovableHandle]] = {"forward": [], "param_grad": [], "step": []}
         self._eval_armed = False  # the forward hooks are in for an evaluation pass only
         # Under torch.compile, installing and removing hooks would change what dynamo guards on and
         # recompile the graph: once a hook runs while compiling, every hook stays in for good.
@@ -505,9 +510,12 @@ class TapSet:
             if taps & {"input", "input_grad"}:
                 hook = self._forward_pre_hook(name)
                 forward.append(functools.partial(module.register_forward_pre_hook, hook, with_kwargs=True))
-        # the step's parts (data wait, forward, backward, optimizer): the root module's forward bounds
+        # The root module's pre-hook is in for the Watch's life: it sees evaluation passes coming (their
+        # hooks go in for the pass) and starts the clock of a sampled step's forward. Its forward hook
+        # ends that clock: with the optimizer's hooks, only on steps that sample something.
         self.handles.append(model.register_forward_pre_hook(self._root_forward_start))
-        self.handles.append(model.register_forward_hook(self._root_forward_end))
+        step = self._registrations["step"]
+        step.append(functools.partial(model.register_forward_hook, self._root_forward_end))
         if "param_grad" in taps:
             for layer, pname, param in params:
                 if param.requires_grad:
@@ -517,15 +525,13 @@ class TapSet:
                             param.register_post_accumulate_grad_hook, self._param_grad_hook(key)
                         )
                     )
+        if optimizer is not None:
+            before = _guarded(state, self._before_optimizer_step)
+            after = _guarded(state, self._after_optimizer_step)
+            step.append(functools.partial(optimizer.register_step_pre_hook, before))
+            step.append(functools.partial(optimizer.register_step_post_hook, after))
         for group in self._registrations:  # every hook once: torch refuses now, not on a later step
             self._set_group(group, True)
-        if optimizer is not None:
-            self.handles.append(
-                optimizer.register_step_pre_hook(_guarded(state, self._before_optimizer_step))
-            )
-            self.handles.append(
-                optimizer.register_step_post_hook(_guarded(state, self._after_optimizer_step))
-            )
 
     # -- arming -----------------------------------------------------------------------------------------
 
@@ -548,6 +554,13 @@ class TapSet:
         self._eval_armed = False
         self._set_group("forward", static or state.forward)
         self._set_group("param_grad", static or state.on.get("param_grad", False))
+        self._set_group("step", static or state.timed)
+
+    @property
+    def pending(self) -> bool:
+        """Whether :meth:`arm` has something to do after an unsampled step for another one: an evaluation
+        pass left its hooks in, or a compiled graph ran a hook (every hook goes in for good)."""
+        return self._eval_armed or (self.state.compiled and not self.static)
 
     # -- forward side ---------------------------------------------------------------------------------
 
@@ -644,29 +657,39 @@ class TapSet:
         if torch.compiler.is_compiling():
             self.state.compiled = True  # every hook stays in from the next step boundary on
             return
-        if not self._armed["forward"] and not (module.training and torch.is_grad_enabled()):
-            # An evaluation pass is summarised whatever the step samples: its hooks go in for this pass.
-            if not self.state.paused and self._registrations["forward"]:
+        state = self.state
+        if not (module.training and torch.is_grad_enabled()):
+            if not self._armed["forward"] and not state.paused and self._registrations["forward"]:
+                # An evaluation pass is summarised whatever the step samples: its hooks go in for it.
                 try:
                     self._set_group("forward", True)
                 except Exception as exc:  # never into the user's forward
-                    self.state.fail(exc)
+                    state.fail(exc)
                 self._eval_armed = True
             return
-        if not _steps_forward(module):
-            return  # (no wall clock inside a compiled graph; evaluation passes are not the step's forward)
-        times = self.state.times
+        if self._eval_armed:  # a training forward after an evaluation pass (no root forward hook ended it)
+            self._end_eval()
+        if not state.timed or _recomputing():
+            return  # an unsampled step is not timed; a checkpoint's recomputation is not the step's forward
+        times = state.times
         if not times.forward_start:
             times.forward_start = times.clock()
 
     def _root_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._eval_armed:
-            self._eval_armed = False
-            self._set_group("forward", self.static or self.state.forward)
+            self._end_eval()
             return
         if not _steps_forward(module):
             return
         self.state.times.forward_end = self.state.times.clock()
+
+    def _end_eval(self) -> None:
+        """An evaluation pass is over: the forward hooks go back to what the step samples."""
+        self._eval_armed = False
+        try:
+            self._set_group("forward", self.static or self.state.forward)
+        except Exception as exc:  # never into the user's forward
+            self.state.fail(exc)
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.state.times.optimizer_start = self.state.times.clock()

@@ -63,6 +63,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _budget(text: str) -> float:
+    """An argparse type: a fraction in (0, 1), as ``observe(overhead=...)`` takes it."""
+    from streamwatch._governor import check_budget
+
+    try:
+        return check_budget(float(text), "--overhead")
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a fraction in (0, 1) (0.02 is 2 %), got {text!r}"
+        ) from None
+
+
 def _port(text: str) -> int:
     """An argparse type: a TCP port, 0 (any free port) to 65535."""
     try:
@@ -101,7 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--hidden", type=_positive_int, default=128, help="hidden layer width (model size)")
     demo.add_argument("--layers", type=_positive_int, default=3, help="hidden layers")
     demo.add_argument("--batch", type=_positive_int, default=64, help="batch size")
-    demo.add_argument("--every", type=_positive_int, default=1, help="sample one step in EVERY")
+    sampling = demo.add_mutually_exclusive_group()
+    sampling.add_argument(
+        "--every", type=_positive_int, default=None, help="sample one step in EVERY (turns the governor off)"
+    )
+    sampling.add_argument(
+        "--overhead",
+        type=_budget,
+        default=None,
+        help="the overhead governor's budget, a fraction of the run's time (default 0.02)",
+    )
     demo.add_argument(
         "--run-dir", type=Path, default=None, help="where the run file goes (default runs/<time>)"
     )
@@ -327,7 +348,7 @@ def _demo(args: argparse.Namespace) -> int:
         )
         step = 0
         with (
-            sw.observe(model, opt, every=args.every, sinks=[run_file]) as watch,
+            sw.observe(model, opt, every=args.every, overhead=args.overhead, sinks=[run_file]) as watch,
             contextlib.ExitStack() as stack,
         ):
             try:

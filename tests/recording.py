@@ -24,6 +24,7 @@ def record_run(
 ) -> RunData:
     """Train ``model`` for ``steps`` steps on ``(x, y)`` under ``observe(..., sinks=[RunFile(path)])``."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
+    observe = {"every": 1} | observe  # every step recorded, unless the caller says otherwise
     with sw.observe(model, opt, sinks=[RunFile(path)], cadence={"param": 1, "update": 1}, **observe) as watch:
         for _ in range(steps):
             opt.zero_grad()

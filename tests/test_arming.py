@@ -16,7 +16,7 @@ from tests.test_observe_compile import batch, make_model
 
 
 def module_hooks(model: nn.Module) -> int:
-    """Forward and pre-forward hooks on every module but the root (the root keeps its two)."""
+    """Forward and pre-forward hooks on every module but the root (its own are counted apart)."""
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in list(model.modules())[1:])
 
 
@@ -50,12 +50,44 @@ def test_hooks_are_in_only_on_sampled_steps() -> None:
     assert (len(model._forward_hooks), len(model._forward_pre_hooks)) == (0, 0)
 
 
+def test_an_unsampled_step_keeps_only_the_root_pre_hook() -> None:
+    """The root module's forward hook and the optimizer's pre/post hooks time a sampled step's parts and
+    take weights and updates: they are out on unsampled steps, with the per-layer hooks."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[tuple[int, int, int, int]] = []
+    records = sw.sinks.collect()
+    with sw.observe(model, opt, every=3, sinks=[records]) as watch:
+        for _ in range(6):
+            seen.append(
+                (
+                    len(model._forward_pre_hooks),
+                    len(model._forward_hooks),
+                    len(opt._optimizer_step_pre_hooks),
+                    len(opt._optimizer_step_post_hooks),
+                )
+            )
+            train_step(model, opt, watch)
+        watch.flush()
+    assert seen == [(1, 1, 1, 1), (1, 0, 0, 0), (1, 0, 0, 0)] * 2
+    assert (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks)) == (0, 0)
+    # the sampled steps still time every part of the step
+    assert [r.step for r in records.items] == [0, 3]
+    for record in records.items:
+        parts = {name for name in record.scalars if name.startswith("part/")}
+        assert parts == {"part/data_wait", "part/forward", "part/backward", "part/optimizer"} - (
+            {"part/data_wait"} if record.step == 0 else set()
+        )
+
+
 def test_a_cadence_arms_only_the_groups_its_step_samples() -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen = []
     cadence = {"activation": 2, "output_grad": 2, "param_grad": 1}
-    with sw.observe(model, opt, taps=("activation", "output_grad", "param_grad"), cadence=cadence) as watch:
+    with sw.observe(
+        model, opt, taps=("activation", "output_grad", "param_grad"), cadence=cadence, every=1
+    ) as watch:
         for _ in range(4):
             seen.append((module_hooks(model), param_hooks(model)))
             train_step(model, opt, watch)
@@ -75,8 +107,9 @@ def test_an_evaluation_pass_on_an_unsampled_step_is_summarised_and_disarmed_afte
             expected = model[0](x)
             model(x)
         model.train()
-        assert module_hooks(model) == 0
+        assert module_hooks(model) == 3  # the next training forward's root pre-hook takes them out
         train_step(model, opt, watch)
+        assert module_hooks(model) == 0
         watch.flush()
     eval_record = records.items[-1]
     rows = eval_record.rows(kind="activation", phase="eval")

@@ -40,7 +40,7 @@ def test_a_monitored_training_step_makes_no_host_sync() -> None:
     x = torch.randn(32, 64, device="cuda")
     y = torch.randint(0, 10, (32,), device="cuda")
     records = sw.sinks.collect()
-    watch = sw.observe(model, opt, sinks=[records], cadence={"param": 1, "update": 1})
+    watch = sw.observe(model, opt, sinks=[records], cadence={"param": 1, "update": 1}, every=1)
     train_step(model, opt, watch, x, y)  # warm-up: lazy CUDA init, stream and pinned slots
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -63,7 +63,7 @@ def test_values_copied_off_the_device_match_a_reference() -> None:
     records = sw.sinks.collect()
     x = torch.randn(32, 64, device="cuda")
     y = torch.randint(0, 10, (32,), device="cuda")
-    with sw.observe(model, opt, sinks=[records]) as watch:
+    with sw.observe(model, opt, sinks=[records], every=1) as watch:
         train_step(model, opt, watch, x, y)
     record = records.items[0]
     row = record.keys.index(sw.SeriesKey("train", "0", "activation", ""))
@@ -78,7 +78,7 @@ def test_slots_are_reused_only_after_the_worker_released_them() -> None:
     seen = sw.sinks.collect()
     x = torch.randn(8, 64, device="cuda")
     y = torch.randint(0, 10, (8,), device="cuda")
-    watch = sw.observe(model, opt, capacity=1, overflow="drop_newest", sinks=[seen])
+    watch = sw.observe(model, opt, capacity=1, overflow="drop_newest", sinks=[seen], every=1)
     watch.pipe(sw.source() | sw.ops.map(lambda r: release.wait(10) and r) | sw.sinks.collect())
     for _ in range(8):
         train_step(model, opt, watch, x, y)
@@ -102,7 +102,7 @@ def test_opt_in_tensor_metrics_make_no_host_sync_and_reach_the_worker() -> None:
         sw.metrics.Histogram(kinds=("activation", "param_grad")),
         sw.metrics.PNorm(p=1, kinds=("param_grad",)),
     ]
-    watch = sw.observe(model, opt, sinks=[records], metrics=[*sw.DEFAULT_METRICS, *metrics])
+    watch = sw.observe(model, opt, sinks=[records], metrics=[*sw.DEFAULT_METRICS, *metrics], every=1)
     train_step(model, opt, watch, x, y)  # warm-up
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -105,10 +105,10 @@ def test_a_bad_policy_is_refused_before_anything_is_attached(bad: object, error:
     with pytest.raises(
         error, match=r"Expected `detail` to be one of \('all', 'rank0', 'local_rank0', 'none'\)"
     ):
-        sw.observe(model, opt, detail=bad)  # type: ignore[arg-type]
+        sw.observe(model, opt, detail=bad, every=1)  # type: ignore[arg-type]
     assert not model._forward_hooks
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
-    sw.observe(model, opt).close()  # the model was left unobserved
+    sw.observe(model, opt, every=1).close()  # the model was left unobserved
 
 
 def test_a_callable_must_answer_with_a_bool(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -117,14 +117,14 @@ def test_a_callable_must_answer_with_a_bool(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("WORLD_SIZE", "8")
     model, opt = _mlp()
     with pytest.raises(TypeError, match=r"return a bool for \(rank=5, local_rank=1, world_size=8\), got 1"):
-        sw.observe(model, opt, detail=lambda rank, local_rank, world_size: 1)  # type: ignore[arg-type,return-value]
+        sw.observe(model, opt, detail=lambda rank, local_rank, world_size: 1, every=1)  # type: ignore[arg-type,return-value]
     seen: list[tuple[int, int, int]] = []
 
     def policy(rank: int, local_rank: int, world_size: int) -> bool:
         seen.append((rank, local_rank, world_size))
         return False
 
-    with sw.observe(model, opt, detail=policy) as watch:
+    with sw.observe(model, opt, detail=policy, every=1) as watch:
         _train(model, opt, watch)
     assert seen == [(5, 1, 8)]  # called once, with torchrun's environment
     assert {layer for layer, *_ in _tensor(watch)} == {ALL_LAYERS}
@@ -137,15 +137,15 @@ def test_local_rank0_needs_the_local_rank_and_follows_it(monkeypatch: pytest.Mon
     with pytest.raises(
         ValueError, match=r"detail='local_rank0' needs the local rank, but \$LOCAL_RANK is not set"
     ):
-        sw.observe(model, opt, detail="local_rank0")
+        sw.observe(model, opt, detail="local_rank0", every=1)
     for local_rank, layers in (("3", {ALL_LAYERS}), ("0", {"0", "1", "2", "3", "4"})):
         monkeypatch.setenv("LOCAL_RANK", local_rank)
-        with sw.observe(model, opt, detail="local_rank0") as watch:
+        with sw.observe(model, opt, detail="local_rank0", every=1) as watch:
             _train(model, opt, watch)
         assert {layer for layer, *_ in _tensor(watch)} == layers
     monkeypatch.setenv("LOCAL_RANK", "one")
     with pytest.raises(ValueError, match=r"Expected \$LOCAL_RANK to be an integer"):
-        sw.observe(model, opt, detail="local_rank0")
+        sw.observe(model, opt, detail="local_rank0", every=1)
 
 
 # -- the totals ---------------------------------------------------------------------------------------------
@@ -164,7 +164,7 @@ def test_the_totals_are_torch_over_every_layer() -> None:
     for module in model:
         module.register_forward_hook(keep)
     params = list(model.parameters())
-    with sw.observe(model, opt, detail="none", cadence={"param": 1, "update": 1}) as watch:
+    with sw.observe(model, opt, detail="none", cadence={"param": 1, "update": 1}, every=1) as watch:
         g = torch.Generator().manual_seed(1)
         x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
         loss = nn.functional.cross_entropy(model(x), y)
@@ -227,7 +227,7 @@ def test_a_mixed_job_gets_the_same_global_norms_from_either_kind_of_rank() -> No
     totals = {}
     for detail in ("all", "none"):
         model, opt = _mlp()
-        with sw.observe(model, opt, detail=detail) as watch:
+        with sw.observe(model, opt, detail=detail, every=1) as watch:
             _train(model, opt, watch, steps=2)
         sums: dict[str, float] = {}
         for (_, kind, _, stat), value in _tensor(watch).items():
@@ -308,7 +308,7 @@ def test_reduce_record_leaves_unknown_values_out_and_adds_histograms() -> None:
 def test_a_reduced_rank_s_run_file_replays_what_it_served(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     model, opt = _mlp()
-    with sw.observe(model, opt, detail="none", sinks=[RunFile(path)]) as watch:
+    with sw.observe(model, opt, detail="none", sinks=[RunFile(path)], every=1) as watch:
         _train(model, opt, watch, steps=3)
     live = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in watch.snapshot()}
     run = read_run(path)
@@ -459,7 +459,7 @@ def _observed_counts(
     torch.manual_seed(0)
     model = Llama7BShape()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with sw.observe(model, opt, detail=detail) as watch:  # type: ignore[arg-type]
+    with sw.observe(model, opt, detail=detail, every=1) as watch:  # type: ignore[arg-type]
         for _ in range(2):  # the second step's data wait is the fourth step part
             ids = torch.randint(0, model.vocab, (2, 4))
             loss = nn.functional.cross_entropy(model(ids).reshape(-1, model.vocab), ids.reshape(-1))

@@ -506,7 +506,7 @@ def latest(watch: sw.Watch, name: str, **labels: str) -> float | None:
 def test_an_injected_loss_spike_is_caught_at_its_step(train: Train) -> None:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with sw.observe(model, opt) as watch:
+    with sw.observe(model, opt, every=1) as watch:
         steps = collected(watch, detectors.LossSpike())
         losses = train(model, opt, watch, data=batches(60, spike_at=45))
     ref = reference(losses, kind="z", threshold=6.0)
@@ -550,7 +550,7 @@ def test_an_injected_gradient_explosion_is_caught_in_its_layer(train: Train) -> 
     def count(step: Step) -> None:
         explode["step"] += 1
 
-    with sw.observe(model, opt) as watch:
+    with sw.observe(model, opt, every=1) as watch:
         steps = collected(watch, detectors.GradientSpike())
         train(
             model,
@@ -601,7 +601,7 @@ def test_a_learning_rate_out_of_band_is_caught_per_layer(train: Train) -> None:
             out[layer] = math.sqrt(du / w)
         expected.append(out)
 
-    with sw.observe(model, opt, cadence={"param": 1, "update": 1}) as watch:
+    with sw.observe(model, opt, cadence={"param": 1, "update": 1}, every=1) as watch:
         steps = collected(watch, detectors.UpdateRatioBand())
         train(model, opt, watch, data=batches(6), before_opt_step=copy, after_opt_step=ratio)
     for i, samples in enumerate(steps.items):
@@ -623,7 +623,7 @@ def test_a_learning_rate_out_of_band_is_caught_per_layer(train: Train) -> None:
 def test_detector_values_are_served_on_metrics_and_promtool_accepts_them(train: Train) -> None:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with sw.observe(model, opt, cadence={"param": 1, "update": 1}) as watch:
+    with sw.observe(model, opt, cadence={"param": 1, "update": 1}, every=1) as watch:
         exporter = watch.expose(port=0, run="detectors")
         train(model, opt, watch, data=batches(30, spike_at=25))
         # the built-in detectors run before the store counts a record: flush() waits for their values
@@ -684,13 +684,13 @@ class Breaking(detectors.LossSpike):
 def test_attach_adds_only_detectors_the_watch_does_not_run(train: Train) -> None:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with sw.observe(model, opt) as watch:  # the defaults are built in
+    with sw.observe(model, opt, every=1) as watch:  # the defaults are built in
         assert watch.detectors == detectors.DEFAULT_DETECTORS
         with pytest.raises(
             ValueError, match=r"^Expected detectors the watch does not run yet, got LossSpike"
         ):
             detectors.attach(watch, [detectors.LossSpike(threshold=8.0)])
-    with sw.observe(model, opt, detectors=[detectors.LossSpike()]) as watch:
+    with sw.observe(model, opt, detectors=[detectors.LossSpike()], every=1) as watch:
         detectors.attach(watch, [detectors.GradientSpike(layers=False)])
         with pytest.raises(ValueError, match=r"got GradientSpike"):
             detectors.attach(watch, [detectors.GradientSpike()])  # attached once already
@@ -698,7 +698,7 @@ def test_attach_adds_only_detectors_the_watch_does_not_run(train: Train) -> None
         assert watch.flush()
     names = {(s.name, s.labels.get("layer")) for s in watch.snapshot() if "spikes" in s.name}
     assert names == {("streamwatch_loss_spikes", None), ("streamwatch_grad_norm_spikes", "__all__")}
-    with sw.observe(model, opt, detectors=()) as watch:
+    with sw.observe(model, opt, detectors=(), every=1) as watch:
         assert watch.detectors == ()
         train(model, opt, watch, data=batches(3))
         assert watch.flush()
@@ -708,7 +708,7 @@ def test_attach_adds_only_detectors_the_watch_does_not_run(train: Train) -> None
 def test_a_failing_detector_stops_only_itself_and_is_counted_and_reported(train: Train) -> None:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    watch = sw.observe(model, opt)
+    watch = sw.observe(model, opt, every=1)
     store = sw.SeriesStore(metrics=())  # their own store: whatever detectors the watch runs itself
     chosen = [Breaking(warmup=2), detectors.GradientSpike(warmup=2)]
     broken, going = (watch.pipe(p) for p in detectors.pipelines(store, chosen))

@@ -49,7 +49,7 @@ def _scrape(url: str) -> dict[str, list[Any]]:
 
 def test_metrics_served_equal_the_snapshot_and_statistics() -> None:
     model, opt = _model()
-    with sw.observe(model, opt, cadence={"param": 1, "update": 1}) as watch:
+    with sw.observe(model, opt, cadence={"param": 1, "update": 1}, every=1) as watch:
         exporter = watch.expose(port=0, run="unit")
         _train(watch, model, opt)
         families = _scrape(exporter.url)
@@ -99,7 +99,7 @@ def test_global_norm_from_exported_sums_of_squares_is_exact() -> None:
     """The documented PromQL sqrt(sum(sumsq)) over the exported rows equals the norm of all gradients."""
     model, opt = _model()
     records = sw.sinks.collect()
-    with sw.observe(model, opt, sinks=[records]) as watch:
+    with sw.observe(model, opt, sinks=[records], every=1) as watch:
         exporter = watch.expose(port=0)
         _train(watch, model, opt, steps=1)
         families = _scrape(exporter.url)
@@ -123,7 +123,7 @@ def test_each_local_rank_serves_on_its_own_port_with_torchrun_identity(
         probe.bind(("127.0.0.1", 0))
         base = probe.getsockname()[1]
     model, opt = _model()
-    with sw.observe(model, opt) as watch:
+    with sw.observe(model, opt, every=1) as watch:
         try:
             exporter = watch.expose(port=base)
         except OSError as err:  # base + 1 was taken by chance
@@ -146,7 +146,7 @@ def test_a_taken_port_is_a_clear_error_naming_the_port_and_the_fix() -> None:
         holder.listen()
         port = holder.getsockname()[1]
         model, _ = _model()
-        with sw.observe(model) as watch:
+        with sw.observe(model, every=1) as watch:
             with pytest.raises(
                 OSError, match=rf"port {port} on 127.0.0.1 is already in use.*expose\(port="
             ) as info:
@@ -154,14 +154,14 @@ def test_a_taken_port_is_a_clear_error_naming_the_port_and_the_fix() -> None:
             assert info.value.errno == errno.EADDRINUSE
             exporter = watch.expose(port=0)  # the failed one left nothing registered behind
             assert exporter.port != port
-    with sw.observe(_model()[0]) as watch, pytest.raises(ValueError, match="`port` to be an int"):
+    with sw.observe(_model()[0], every=1) as watch, pytest.raises(ValueError, match="`port` to be an int"):
         watch.expose(port=70000)
 
 
 def test_a_caller_supplied_registry_and_no_values_before_the_first_step() -> None:
     registry = CollectorRegistry()
     model, opt = _model()
-    with sw.observe(model, opt) as watch:
+    with sw.observe(model, opt, every=1) as watch:
         watch.expose(port=0, registry=registry)
         before = generate_latest(registry).decode()
         assert "streamwatch_tensor{" not in before  # absent before the first step, never a placeholder
@@ -177,7 +177,7 @@ def test_the_series_budget_reduces_to_core_statistics_then_to_aggregates(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     model, opt = _model()
-    with sw.observe(model, opt, cadence={"param": 1, "update": 1}) as watch:
+    with sw.observe(model, opt, cadence={"param": 1, "update": 1}, every=1) as watch:
         _train(watch, model, opt, steps=1)
         snapshot = [s for s in watch.snapshot() if s.name == "streamwatch_tensor"]
         rows = {tuple(sorted((k, v) for k, v in s.labels.items() if k != "stat")) for s in snapshot}
@@ -230,7 +230,7 @@ def test_histograms_are_prometheus_histograms_with_the_fixed_buckets() -> None:
     buckets = sw.metrics.Buckets(lo=-4, hi=2, per_decade=2)
     metric = sw.metrics.Histogram(kinds=("activation",), buckets=buckets)
     records = sw.sinks.collect()
-    with sw.observe(model, opt, metrics=[metric], sinks=[records]) as watch:
+    with sw.observe(model, opt, metrics=[metric], sinks=[records], every=1) as watch:
         exporter = watch.expose(port=0)
         _train(watch, model, opt, steps=1)
         families = _scrape(exporter.url)
@@ -264,7 +264,7 @@ def test_step_phase_times_are_read_at_the_step_boundaries(monkeypatch: pytest.Mo
     torch.manual_seed(0)
     model = nn.Sequential(Tick(0.25), nn.Linear(4, 2), Tick(0.25))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with sw.observe(model, opt) as watch:
+    with sw.observe(model, opt, every=1) as watch:
         opt.register_step_pre_hook(lambda *_: clock.__setitem__(0, clock[0] + 0.0625))  # after ours
         for _ in range(2):
             clock[0] += 0.125  # waiting for data
@@ -288,7 +288,7 @@ def test_the_fast_formatter_serves_exactly_what_prometheus_client_would() -> Non
     model, opt = _model()
     metrics = [*sw.DEFAULT_METRICS, sw.metrics.GradientCosine(), sw.metrics.Histogram(kinds=("param_grad",))]
     registry = CollectorRegistry()
-    with sw.observe(model, opt, metrics=metrics, cadence={"param": 1, "update": 1}) as watch:
+    with sw.observe(model, opt, metrics=metrics, cadence={"param": 1, "update": 1}, every=1) as watch:
         fast = watch.expose(port=0)
         watch.expose(port=0, registry=registry)
         _train(watch, model, opt)
@@ -330,7 +330,7 @@ def test_the_fast_formatter_serves_exactly_what_prometheus_client_would() -> Non
     ],
 )
 def test_serve_refuses_names_that_would_corrupt_the_exposition(name: str, message: str) -> None:
-    with sw.observe(_model()[0]) as watch, pytest.raises(ValueError, match=message):
+    with sw.observe(_model()[0], every=1) as watch, pytest.raises(ValueError, match=message):
         watch.serve(name)
 
 
@@ -359,7 +359,7 @@ def test_serve_refuses_names_that_would_corrupt_the_exposition(name: str, messag
 def test_serve_refuses_reserved_and_malformed_labels(
     labels: Any, error: type[Exception], message: str
 ) -> None:
-    with sw.observe(_model()[0]) as watch, pytest.raises(error, match=message):
+    with sw.observe(_model()[0], every=1) as watch, pytest.raises(error, match=message):
         watch.serve("tenfold", labels)
 
 
@@ -368,7 +368,7 @@ def _served_run(**expose: Any) -> tuple[str, sw.Watch]:
     model, opt = _model()
     registry = expose.pop("registry", None)
     metrics = [*sw.DEFAULT_METRICS, sw.metrics.Histogram(kinds=("param_grad",))]
-    with sw.observe(model, opt, metrics=metrics, cadence={"param": 1, "update": 1}) as watch:
+    with sw.observe(model, opt, metrics=metrics, cadence={"param": 1, "update": 1}, every=1) as watch:
         pipe = sw.source() | sw.ops.map(lambda r: {"a": r.step, "b": 2.0})
         watch.pipe(pipe | watch.serve("custom_ratio", {"model": "mlp"}))
         if registry is None and "series_budget" not in expose:

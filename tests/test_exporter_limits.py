@@ -68,7 +68,7 @@ def _warm_up(train: Train) -> None:
     """One full observe/expose/scrape/close cycle first, so lazily opened files (torch, the kernel
     library, urllib) are open before a test counts file descriptors."""
     model, opt = _model()
-    with sw.observe(model, opt) as watch:
+    with sw.observe(model, opt, every=1) as watch:
         exporter = watch.expose(port=0)
         train(model, opt, watch, 1, shape=(16, 6), seed=0, flush=True)
         _get(exporter.url)
@@ -80,7 +80,7 @@ def test_half_open_connections_hold_no_thread_and_close_releases_every_thread_an
     model, opt = _model()
     clients: list[socket.socket] = []
     try:
-        with sw.observe(model, opt) as watch:
+        with sw.observe(model, opt, every=1) as watch:
             exporter = watch.expose(port=0)
             train(model, opt, watch, 2, shape=(16, 6), seed=0, flush=True)
             serving = _threads()  # the watch's worker and the server's own threads
@@ -105,7 +105,7 @@ def test_half_open_connections_hold_no_thread_and_close_releases_every_thread_an
 
 def test_a_connection_that_sends_no_request_is_closed_after_the_timeout() -> None:
     model, _ = _model()
-    with sw.observe(model) as watch:
+    with sw.observe(model, every=1) as watch:
         exporter = watch.expose(port=0, timeout=0.2)
         with (
             socket.create_connection(("127.0.0.1", exporter.port), timeout=JOIN_S) as silent,
@@ -115,7 +115,7 @@ def test_a_connection_that_sends_no_request_is_closed_after_the_timeout() -> Non
             assert _closed_by_peer(silent)
             assert _closed_by_peer(slow)
         assert b"streamwatch_info" in _get(exporter.url)  # and the server goes on serving
-    with sw.observe(model) as watch, pytest.raises(ValueError, match="`timeout`"):
+    with sw.observe(model, every=1) as watch, pytest.raises(ValueError, match="`timeout`"):
         watch.expose(port=0, timeout=0)
 
 
@@ -123,7 +123,7 @@ def test_a_scrape_storm_costs_one_render_per_snapshot_and_fresh_values_after_a_s
     monkeypatch: pytest.MonkeyPatch, train: Train
 ) -> None:
     model, opt = _model()
-    with sw.observe(model, opt) as watch:
+    with sw.observe(model, opt, every=1) as watch:
         exporter = watch.expose(port=0)
         train(model, opt, watch, 2, shape=(16, 6), seed=0, flush=True)
         renders = []
@@ -152,7 +152,7 @@ def test_a_scrape_storm_costs_one_render_per_snapshot_and_fresh_values_after_a_s
 
 def test_methods_other_than_get_and_head_get_405_and_unknown_paths_404(train: Train) -> None:
     model, opt = _model()
-    with sw.observe(model, opt) as watch:
+    with sw.observe(model, opt, every=1) as watch:
         exporter = watch.expose(port=0)
         train(model, opt, watch, 1, shape=(16, 6), seed=0, flush=True)
         port = exporter.port
@@ -188,7 +188,7 @@ def test_a_failing_render_is_a_500_and_the_server_goes_on(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, train: Train
 ) -> None:
     model, opt = _model()
-    with sw.observe(model, opt) as watch:
+    with sw.observe(model, opt, every=1) as watch:
         exporter = watch.expose(port=0)
         train(model, opt, watch, 1, shape=(16, 6), seed=0, flush=True)
         render = exporter.collector.render
@@ -206,7 +206,7 @@ def test_a_failing_render_is_a_500_and_the_server_goes_on(
 
 def test_an_empty_host_is_refused_not_bound_to_every_interface() -> None:
     model, _ = _model()
-    with sw.observe(model) as watch:
+    with sw.observe(model, every=1) as watch:
         with pytest.raises(ValueError, match=r"host='' binds every interface; pass '0\.0\.0\.0' explicitly"):
             watch.expose(port=0, host="")
         with pytest.raises(ValueError, match="`host`"):
@@ -216,7 +216,7 @@ def test_an_empty_host_is_refused_not_bound_to_every_interface() -> None:
 
 def test_unresolvable_and_foreign_hosts_are_clear_errors() -> None:
     model, _ = _model()
-    with sw.observe(model) as watch:
+    with sw.observe(model, every=1) as watch:
         with pytest.raises(OSError, match=r"cannot resolve host 'no-such-host\.invalid'.*127\.0\.0\.1"):
             watch.expose(port=0, host="no-such-host.invalid")
         with pytest.raises(OSError, match=r"'192\.0\.2\.1' is not an address of this machine") as info:
@@ -234,7 +234,7 @@ def test_promtool_accepts_what_a_real_training_run_serves(train: Train) -> None:
         pytest.skip("needs promtool (the Debian package prometheus)")
     model, opt = _model()
     metrics = [*sw.DEFAULT_METRICS, sw.metrics.Histogram(kinds=("param_grad",))]
-    with sw.observe(model, opt, metrics=metrics) as watch:
+    with sw.observe(model, opt, metrics=metrics, every=1) as watch:
         exporter = watch.expose(port=0)
         train(model, opt, watch, 3, shape=(16, 6), seed=0, flush=True)
         body = _get(exporter.url)

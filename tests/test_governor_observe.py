@@ -299,7 +299,7 @@ def test_a_bad_overhead_is_refused_naming_it(overhead: object) -> None:
     model = _model()
     with pytest.raises(ValueError, match=r"Expected `overhead` to be a number in \(0, 1\)"):
         sw.observe(model, overhead=overhead)  # type: ignore[arg-type]
-    sw.observe(model).close()
+    sw.observe(model, every=1).close()
 
 
 def test_a_metric_that_prepares_the_step_before_is_refused_under_a_governor() -> None:
@@ -307,7 +307,7 @@ def test_a_metric_that_prepares_the_step_before_is_refused_under_a_governor() ->
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for metric in (sw.metrics.GradientCosine(), sw.metrics.GradientCosine(of="update", every=2)):
         with pytest.raises(
-            ValueError, match=r"GradientCosine\(every=\d\).*pass every=N instead of overhead="
+            ValueError, match=r"GradientCosine\(every=\d\).*Pass every=N \(a fixed interval\)"
         ):
             sw.observe(model, opt, overhead=BUDGET, metrics=[*sw.DEFAULT_METRICS, metric])
         assert metric.binding is None
@@ -316,3 +316,88 @@ def test_a_metric_that_prepares_the_step_before_is_refused_under_a_governor() ->
         for x, y in _batches(4):
             loss, _ = _train_step(model, opt, x, y)
             watch.step(loss=loss)
+
+
+# -- the default, and the scalar records between sampled steps ---------------------------------------------
+
+
+def test_the_default_is_the_governor_at_two_percent_and_every_turns_it_off() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    assert sw.DEFAULT_OVERHEAD == 0.02
+    with sw.observe(model, opt) as watch:
+        stats = watch.statistics()
+        assert stats.overhead_budget == sw.DEFAULT_OVERHEAD
+        assert stats.sampling_interval == 3  # calibrating: sampled, its shadow, a clean step
+    with sw.observe(model, opt, every=1) as watch:
+        assert watch.statistics().overhead_budget is None
+        assert watch.statistics().sampling_interval == 1
+    with pytest.raises(ValueError, match=r"GradientCosine.*observe\(\)'s default.*Pass every=N"):
+        sw.observe(model, opt, metrics=[*sw.DEFAULT_METRICS, sw.metrics.GradientCosine()])
+
+
+def test_unsampled_steps_send_scalar_records_with_the_cheap_values(
+    fake_clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``SCALAR_SECONDS`` at 0 every unsampled step sends a scalar record: no rows, and the loss,
+    learning rate, step time, throughput and accuracy of that step, each checked against torch."""
+    monkeypatch.setattr(_observe, "SCALAR_SECONDS", 0.0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    records = sw.sinks.collect()
+    expected: list[tuple[float, float, int]] = []
+    with sw.observe(model, opt, overhead=BUDGET, sinks=[records]) as watch:
+        governor = watch._governor
+        assert governor is not None
+        for x, y in _batches(40):
+            fake_clock.advance(PLAIN * (1 + COST) if governor.sampling else PLAIN)
+            loss, out = _train_step(model, opt, x, y)
+            correct = int((out.argmax(1) == y).sum())
+            expected.append((loss.item(), correct, len(y)))
+            watch.step(loss=loss, outputs=out, targets=y, batch_size=len(y))
+        watch.flush()
+        stats = watch.statistics()
+    assert [r.step for r in records.items] == list(range(40))  # a record for every step
+    scalar = [r for r in records.items if not r.keys]
+    full = [r for r in records.items if r.keys]
+    assert len(full) == stats.sampled
+    assert len(scalar) == 40 - stats.sampled > 0
+    for record in records.items:
+        loss, correct, n = expected[record.step]
+        assert record.scalars["loss"] == pytest.approx(loss, rel=1e-6)
+        assert record.scalars["lr/0"] == 0.05
+        assert record.scalars["batch_size"] == n
+        assert record.scalars["correct"] == correct
+        assert record.scalars["total"] == n
+        assert record.scalars["samples_per_second"] == pytest.approx(n / record.scalars["step_seconds"])
+        assert record.scalars["step_seconds"] > 0
+    for record in scalar:  # the step's parts are timed on sampled steps only
+        assert not any(name.startswith("part/") for name in record.scalars)
+
+
+def test_a_scalar_record_leaves_the_layer_series_and_updates_the_loss(
+    fake_clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    records = sw.sinks.collect()
+    with sw.observe(model, opt, overhead=BUDGET, sinks=[records]) as watch:
+        for x, y in _batches(2):  # step 0 sampled, step 1 not (and no scalar record: < 1 s)
+            fake_clock.advance(PLAIN)
+            loss, _ = _train_step(model, opt, x, y)
+            watch.step(loss=loss)
+        watch.flush()
+        before = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in watch.snapshot()}
+        assert not watch._sampling_now
+        monkeypatch.setattr(_observe, "SCALAR_SECONDS", 0.0)
+        x, y = next(_batches(1, seed=7))
+        loss, _ = _train_step(model, opt, x, y)
+        watch.step(loss=loss)  # unsampled: a scalar record
+        watch.flush()
+        after = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in watch.snapshot()}
+    layer = {key: value for key, value in before.items() if "layer" in dict(key[1])}
+    assert layer
+    assert all(after[key] == value or math.isnan(value) for key, value in layer.items())
+    losses = [value for (name, _), value in after.items() if name == "streamwatch_loss"]
+
+    assert losses == [pytest.approx(loss.item(), rel=1e-6)]

@@ -134,7 +134,7 @@ def test_lightning_one_record_per_optimizer_step_with_the_trainers_loss(pl: Any,
     from streamwatch.integrations.lightning import StreamwatchCallback
 
     records = sw.sinks.collect()
-    callback = StreamwatchCallback(sinks=[records])
+    callback = StreamwatchCallback(sinks=[records], every=1)
     trainer, model = _fit(pl, tmp_path, [callback])
     watch = callback.watch
     assert watch is not None
@@ -190,7 +190,7 @@ def test_lightning_failed_fit_closes_the_watch(pl: Any, tmp_path: Path) -> None:
     from streamwatch.integrations.lightning import StreamwatchCallback
 
     records = sw.sinks.collect()
-    callback = StreamwatchCallback(sinks=[records])
+    callback = StreamwatchCallback(sinks=[records], every=1)
     model = _lightning_module(pl, fail_at=2)
     with pytest.raises(RuntimeError, match="the training step failed"):
         _fit(pl, tmp_path, [callback], model)
@@ -206,7 +206,7 @@ def test_lightning_fit_resumed_from_a_checkpoint_steps_with_the_optimizer(pl: An
     first, _ = _fit(pl, tmp_path, [], epochs=1)
     first.save_checkpoint(tmp_path / "epoch0.ckpt")
     records = sw.sinks.collect()
-    callback = StreamwatchCallback(sinks=[records])
+    callback = StreamwatchCallback(sinks=[records], every=1)
     # the trainer restores global_step (3) only after on_fit_start; the second epoch steps 3 more times
     resumed, model = _fit(pl, tmp_path, [callback], ckpt_path=tmp_path / "epoch0.ckpt")
     assert resumed.global_step == 6
@@ -253,7 +253,7 @@ class ProcessGroup(pl.Callback):  # after streamwatch's: what observe() saw when
 g = torch.Generator().manual_seed(0)
 data = TensorDataset(torch.randn(32, 6, generator=g), torch.randint(0, 3, (32,), generator=g))
 records = sw.sinks.collect()
-callback, group = StreamwatchCallback(sinks=[records]), ProcessGroup()
+callback, group = StreamwatchCallback(sinks=[records], every=1), ProcessGroup()
 trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, callbacks=[callback, group],
                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
                      enable_model_summary=False)
@@ -329,7 +329,7 @@ def test_transformers_one_record_per_optimizer_step_with_the_logged_loss(
     from streamwatch.integrations.transformers import StreamwatchCallback
 
     records = sw.sinks.collect()
-    callback = StreamwatchCallback(sinks=[records])
+    callback = StreamwatchCallback(sinks=[records], every=1)
     train, val = _dataset(20, seed=1), _dataset(8, seed=2)
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path),
@@ -408,7 +408,7 @@ def test_accelerate_observe_the_unwrapped_model_unchanged() -> None:
     handle = optimizer.register_step_post_hook(lambda *_: stepped.append(1))
     records = sw.sinks.collect()
     expected: list[float] = []
-    with sw.observe(accelerator.unwrap_model(prepared), optimizer, sinks=[records]) as watch:
+    with sw.observe(accelerator.unwrap_model(prepared), optimizer, sinks=[records], every=1) as watch:
         window: list[torch.Tensor] = []
         for x, y in prepared_loader:
             with accelerator.accumulate(prepared):

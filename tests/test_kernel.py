@@ -379,7 +379,7 @@ def test_a_missing_library_falls_back_to_torch_with_one_warning(
     assert "STREAMWATCH_KERNEL=torch" in str(seen[0].message)
     assert _kernel.load() is None  # decided once per process: no second look, no second warning
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU())
-    with sw.observe(model) as watch:  # the torch path, and no further warning (filterwarnings=error)
+    with sw.observe(model, every=1) as watch:  # the torch path, and no further warning (filterwarnings=error)
         x = torch.randn(2, 3)
         model(x).sum().backward()
         watch.step()
@@ -433,8 +433,8 @@ def test_statistics_name_the_kernel_in_use(monkeypatch: pytest.MonkeyPatch) -> N
     import streamwatch as sw
 
     model = torch.nn.Linear(2, 2)
-    with sw.observe(model) as watch:
+    with sw.observe(model, every=1) as watch:
         assert watch.statistics().kernel.startswith("fused: ")
     monkeypatch.setenv("STREAMWATCH_KERNEL", "torch")
-    with sw.observe(model) as watch:
+    with sw.observe(model, every=1) as watch:
         assert watch.statistics().kernel == "torch: STREAMWATCH_KERNEL=torch"

@@ -85,7 +85,7 @@ def trained(train: Train) -> Iterator[sw.Watch]:
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with sw.observe(model, opt, cadence={"param": 1, "update": 1}) as watch:
+    with sw.observe(model, opt, cadence={"param": 1, "update": 1}, every=1) as watch:
         train(model, opt, watch, 5, shape=BATCH, flush=True)
         yield watch
 
@@ -140,7 +140,7 @@ def test_formatting() -> None:
 
 def test_empty_watch_renders_dashes() -> None:
     model = MLP()
-    with sw.observe(model) as watch:
+    with sw.observe(model, every=1) as watch:
         text = text_of(LiveView(watch, total_steps=10).render(0))
     assert "streamwatch demo" in text
     assert "0/10" in text
@@ -154,7 +154,7 @@ def test_empty_watch_renders_dashes() -> None:
 def test_nonfinite_counts_sum_over_the_layers_series() -> None:
     torch.manual_seed(0)
     model = MLP()
-    with sw.observe(model, stats=("dead", "nonfinite")) as watch:
+    with sw.observe(model, stats=("dead", "nonfinite"), every=1) as watch:
         x = torch.randn(4, 8)
         x[0, :3] = math.nan
         model(x)
@@ -176,7 +176,7 @@ def test_more_layers_than_top(train: Train) -> None:
     torch.manual_seed(0)
     model = MLP(depth=4)  # fc_in, act, blocks.0-2, head
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with sw.observe(model, opt) as watch:
+    with sw.observe(model, opt, every=1) as watch:
         train(model, opt, watch, 2, shape=BATCH, flush=True)
         text = text_of(LiveView(watch, total_steps=2, top=3).render(2))
     assert "… 3 more" in text
@@ -195,7 +195,7 @@ def test_live_updates_in_place_and_shows_the_last_frame(train: Train) -> None:
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     console = Console(record=True, file=io.StringIO(), force_terminal=True, width=100)
-    with sw.observe(model, opt) as watch:
+    with sw.observe(model, opt, every=1) as watch:
         with LiveView(watch, total_steps=4, url=URL, console=console) as view:
             train(model, opt, watch, 4, shape=BATCH, after_watch_step=lambda s: view.update(s.index + 1))
             watch.flush()
@@ -216,7 +216,7 @@ def test_update_is_throttled(monkeypatch: pytest.MonkeyPatch) -> None:
             return super().render(step)
 
     console = Console(record=True, file=io.StringIO(), force_terminal=True, width=100)
-    with sw.observe(MLP()) as watch, Counting(watch, total_steps=50, console=console) as view:
+    with sw.observe(MLP(), every=1) as watch, Counting(watch, total_steps=50, console=console) as view:
         rendered.clear()  # the initial frame
         for step in range(1, 21):
             view.update(step)  # the clock stands still: only the first is drawn
@@ -230,7 +230,7 @@ def test_update_is_throttled(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_update_outside_the_context_raises() -> None:
-    with sw.observe(MLP()) as watch:
+    with sw.observe(MLP(), every=1) as watch:
         view = LiveView(watch, total_steps=1)
         with pytest.raises(RuntimeError, match="outside"):
             view.update(1)

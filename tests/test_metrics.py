@@ -69,7 +69,7 @@ def test_update_ratio_and_layer_mean_match_the_trained_tensors(train: Train) -> 
         )
 
     records = sw.sinks.collect()
-    with sw.observe(model, opt, cadence=EVERY_STEP, sinks=[records]) as watch:
+    with sw.observe(model, opt, cadence=EVERY_STEP, sinks=[records], every=1) as watch:
         train(model, opt, watch, data=_batches(3), after_opt_step=ratio, before_opt_step=snap)
     snapshot = watch.snapshot()  # after close(): every record processed
     served = {
@@ -94,20 +94,20 @@ def test_update_ratio_and_layer_mean_match_the_trained_tensors(train: Train) -> 
 
 def test_worker_metrics_can_be_switched_off_and_unknown_names_are_refused() -> None:
     model = _model()
-    with sw.observe(model, metrics=()) as watch:
+    with sw.observe(model, metrics=(), every=1) as watch:
         _ = model(torch.randn(2, 6))
         watch.step()
     assert not [s for s in watch.snapshot() if s.name == "streamwatch_layer_mean"]
     with pytest.raises(ValueError, match=r"Unknown metric 'spectral'.*SpectralNorm\(\)"):
-        sw.observe(model, metrics=["spectral"])
+        sw.observe(model, metrics=["spectral"], every=1)
     with pytest.raises(TypeError, match="collection of names"):
-        sw.observe(model, metrics="update_ratio")  # type: ignore[arg-type]
+        sw.observe(model, metrics="update_ratio", every=1)  # type: ignore[arg-type]
     with pytest.raises(
         ValueError, match=r"reads \['input'\] tensors, which are not tapped; add them to `taps=`"
     ):
-        sw.observe(model, metrics=[sw.metrics.Histogram(kinds=("input",))])
+        sw.observe(model, metrics=[sw.metrics.Histogram(kinds=("input",))], every=1)
     with pytest.raises(ValueError, match=r"what optimizer.step\(\) does: pass the optimizer"):
-        sw.observe(model, metrics=[sw.metrics.GradientCosine(of="update")])
+        sw.observe(model, metrics=[sw.metrics.GradientCosine(of="update")], every=1)
     with pytest.raises(ValueError, match=r"both bin \['activation'\] tensors into histograms"):
         sw.observe(
             model,
@@ -115,8 +115,9 @@ def test_worker_metrics_can_be_switched_off_and_unknown_names_are_refused() -> N
                 sw.metrics.Histogram(kinds=("activation", "param_grad")),
                 sw.metrics.Histogram(kinds=("activation",), buckets=sw.metrics.Buckets(lo=-3, hi=0)),
             ],
+            every=1,
         )
-    sw.observe(model).close()  # a refused observe attached nothing: observing again works
+    sw.observe(model, every=1).close()  # a refused observe attached nothing: observing again works
 
 
 # -- gradient and update cosines --------------------------------------------------------------------------
@@ -141,7 +142,7 @@ def test_cosine_of_consecutive_gradients_and_updates(of: str, every: int, train:
 
     records = sw.sinks.collect()
     metric = sw.metrics.GradientCosine(of=of, every=every)
-    with sw.observe(model, opt, metrics=[metric], sinks=[records]) as watch:
+    with sw.observe(model, opt, metrics=[metric], sinks=[records], every=1) as watch:
         train(model, opt, watch, data=_batches(8), after_opt_step=post, before_opt_step=pre)
     series = grads if of == "param_grad" else updates
     got = _extras(records.items, "cosine", of)
@@ -164,7 +165,7 @@ def test_cosine_without_an_optimizer_runs_at_the_step_boundary() -> None:
     model = _model()
     grads: list[torch.Tensor] = []
     records = sw.sinks.collect()
-    with sw.observe(model, metrics=[sw.metrics.GradientCosine()], sinks=[records]) as watch:
+    with sw.observe(model, metrics=[sw.metrics.GradientCosine()], sinks=[records], every=1) as watch:
         for x, y in _batches(3):
             model.zero_grad()
             F.cross_entropy(model(x), y).backward()
@@ -187,7 +188,7 @@ def test_spectral_norm_and_condition_number_of_every_weight_matrix(train: Train)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     records = sw.sinks.collect()
     metrics = [sw.metrics.SpectralNorm(iterations=2), sw.metrics.ConditionNumber(every=5)]
-    with sw.observe(model, opt, metrics=metrics, sinks=[records]) as watch:
+    with sw.observe(model, opt, metrics=metrics, sinks=[records], every=1) as watch:
         # 40 steps: warm-started power iteration converges over the steps
         train(model, opt, watch, 40, shape=(8, 3, 6, 6), classes=5, seed=3, report_outputs=False)
     last = records.items[-1]
@@ -206,7 +207,7 @@ def test_condition_number_matches_svdvals_at_the_sampled_step(train: Train) -> N
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     singular: list[torch.Tensor] = []
     records = sw.sinks.collect()
-    with sw.observe(model, opt, metrics=[sw.metrics.ConditionNumber()], sinks=[records]) as watch:
+    with sw.observe(model, opt, metrics=[sw.metrics.ConditionNumber()], sinks=[records], every=1) as watch:
         train(
             model,
             opt,
@@ -227,7 +228,7 @@ def test_histograms_count_every_element_by_sign_and_magnitude(train: Train) -> N
     model[1].register_forward_hook(lambda m, a, out: acts.append(out.detach().clone()))
     records = sw.sinks.collect()
     metric = sw.metrics.Histogram(kinds=("activation", "param_grad"), buckets=buckets)
-    with sw.observe(model, opt, metrics=[metric], sinks=[records]) as watch:
+    with sw.observe(model, opt, metrics=[metric], sinks=[records], every=1) as watch:
         train(model, opt, watch, data=_batches(2))
     counts = records.items[-1].extras[(SeriesKey("train", "1", "activation", ""), "histogram")]
     x = acts[-1].numpy()
@@ -252,7 +253,7 @@ def test_p_norms_of_tapped_tensors(p: float, train: Train) -> None:
     grads: list[torch.Tensor] = []
     records = sw.sinks.collect()
     metric = sw.metrics.PNorm(p=p, kinds=("param_grad",))
-    with sw.observe(model, opt, metrics=[metric], sinks=[records]) as watch:
+    with sw.observe(model, opt, metrics=[metric], sinks=[records], every=1) as watch:
         train(
             model,
             opt,
@@ -288,7 +289,7 @@ def test_activation_similarity_between_checkpoints_and_training_unchanged(train:
     records = sw.sinks.collect()
     # the ReLU's output: a Linear layer's is a linear map of the probe, so its CCA is always 1
     metric = sw.metrics.ActivationSimilarity(probe, layers=["1"], every=1, against="first")
-    with sw.observe(model, opt, metrics=[metric], sinks=[records]) as watch:
+    with sw.observe(model, opt, metrics=[metric], sinks=[records], every=1) as watch:
         losses = train(model, opt, watch, data=batches, after_opt_step=capture)
     assert losses == reference  # the probe pass changes nothing in training
     got = {
@@ -313,7 +314,7 @@ def test_hessian_max_eigenvalue_matches_a_direct_eigendecomposition() -> None:
 
     records = sw.sinks.collect()
     metric = sw.metrics.HessianMaxEig(loss_fn, every=1, iterations=200)
-    with sw.observe(model, metrics=[metric], sinks=[records]) as watch:
+    with sw.observe(model, metrics=[metric], sinks=[records], every=1) as watch:
         watch.step()
     params = list(model.parameters())
     flat = torch.cat([p.detach().reshape(-1) for p in params])
@@ -360,7 +361,7 @@ def test_test_accuracy_every_n_steps_labelled_eval(train: Train) -> None:
             )
 
     with sw.observe(
-        model, opt, metrics=[sw.metrics.TestAccuracy(evaluate, every=2)], sinks=[records]
+        model, opt, metrics=[sw.metrics.TestAccuracy(evaluate, every=2)], sinks=[records], every=1
     ) as watch:
         train(model, opt, watch, data=_batches(5), after_opt_step=reference)
         assert model.training  # the evaluation's eval() was undone
@@ -391,7 +392,7 @@ def test_a_failing_metric_is_counted_and_raised_at_close_never_into_training(tra
 
     batches = _batches(3)
     watch = sw.observe(
-        model, opt, metrics=[sw.metrics.TestAccuracy(broken, every=1), sw.metrics.SpectralNorm()]
+        model, opt, metrics=[sw.metrics.TestAccuracy(broken, every=1), sw.metrics.SpectralNorm()], every=1
     )
     with pytest.warns(RuntimeWarning, match="the evaluation broke"):
         train(model, opt, watch, data=batches)
@@ -403,11 +404,11 @@ def test_a_failing_metric_is_counted_and_raised_at_close_never_into_training(tra
 
 def test_a_metric_object_serves_one_watch_at_a_time() -> None:
     metric = sw.metrics.SpectralNorm()
-    first = sw.observe(_model(), metrics=[metric])
+    first = sw.observe(_model(), metrics=[metric], every=1)
     with pytest.raises(RuntimeError, match="already bound"):
-        sw.observe(_model(1), metrics=[metric])
+        sw.observe(_model(1), metrics=[metric], every=1)
     first.close()
-    sw.observe(_model(1), metrics=[metric]).close()  # free again after close()
+    sw.observe(_model(1), metrics=[metric], every=1).close()  # free again after close()
     with pytest.raises(ValueError, match="`every` to be an int >= 1"):
         sw.metrics.SpectralNorm(every=0)
 
@@ -426,7 +427,7 @@ def test_a_z_score_spike_detector_served_next_to_the_built_in_series(train: Trai
         history, latest = np.array(window[:-1]), window[-1]
         return float((latest - history.mean()) / (history.std() + 1e-12))
 
-    with sw.observe(model, opt) as watch:
+    with sw.observe(model, opt, every=1) as watch:
         watch.pipe(
             sw.source()
             | ops.map(grad_norm)
@@ -463,7 +464,7 @@ def test_zero_weights_a_single_unit_and_nan_inputs_are_measured_not_crashing(tra
     def keep(_: Step) -> None:
         weights.append(model[0].weight.detach().clone())
 
-    with sw.observe(model, opt, metrics=metrics, sinks=[records]) as watch:
+    with sw.observe(model, opt, metrics=metrics, sinks=[records], every=1) as watch:
         # no targets: the loss is the outputs' mean square
         train(model, opt, watch, data=[(x, None) for x in inputs], after_opt_step=keep)
         assert watch.statistics().hook_errors == 0
@@ -487,7 +488,7 @@ def test_zero_weights_have_spectral_norm_zero_and_infinite_condition_number() ->
     with torch.no_grad():
         model.weight.zero_()
     metrics = [sw.metrics.SpectralNorm(), sw.metrics.ConditionNumber()]
-    with sw.observe(model, metrics=metrics) as watch:
+    with sw.observe(model, metrics=metrics, every=1) as watch:
         watch.step()
     values = {s.labels["stat"]: s.value for s in watch.snapshot() if s.labels.get("kind") == "param"}
     assert values["spectral_norm"] == 0.0
@@ -495,7 +496,7 @@ def test_zero_weights_have_spectral_norm_zero_and_infinite_condition_number() ->
     with torch.no_grad():
         model.weight.copy_(torch.tensor([[3.0, 0.0, 0.0], [0.0, 0.5, 0.0]]))
     with sw.observe(
-        model, metrics=[sw.metrics.SpectralNorm(iterations=30), sw.metrics.ConditionNumber()]
+        model, metrics=[sw.metrics.SpectralNorm(iterations=30), sw.metrics.ConditionNumber()], every=1
     ) as watch:
         watch.step()
     values = {s.labels["stat"]: s.value for s in watch.snapshot() if s.labels.get("kind") == "param"}
@@ -544,7 +545,7 @@ def test_probe_metrics_keep_every_modules_own_training_flag(name: str, train: Tr
     modes = {n: m.training for n, m in model.named_modules()}
     stats = [b.clone() for b in model[1].buffers()]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with sw.observe(model, opt, metrics=[_probe_metric(name)]) as watch:
+    with sw.observe(model, opt, metrics=[_probe_metric(name)], every=1) as watch:
         train(model, opt, watch, data=_batches(3))
         assert watch.statistics().hook_errors == 0
         assert {n: m.training for n, m in model.named_modules()} == modes
@@ -572,7 +573,7 @@ def test_test_accuracy_puts_back_rng_grads_and_buffers_whatever_the_function_doe
         return total / len(data)
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    watch = sw.observe(model, opt, metrics=[sw.metrics.TestAccuracy(evaluate, every=1)])
+    watch = sw.observe(model, opt, metrics=[sw.metrics.TestAccuracy(evaluate, every=1)], every=1)
     x, y = _batches(1)[0]
     F.cross_entropy(model(x), y).backward()
     model[0].bias.grad = None  # None-ness is kept too
@@ -599,7 +600,7 @@ def test_a_probe_between_forward_and_backward_does_not_break_the_backward() -> N
     their version (autograd would refuse to back-propagate)."""
     model = _frozen_bn_model()
     metric = sw.metrics.ActivationSimilarity(torch.randn(200, 6), layers=["2"], every=1)
-    with sw.observe(model, metrics=[metric]) as watch:
+    with sw.observe(model, metrics=[metric], every=1) as watch:
         for x, y in _batches(2):
             loss = F.cross_entropy(model(x), y)
             watch.step(loss=loss)  # before backward()

@@ -239,7 +239,9 @@ def test_the_metric_leaves_modes_rng_and_grads_as_it_found_them() -> None:
         buffers = [b.clone() for b in model.buffers()]
         modes = [m.training for m in model.modules()]
         state = torch.get_rng_state()
-        with sw.observe(model, metrics=[sw.metrics.HessianMaxEig(loss_fn, every=1, iterations=3)]) as watch:
+        with sw.observe(
+            model, metrics=[sw.metrics.HessianMaxEig(loss_fn, every=1, iterations=3)], every=1
+        ) as watch:
             watch.step()
             watch.step()
             assert watch.statistics().hook_errors == 0

@@ -175,7 +175,11 @@ def _train(metrics: Sequence[sw.metrics.Metric] | None) -> tuple[State, list[sw.
     model = build()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     records = sw.sinks.collect()
-    watch = None if metrics is None else sw.observe(model, optimizer, metrics=list(metrics), sinks=[records])
+    watch = (
+        None
+        if metrics is None
+        else sw.observe(model, optimizer, metrics=list(metrics), sinks=[records], every=1)
+    )
     _seed()
     for x, y in BATCHES:
         optimizer.zero_grad()

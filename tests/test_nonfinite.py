@@ -204,7 +204,7 @@ EVERY_KIND = {"param": 1, "update": 1}
 @pytest.mark.parametrize("fault", sorted(CASES))
 def test_a_fault_with_every_kind_sampled_is_reported_at_its_origin_at_once(fault: str) -> None:
     model, opt = _model()
-    with sw.observe(model, opt, cadence=EVERY_KIND) as watch:
+    with sw.observe(model, opt, cadence=EVERY_KIND, every=1) as watch:
         _train(model, opt, 12, fault, {5}, watch)
         assert watch.flush()
         first = watch.statistics().first_nonfinite
@@ -231,7 +231,7 @@ def test_with_the_default_cadence_a_recurring_fault_is_pinned_down_by_the_escala
     recurrence at 11 gives the certain origin, which replaces it."""
     model, opt = _model()
     seen: list[sw.FirstNonFinite | None] = []
-    with sw.observe(model, opt) as watch:
+    with sw.observe(model, opt, every=1) as watch:
         _train(
             model,
             opt,
@@ -334,7 +334,7 @@ def test_backward_origin_matches_detect_anomaly() -> None:
         name for name, m in model.named_modules() if isinstance(m, Faulty)
     )  # the forward's owner
     model, opt = _model()
-    with sw.observe(model, opt) as watch:
+    with sw.observe(model, opt, every=1) as watch:
         _train(model, opt, 3, "backward", {1}, watch)
         assert watch.flush()
         first = watch.statistics().first_nonfinite
@@ -349,7 +349,10 @@ def test_backward_origin_matches_detect_anomaly() -> None:
 def test_raise_stops_the_loop_at_the_faulty_step_with_the_origin() -> None:
     model, opt = _model()
     done: list[int] = []
-    with sw.observe(model, opt, on_nonfinite="raise") as watch, pytest.raises(sw.NonFiniteError) as info:
+    with (
+        sw.observe(model, opt, on_nonfinite="raise", every=1) as watch,
+        pytest.raises(sw.NonFiniteError) as info,
+    ):
         _train(model, opt, 20, "forward", {5}, watch, on_step=done.append)
     err = info.value
     assert isinstance(err, FloatingPointError)
@@ -378,7 +381,10 @@ def test_raise_for_a_nan_the_loss_does_not_show_comes_at_most_one_step_late() ->
             watch.step(loss=loss)
             done.append(step)
 
-    with sw.observe(model, opt, on_nonfinite="raise") as watch, pytest.raises(sw.NonFiniteError) as info:
+    with (
+        sw.observe(model, opt, on_nonfinite="raise", every=1) as watch,
+        pytest.raises(sw.NonFiniteError) as info,
+    ):
         loop(watch)
     assert done[-1] in (4, 5)  # raised from step 5's or step 6's watch.step()
     err = info.value
@@ -408,7 +414,7 @@ def test_warn_logs_once_per_episode(caplog: pytest.LogCaptureFixture) -> None:
     model, opt = _model()
     with (
         caplog.at_level(logging.WARNING, logger="streamwatch"),
-        sw.observe(model, opt, cadence=EVERY_KIND) as watch,
+        sw.observe(model, opt, cadence=EVERY_KIND, every=1) as watch,
     ):
         _train(model, opt, 12, "forward", {3, 4, 8}, watch)  # two episodes: steps 3-4, step 8
         assert watch.flush()
@@ -431,6 +437,7 @@ def test_a_callable_gets_each_episode_on_the_worker_thread() -> None:
         opt,
         cadence=EVERY_KIND,
         on_nonfinite=lambda v: got.append((v, threading.current_thread().name)),
+        every=1,
     ) as watch:
         _train(model, opt, 12, "lr", {3, 8}, watch)
         assert watch.flush()
@@ -451,7 +458,7 @@ def test_a_raising_callable_stops_only_itself_counted_and_reported() -> None:
         raise KeyError("callback bug")
 
     model, opt = _model()
-    watch = sw.observe(model, opt, cadence=EVERY_KIND, on_nonfinite=fails)
+    watch = sw.observe(model, opt, cadence=EVERY_KIND, on_nonfinite=fails, every=1)
     with pytest.warns(RuntimeWarning, match=r"on_nonfinite callback .*KeyError: 'callback bug'"):
         _train(model, opt, 12, "forward", {3, 8}, watch, on_step=lambda step: watch.flush() and None)
     stats = watch.statistics()
@@ -506,7 +513,7 @@ def test_bad_arguments_are_refused_before_anything_is_attached(
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     assert not opt._optimizer_step_pre_hooks
     assert not opt._optimizer_step_post_hooks
-    with sw.observe(model, opt):  # not half-observed: it can be observed now
+    with sw.observe(model, opt, every=1):  # not half-observed: it can be observed now
         pass
 
 
@@ -552,7 +559,7 @@ def test_first_nonfinite_and_escalation_are_served_on_metrics(tmp_path: Path) ->
 def test_the_run_file_report_and_replay_show_what_the_live_run_showed(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     model, opt = _model()
-    with sw.observe(model, opt, sinks=[RunFile(path)], cadence=EVERY_KIND) as watch:
+    with sw.observe(model, opt, sinks=[RunFile(path)], cadence=EVERY_KIND, every=1) as watch:
         _train(model, opt, 30, "lr", {24}, watch)
         assert watch.flush()
         live = watch.snapshot()
@@ -621,6 +628,7 @@ def test_records_carry_the_execution_order_of_the_hooks() -> None:
         sinks=[recs],
         cadence={"param": 1, "update": 1},
         taps=("activation", "param_grad", "update", "param"),
+        every=1,
     ) as watch:
         _train(model, opt, 1, "none", set(), watch)
     (record,) = recs.items
@@ -718,7 +726,7 @@ def test_raise_again_while_an_episode_goes_on_names_its_origin() -> None:
     between for the sentinel) raises again, naming the episode's origin."""
     model, opt = _model()
     errors: list[sw.NonFiniteError] = []
-    with sw.observe(model, opt, cadence=EVERY_KIND, on_nonfinite="raise") as watch:
+    with sw.observe(model, opt, cadence=EVERY_KIND, on_nonfinite="raise", every=1) as watch:
         faulty = model[2]
         assert isinstance(faulty, Faulty)
         for step in range(8):
@@ -782,9 +790,9 @@ def test_under_a_governor_the_gradient_norm_check_is_kept_only_where_the_budget_
                 assert watch.statistics().sentinel == ("loss",)  # on trial: not yet decided
         checks = watch.statistics().sentinel
     assert checks == (("loss", "grad_norm") if kept else ("loss",))
-    with sw.observe(model, opt) as watch:  # a fixed interval: the loss only, unless asked
+    with sw.observe(model, opt, every=1) as watch:  # a fixed interval: the loss only, unless asked
         assert watch.statistics().sentinel == ("loss",)
-    with sw.observe(model, opt, sentinel=()) as watch:
+    with sw.observe(model, opt, sentinel=(), every=1) as watch:
         assert watch.statistics().sentinel == ()
 
 

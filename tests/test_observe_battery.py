@@ -104,7 +104,11 @@ def _train(case: Case, model: nn.Module, watch_sinks: list[sw.Sink] | None) -> t
     watch = None
     if watch_sinks is not None:
         watch = sw.observe(
-            model, optimizer, cadence={"param": 1, "update": 1}, sinks=watch_sinks, **case.observe
+            model,
+            optimizer,
+            cadence={"param": 1, "update": 1},
+            sinks=watch_sinks,
+            **({"every": 1} | case.observe),  # every step sampled: each one checked
         )
     trained = Trained(model, [], [], [])
     for k in range(STEPS):
@@ -891,7 +895,7 @@ def test_update_tap_with_no_selected_parameters() -> None:
     model = mlp(nn.ReLU())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     records = sw.sinks.collect()
-    with sw.observe(model, optimizer, select=nn.ReLU, sinks=[records]) as watch:
+    with sw.observe(model, optimizer, select=nn.ReLU, sinks=[records], every=1) as watch:
         for k in range(2):
             optimizer.zero_grad()
             fit(model, x8(k))
@@ -905,7 +909,7 @@ def test_update_tap_with_no_selected_parameters() -> None:
 def test_nan_is_neither_zero_nor_dead() -> None:
     records = sw.sinks.collect()
     model = nn.Identity()
-    with sw.observe(model, sinks=[records]) as watch:
+    with sw.observe(model, sinks=[records], every=1) as watch:
         model(torch.tensor([[math.nan, 1.0], [math.nan, 2.0]]))  # no zero element; unit 0 all NaN
         watch.step()
     got = row(records.items[0], act(""))
@@ -928,7 +932,7 @@ def test_keyword_tensor_inputs_are_tapped_by_name() -> None:
     model = Scaled()
     x, scale = torch.randn(4, 3), torch.full((4, 3), 2.0)
     recs = sw.sinks.collect()
-    with sw.observe(model, select=Scaled, taps=("input",), sinks=[recs]) as watch:
+    with sw.observe(model, select=Scaled, taps=("input",), sinks=[recs], every=1) as watch:
         model(x, scale=scale)
         watch.step()
     (record,) = recs.items

@@ -74,7 +74,7 @@ def test_forward_side_taps_add_no_graph_breaks() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     records = sw.sinks.collect()
     taps = ("input", "activation", "param", "param_grad", "update")
-    with sw.observe(model, optimizer, taps=taps, sinks=[records]) as watch:
+    with sw.observe(model, optimizer, taps=taps, sinks=[records], every=1) as watch:
         breaks, reasons = graph_breaks(lambda x: model(x), x)
         watch.step()
     assert (breaks, reasons) == (0, [])
@@ -97,7 +97,7 @@ def test_compiled_observed_model_trains_and_is_recorded() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     records = sw.sinks.collect()
     losses = []
-    with sw.observe(model, optimizer, cadence={"param": 1, "update": 1}, sinks=[records]) as watch:
+    with sw.observe(model, optimizer, cadence={"param": 1, "update": 1}, sinks=[records], every=1) as watch:
         compiled = torch.compile(model)  # after observe(), as documented
         for _ in range(5):
             optimizer.zero_grad()

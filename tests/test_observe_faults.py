@@ -81,7 +81,7 @@ def test_a_refused_step_is_dropped_and_never_merged_into_the_next(
     seen: list[torch.Tensor] = []
     model[0].register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
     recs = sw.sinks.collect()
-    with sw.observe(model, opt, sinks=[recs]) as watch:
+    with sw.observe(model, opt, sinks=[recs], every=1) as watch:
         for step in range(3):
             x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
             logits = model(x)
@@ -124,7 +124,7 @@ def test_an_error_inside_step_drops_the_step_warns_and_is_raised_at_close(
 
     monkeypatch.setattr(streamwatch._record.StepBuffer, "seal", flaky)
     recs = sw.sinks.collect()
-    watch = sw.observe(model, opt, sinks=[recs])
+    watch = sw.observe(model, opt, sinks=[recs], every=1)
     for step in range(3):
         x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
         loss = nn.functional.cross_entropy(model(x), y)
@@ -212,7 +212,7 @@ def test_observe_that_fails_part_way_leaves_no_hook_no_thread_and_the_model_free
     if metric is not None:
         assert metric.binding is None
     # the model is free, and observing it again works: one record per step, right numbers
-    with sw.observe(model, opt, sinks=[sink]) as watch:
+    with sw.observe(model, opt, sinks=[sink], every=1) as watch:
         x = torch.randn(16, 4)
         out = model(x)
         out.pow(2).mean().backward()
@@ -244,14 +244,14 @@ def test_a_torchscript_model_is_refused_with_a_clear_error(
     model, named = build()
     threads = _streamwatch_threads()
     with pytest.raises(TypeError, match=r"TorchScript") as info:
-        sw.observe(model)
+        sw.observe(model, every=1)
     assert named in str(info.value)
     assert "eager" in str(info.value)
     assert _streamwatch_threads() == threads
     eager = [m for m in model.modules() if not isinstance(m, torch.jit.ScriptModule)]
     assert not any(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in eager)
     with pytest.raises(TypeError, match=r"TorchScript"):  # refused again: never half-registered
-        sw.observe(model)
+        sw.observe(model, every=1)
 
 
 # -- finding 3: train accuracy for every common target layout ------------------------------------------
@@ -304,7 +304,7 @@ def test_train_accuracy_of_every_supported_layout_matches_torch(layout: str) -> 
     g = torch.Generator().manual_seed(1)
     recs = sw.sinks.collect()
     expected = []
-    with sw.observe(model, opt, sinks=[recs]) as watch:
+    with sw.observe(model, opt, sinks=[recs], every=1) as watch:
         for _ in range(3):
             x, targets = torch.randn(N, 6, generator=g), make_targets(g)
             outputs = model(x)
@@ -342,7 +342,7 @@ def test_an_unreadable_accuracy_layout_is_refused_naming_the_shapes(
 ) -> None:
     model = nn.Sequential(nn.Linear(4, 4))
     recs = sw.sinks.collect()
-    with sw.observe(model, sinks=[recs]) as watch:
+    with sw.observe(model, sinks=[recs], every=1) as watch:
         model(torch.randn(8, 4))
         with pytest.raises(ValueError, match=r"`targets`") as info:
             watch.step(outputs=outputs, targets=targets)
@@ -361,7 +361,10 @@ def test_an_unreadable_accuracy_layout_is_refused_naming_the_shapes(
     ids=["outputs_only", "targets_only"],
 )
 def test_outputs_without_targets_or_the_reverse_is_refused(kwargs: dict[str, Any]) -> None:
-    with sw.observe(nn.Linear(2, 2)) as watch, pytest.raises(ValueError, match=r"`outputs`.*`targets`"):
+    with (
+        sw.observe(nn.Linear(2, 2), every=1) as watch,
+        pytest.raises(ValueError, match=r"`outputs`.*`targets`"),
+    ):
         watch.step(**kwargs)
 
 
@@ -391,7 +394,7 @@ def _run_checkpointed(train: Train, reentrant: bool | None) -> list[sw.StepRecor
     every = dict.fromkeys(KINDS, 1)
     # inputs that require grad (the reentrant checkpoint needs one), drawn step by step from the global RNG
     batches = ((torch.randn(16, 4, requires_grad=True), torch.randint(0, 3, (16,))) for _ in range(3))
-    with sw.observe(model, opt, taps=KINDS, cadence=every, sinks=[recs], metrics=()) as watch:
+    with sw.observe(model, opt, taps=KINDS, cadence=every, sinks=[recs], metrics=(), every=1) as watch:
         train(model, opt, watch, data=batches, report_outputs=False)
         assert watch.statistics().hook_errors == 0
     return list(recs.items)
@@ -418,7 +421,7 @@ def test_a_checkpointed_block_in_evaluation_is_still_an_eval_forward() -> None:
     torch.manual_seed(0)
     model = Checkpointed(True)
     recs = sw.sinks.collect()
-    with sw.observe(model, sinks=[recs], taps=("activation",)) as watch:
+    with sw.observe(model, sinks=[recs], taps=("activation",), every=1) as watch:
         model.eval()
         with torch.no_grad():
             model(torch.randn(4, 4, requires_grad=True))
@@ -458,7 +461,7 @@ OBSERVE_BAD: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
     "overhead_prepared_metric": (
         {"overhead": 0.02, "metrics": [sw.metrics.GradientCosine()]},
         ValueError,
-        "pass every=N instead of overhead=",
+        "Pass every=N (a fixed interval)",
     ),
     "overflow_none": ({"overflow": None}, ValueError, "`overflow`"),
     "capacity_float": ({"capacity": 2.5}, ValueError, "`capacity`"),
@@ -479,14 +482,14 @@ def test_bad_observe_arguments_are_refused_naming_them_and_leave_nothing_behind(
         sw.observe(model, opt, **kwargs)
     assert not any(_hooks(model, opt).values())
     assert _streamwatch_threads() == threads
-    with sw.observe(model, opt):  # the model is free
+    with sw.observe(model, opt, every=1):  # the model is free
         pass
 
 
 def test_a_select_that_matches_nothing_says_what_it_was_and_lists_module_names() -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     with pytest.raises(ValueError, match=r"`select`") as info:
-        sw.observe(model, select="encoder.*")
+        sw.observe(model, select="encoder.*", every=1)
     message = str(info.value)
     assert "encoder.*" in message
     for name in ("'0'", "'1'", "'2'"):
@@ -496,7 +499,7 @@ def test_a_select_that_matches_nothing_says_what_it_was_and_lists_module_names()
 def test_a_single_sink_is_accepted_as_if_in_a_list() -> None:
     model = _mlp()
     recs = sw.sinks.collect()
-    with sw.observe(model, sinks=recs) as watch:
+    with sw.observe(model, sinks=recs, every=1) as watch:
         out = model(torch.randn(4, 4))
         out.sum().backward()
         watch.step()
@@ -509,7 +512,7 @@ def test_taps_and_stats_given_as_generators_are_read_once_and_kept() -> None:
     recs = sw.sinks.collect()
     taps = (k for k in ("activation",))
     stats = (s for s in ("dead", "nonfinite"))
-    with sw.observe(model, taps=taps, stats=stats, sinks=[recs]) as watch:
+    with sw.observe(model, taps=taps, stats=stats, sinks=[recs], every=1) as watch:
         model(torch.randn(4, 4))
         watch.step()
     (record,) = recs.items
@@ -539,7 +542,7 @@ def test_bad_step_arguments_are_refused_naming_them(
 ) -> None:
     model = _mlp()
     recs = sw.sinks.collect()
-    with sw.observe(model, sinks=[recs]) as watch:
+    with sw.observe(model, sinks=[recs], every=1) as watch:
         model(torch.randn(4, 4))
         with pytest.raises(error, match=re.escape(names)):
             watch.step(**kwargs)
@@ -559,7 +562,7 @@ def test_bad_step_arguments_are_refused_naming_them(
 )
 def test_every_scalar_loss_is_reported(loss: Any) -> None:
     recs = sw.sinks.collect()
-    with sw.observe(nn.Linear(2, 2), sinks=[recs]) as watch:
+    with sw.observe(nn.Linear(2, 2), sinks=[recs], every=1) as watch:
         watch.step(loss=loss)
     expected = float(loss.reshape(()) if isinstance(loss, torch.Tensor) else loss)
     assert recs.items[0].scalars["loss"] == pytest.approx(expected, nan_ok=True)
@@ -568,7 +571,7 @@ def test_every_scalar_loss_is_reported(loss: Any) -> None:
 @pytest.mark.parametrize("timeout", [float("nan"), -1.0, "10", None, True], ids=repr)
 def test_flush_refuses_a_timeout_it_could_not_honour(timeout: Any) -> None:
     # before: a NaN deadline never passes, so flush(nan) with a stuck worker waited forever
-    with sw.observe(nn.Linear(2, 2)) as watch, pytest.raises(ValueError, match=r"`timeout`"):
+    with sw.observe(nn.Linear(2, 2), every=1) as watch, pytest.raises(ValueError, match=r"`timeout`"):
         watch.flush(timeout)
 
 
@@ -583,7 +586,7 @@ def test_overflow_error_raises_full_and_the_step_is_counted_not_reused() -> None
         assert gate.wait(10)
 
     recs = sw.sinks.collect()
-    watch = sw.observe(model, opt, overflow="error", capacity=1, sinks=[recs])
+    watch = sw.observe(model, opt, overflow="error", capacity=1, sinks=[recs], every=1)
     watch.pipe(sw.source() | sw.sinks.callback(held))
 
     def train_step() -> None:

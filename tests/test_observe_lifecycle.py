@@ -55,7 +55,7 @@ def test_close_removes_every_hook_and_later_training_records_nothing(train: Trai
     before = _hooks(model, opt)
     assert not any(before.values())
     recs = sw.sinks.collect()
-    watch = sw.observe(model, opt, cadence={"param": 1, "update": 1}, sinks=[recs])
+    watch = sw.observe(model, opt, cadence={"param": 1, "update": 1}, sinks=[recs], every=1)
     during = _hooks(model, opt)
     assert during["optimizer step_pre"] == during["optimizer step_post"] == 1
     assert during["module '0' forward"] == 1
@@ -83,7 +83,7 @@ def test_with_block_exception_propagates_and_hooks_are_removed(train: Train) -> 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = _hooks(model, opt)
     recs = sw.sinks.collect()
-    watch = sw.observe(model, opt, sinks=[recs])
+    watch = sw.observe(model, opt, sinks=[recs], every=1)
 
     def loop() -> None:
         with watch:
@@ -97,7 +97,7 @@ def test_with_block_exception_propagates_and_hooks_are_removed(train: Train) -> 
     assert _hooks(model, opt) == before
     assert [r.step for r in recs.items] == [0, 1]
     assert recs.closed
-    with sw.observe(model, opt):  # the model is free to observe again
+    with sw.observe(model, opt, every=1):  # the model is free to observe again
         pass
 
 
@@ -111,7 +111,7 @@ def test_with_block_exception_keeps_pipeline_failures_as_a_note(train: Train) ->
         assert go.wait(JOIN_S)  # fail after step() returned: no warning races the loop's own error
         raise Boom("sink failed")
 
-    watch = sw.observe(model, opt)
+    watch = sw.observe(model, opt, every=1)
     watch.pipe(sw.source() | sw.sinks.callback(explode))
 
     def loop() -> None:
@@ -132,7 +132,7 @@ def test_with_block_exception_keeps_pipeline_failures_as_a_note(train: Train) ->
 def test_closed_watch_lets_the_model_be_garbage_collected(train: Train) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    watch = sw.observe(model, opt, cadence={"param": 1, "update": 1})
+    watch = sw.observe(model, opt, cadence={"param": 1, "update": 1}, every=1)
     train(model, opt, watch, 2)
     watch.close()
     ref = weakref.ref(model)
@@ -147,7 +147,7 @@ def test_closed_watch_lets_the_model_be_garbage_collected(train: Train) -> None:
 def test_closed_watch_lets_the_parameters_be_garbage_collected(train: Train) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    watch = sw.observe(model, opt)
+    watch = sw.observe(model, opt, every=1)
     train(model, opt, watch, 1)
     watch.close()
     ref = weakref.ref(model[0].weight)
@@ -159,20 +159,20 @@ def test_closed_watch_lets_the_parameters_be_garbage_collected(train: Train) -> 
 
 def test_observing_an_observed_model_raises_until_the_first_watch_closes(train: Train) -> None:
     model = _model()
-    first = sw.observe(model)
+    first = sw.observe(model, every=1)
     with pytest.raises(
         RuntimeError,
         match=r"^Sequential is already observed by another Watch; close that one first "
         r"\(one Watch per model — use watch\.pipe\(\) to add pipelines to it\)$",
     ):
-        sw.observe(model)
+        sw.observe(model, every=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(RuntimeError, match=r"^Sequential is already observed"):
         sw.observe(model, opt, every=5)
     assert len(model[0]._forward_hooks) == 1  # the refused Watch installed nothing
     first.close()
     recs = sw.sinks.collect()
-    with sw.observe(model, opt, sinks=[recs]) as second:
+    with sw.observe(model, opt, sinks=[recs], every=1) as second:
         train(model, opt, second, 1)
     assert len(recs.items) == 1
 
@@ -194,7 +194,7 @@ def _watch_with_a_held_pipeline(overflow: Any, capacity: int) -> tuple[Any, ...]
         slow.append(record.step)
 
     recs = sw.sinks.collect()
-    watch = sw.observe(model, opt, overflow=overflow, capacity=capacity, sinks=[recs])
+    watch = sw.observe(model, opt, overflow=overflow, capacity=capacity, sinks=[recs], every=1)
     watch.pipe(sw.source() | sw.sinks.callback(held))
     return model, opt, watch, recs, gate, entered, slow
 
@@ -257,7 +257,7 @@ def test_failing_pipeline_warns_at_the_next_step_and_raises_at_close(train: Trai
             raise original
 
     recs = sw.sinks.collect()
-    watch = sw.observe(model, opt, sinks=[recs])
+    watch = sw.observe(model, opt, sinks=[recs], every=1)
     healthy = sw.sinks.collect()
     watch.pipe(sw.source() | sw.sinks.callback(explode))
     watch.pipe(sw.source() | healthy)
@@ -300,7 +300,7 @@ def test_hook_error_never_reaches_training_and_is_raised_at_close() -> None:
     model = nn.Sequential(nn.Linear(4, 3), Side())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     recs = sw.sinks.collect()
-    watch = sw.observe(model, opt, sinks=[recs])
+    watch = sw.observe(model, opt, sinks=[recs], every=1)
     for step in range(3):
         out, _ = model(torch.randn(8, 4))
         loss = out.pow(2).mean()
@@ -326,7 +326,7 @@ def test_hook_error_never_reaches_training_and_is_raised_at_close() -> None:
 
 def test_hook_error_messages_blame_the_hook_not_a_pipeline() -> None:
     model = nn.Sequential(nn.Linear(4, 3), Side())
-    watch = sw.observe(model)
+    watch = sw.observe(model, every=1)
     model(torch.randn(8, 4))[0].sum().backward()
     line = "  <tap>: Boom: cannot summarise this tensor"
     head = re.escape("1 hook call failed on the training thread (caught; training continued):\n" + line)
@@ -348,7 +348,7 @@ def test_failing_summaries_leave_training_bit_for_bit_unchanged(
         if not observe:
             train(model, opt, None, 3)
             return [p.detach().clone() for p in model.parameters()]
-        watch = sw.observe(model, opt, cadence={"param": 1, "update": 1})
+        watch = sw.observe(model, opt, cadence={"param": 1, "update": 1}, every=1)
         with pytest.warns(RuntimeWarning, match="(?s)^streamwatch: .*Boom: summaries are broken"):
             train(model, opt, watch, 3)
         assert watch.statistics().hook_errors > 0
@@ -427,21 +427,21 @@ def test_bad_arguments_are_refused_with_a_message_naming_them(
     with pytest.raises(error, match=pattern):
         sw.observe(model, **kwargs)
     assert not any(len(m._forward_hooks) for m in model.modules())
-    with sw.observe(model):  # a refused observe() leaves the model free
+    with sw.observe(model, every=1):  # a refused observe() leaves the model free
         pass
 
 
 def test_a_model_that_is_not_a_module_is_refused() -> None:
     with pytest.raises(TypeError, match=r"^Expected `model` to be a torch\.nn\.Module, got int$"):
-        sw.observe(42)  # type: ignore[arg-type]
+        sw.observe(42, every=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^Expected `model` to be a torch\.nn\.Module, got function$"):
-        sw.observe(lambda x: x)  # type: ignore[arg-type]
+        sw.observe(lambda x: x, every=1)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("capacity", [0, -1], ids=["zero", "negative"])
 def test_a_capacity_below_one_is_refused(capacity: int) -> None:
     model = _model()
     with pytest.raises(ValueError, match=r"`capacity`"):
-        sw.observe(model, capacity=capacity)
-    with sw.observe(model):
+        sw.observe(model, capacity=capacity, every=1)
+    with sw.observe(model, every=1):
         pass

@@ -271,6 +271,7 @@ def test_every_column_and_derived_stat_matches_a_float64_reference(case: Case, c
         stats=stats,
         channel_last=case.channel_last,
         sinks=[recs],
+        every=1,
     )
     modules = dict(model.named_modules())
     rec = Recorder({name: modules[name] for name in case.tapped}, lambda name, t: case.unit_dim % t.dim())
@@ -291,7 +292,7 @@ def test_multihead_attention_tuple_output_leaves_are_named_by_position() -> None
     torch.manual_seed(0)
     model = Attention()
     recs = sw.sinks.collect()
-    with sw.observe(model, select=nn.MultiheadAttention, sinks=[recs]) as watch:
+    with sw.observe(model, select=nn.MultiheadAttention, sinks=[recs], every=1) as watch:
         attn_output, _ = model(torch.randn(2, 5, 8))
         attn_output.pow(2).mean().backward()  # the attention weights get no gradient
         watch.step()
@@ -346,7 +347,9 @@ def test_units_forced_dead_are_counted_exactly(
     recs = sw.sinks.collect()
     modules = {n: m for n, m in model.named_modules() if n}
     unit_dim = 1 if channel_last is False else -1
-    with sw.observe(model, opt, cadence=EVERY_STEP, channel_last=channel_last, sinks=[recs]) as watch:
+    with sw.observe(
+        model, opt, cadence=EVERY_STEP, channel_last=channel_last, sinks=[recs], every=1
+    ) as watch:
         rec = Recorder(modules, lambda name, t: unit_dim % t.dim())
         for _ in range(3):
             loss = model(inputs()).pow(2).mean()
@@ -371,7 +374,7 @@ def test_relu_after_conv_counts_dead_channels_by_default() -> None:
     model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU())
     _kill(model[0], [2])
     recs = sw.sinks.collect()
-    with sw.observe(model, sinks=[recs]) as watch:
+    with sw.observe(model, sinks=[recs], every=1) as watch:
         model(torch.randn(8, 2, 5, 5)).sum().backward()
         watch.step()
     (record,) = recs.items
@@ -426,7 +429,7 @@ def test_death_and_activation_rates_of_known_inputs_follow_monitorch(
 ) -> None:
     model = nn.Sequential(nn.Identity())  # the activation is exactly the input
     recs = sw.sinks.collect()
-    with sw.observe(model, channel_last=channel_last, sinks=[recs]) as watch:
+    with sw.observe(model, channel_last=channel_last, sinks=[recs], every=1) as watch:
         model(torch.tensor(values))
         watch.step()
     (record,) = recs.items
@@ -519,7 +522,7 @@ def test_monitorchs_published_activation_rates_reproduce(
 ) -> None:
     model = nn.Sequential(module)
     recs = sw.sinks.collect()
-    with sw.observe(model, sinks=[recs]) as watch:
+    with sw.observe(model, sinks=[recs], every=1) as watch:
         model(x)
         watch.step()
     (record,) = recs.items
@@ -546,7 +549,7 @@ def test_epoch_death_and_activation_rates_match_monitorchs_reference_computation
     recs = sw.sinks.collect()
     expected = []
     gen = torch.Generator().manual_seed(0)
-    with sw.observe(model, channel_last=False, sinks=[recs]) as watch:
+    with sw.observe(model, channel_last=False, sinks=[recs], every=1) as watch:
         for _ in range(5):
             x = torch.empty(shape).cauchy_(generator=gen)
             y = model(x)
@@ -599,7 +602,7 @@ def test_nonfinite_activations_are_flagged_or_counted_and_training_goes_on(
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     recs = sw.sinks.collect()
     stats = ("dead", "nonfinite") if counted else ("dead",)
-    with sw.observe(model, opt, stats=stats, sinks=[recs]) as watch:
+    with sw.observe(model, opt, stats=stats, sinks=[recs], every=1) as watch:
         # row 0 holds the non-finite values: the loss leaves it out
         train(model, opt, watch, 3, shape=(5, 3), classes=None, loss=lambda out, _: out[1:].pow(2).mean())
         assert watch.statistics().hook_errors == 0
@@ -620,7 +623,7 @@ def test_nan_makes_zeros_and_dead_units_unknown_never_wrong() -> None:
     model = nn.Sequential(nn.Identity())
     recs = sw.sinks.collect()
     x = torch.tensor([[math.nan, 1.0], [math.nan, 2.0], [0.0, 3.0]])
-    with sw.observe(model, stats=("dead", "nonfinite"), sinks=[recs]) as watch:
+    with sw.observe(model, stats=("dead", "nonfinite"), sinks=[recs], every=1) as watch:
         model(x)
         watch.step()
     (record,) = recs.items
@@ -637,7 +640,7 @@ def test_nan_makes_zeros_and_dead_units_unknown_never_wrong() -> None:
 def test_nonfinite_flag_stays_a_flag_when_a_module_runs_twice_in_a_step() -> None:
     model = nn.Sequential(Poison({(0, 0): math.nan}))
     recs = sw.sinks.collect()
-    with sw.observe(model, sinks=[recs]) as watch:
+    with sw.observe(model, sinks=[recs], every=1) as watch:
         model(torch.randn(3, 4))
         model(torch.randn(3, 4))
         watch.step()
@@ -649,7 +652,7 @@ def test_nonfinite_flag_stays_a_flag_when_a_module_runs_twice_in_a_step() -> Non
 def test_exact_nonfinite_counts_add_up_when_a_module_runs_twice_in_a_step() -> None:
     model = nn.Sequential(Poison({(0, 0): math.nan, (1, 1): math.inf}))
     recs = sw.sinks.collect()
-    with sw.observe(model, stats=("dead", "nonfinite"), sinks=[recs]) as watch:
+    with sw.observe(model, stats=("dead", "nonfinite"), sinks=[recs], every=1) as watch:
         model(torch.randn(3, 4))
         model(torch.randn(3, 4))
         watch.step()
@@ -669,7 +672,7 @@ def test_fused_and_torch_rows_of_one_step_and_one_key_merge_exactly() -> None:
     torch.manual_seed(4)
     model = nn.ModuleDict({"lin": nn.Linear(5, 6), "tr": Transposed(), "low": nn.Linear(6, 3).half()})
     recs = sw.sinks.collect()
-    with sw.observe(model, stats=("dead", "nonfinite"), sinks=[recs]) as watch:
+    with sw.observe(model, stats=("dead", "nonfinite"), sinks=[recs], every=1) as watch:
         h = model["lin"](torch.randn(4, 5))
         a, b = model["tr"](h, True), model["tr"](h, False)  # a: 6x4 strided view, b: 4x6 contiguous
         out = model["low"](b.detach().half())
@@ -708,7 +711,7 @@ def test_eval_forwards_give_eval_rows_and_leave_train_rows_alone(use_eval: bool,
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     recs = sw.sinks.collect()
-    with sw.observe(model, opt, cadence=EVERY_STEP, sinks=[recs]) as watch:
+    with sw.observe(model, opt, cadence=EVERY_STEP, sinks=[recs], every=1) as watch:
         rec = Recorder({n: m for n, m in model.named_modules() if n}, lambda name, t: t.dim() - 1)
         for _ in range(3):
             loss = model(torch.randn(8, 4)).pow(2).mean()
@@ -748,7 +751,7 @@ def test_gradient_accumulation_merges_activations_and_keeps_the_final_gradient()
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     recs = sw.sinks.collect()
-    with sw.observe(model, opt, cadence=EVERY_STEP, sinks=[recs]) as watch:
+    with sw.observe(model, opt, cadence=EVERY_STEP, sinks=[recs], every=1) as watch:
         rec = Recorder({n: m for n, m in model.named_modules() if n}, lambda name, t: t.dim() - 1)
         for _ in range(3):
             opt.zero_grad()
@@ -828,7 +831,7 @@ def test_loss_accuracy_learning_rates_and_throughput_match_references(train: Tra
         expected.append((step.loss.item(), correct, list(lrs)))
         schedule.step()  # after watch.step(): the next step's learning rates
 
-    with sw.observe(model, opt, sinks=[recs]) as watch:
+    with sw.observe(model, opt, sinks=[recs], every=1) as watch:
         train(model, opt, watch, 4, shape=(16, 4), after_opt_step=learning_rates, after_watch_step=reference)
     for record, (loss, correct, lrs) in zip(recs.items, expected, strict=True):
         s = record.scalars
@@ -856,7 +859,7 @@ def test_loss_accuracy_learning_rates_and_throughput_match_references(train: Tra
 def test_accuracy_of_known_outputs(outputs: list[Any], targets: list[Any], correct: int) -> None:
     model = nn.Sequential(nn.Identity())
     recs = sw.sinks.collect()
-    with sw.observe(model, sinks=[recs]) as watch:
+    with sw.observe(model, sinks=[recs], every=1) as watch:
         watch.step(loss=0.25, outputs=torch.tensor(outputs), targets=torch.tensor(targets))
     (record,) = recs.items
     assert record.scalars["loss"] == 0.25
@@ -875,7 +878,7 @@ def test_snapshot_equals_the_last_record_and_never_holds_nan(train: Train) -> No
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     recs = sw.sinks.collect()
     # metrics=(): the summaries alone (update_ratio's values are tested in test_metrics.py)
-    with sw.observe(model, opt, cadence=EVERY_STEP, sinks=[recs], metrics=(), detectors=()) as watch:
+    with sw.observe(model, opt, cadence=EVERY_STEP, sinks=[recs], metrics=(), detectors=(), every=1) as watch:
         train(model, opt, watch, 3)  # batches of 8 samples, 4 features, 3 classes
     samples = watch.snapshot()
     last = recs.items[-1]
@@ -931,7 +934,7 @@ def test_snapshot_keeps_the_latest_row_of_series_missing_from_the_last_record() 
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     recs = sw.sinks.collect()
-    with sw.observe(model, opt, sinks=[recs]) as watch:  # weights sampled at step 0 only
+    with sw.observe(model, opt, sinks=[recs], every=1) as watch:  # weights sampled at step 0 only
         for _ in range(3):
             model(torch.randn(4, 4)).pow(2).mean().backward()
             opt.step()
@@ -954,7 +957,7 @@ def test_without_an_optimizer_weights_are_summarised_at_the_step_boundary() -> N
     model = _mlp()
     recs = sw.sinks.collect()
     weights = []
-    with sw.observe(model, cadence={"param": 1}, sinks=[recs]) as watch:
+    with sw.observe(model, cadence={"param": 1}, sinks=[recs], every=1) as watch:
         for _ in range(2):
             model(torch.randn(4, 4)).pow(2).mean().backward()
             with torch.no_grad():
@@ -974,7 +977,7 @@ def test_a_tensor_learning_rate_is_reported_like_a_float_one() -> None:
     model = nn.Sequential(nn.Linear(3, 1))
     opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01))
     recs = sw.sinks.collect()
-    with sw.observe(model, opt, sinks=[recs]) as watch:
+    with sw.observe(model, opt, sinks=[recs], every=1) as watch:
         model(torch.randn(2, 3)).sum().backward()
         opt.step()
         watch.step()
@@ -985,7 +988,7 @@ def test_a_loss_or_outputs_that_cannot_be_used_are_refused_and_the_step_counted_
     # (never silently dropped: tests/test_observe_faults.py covers every refused argument)
     model = nn.Sequential(nn.Identity())
     recs = sw.sinks.collect()
-    with sw.observe(model, sinks=[recs]) as watch:
+    with sw.observe(model, sinks=[recs], every=1) as watch:
         with pytest.raises(ValueError, match=r"^Expected `loss` to be a scalar"):
             watch.step(loss=torch.ones(3))
         refused = r"^Cannot score train accuracy from `outputs` of shape \[4, 2\]"

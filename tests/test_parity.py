@@ -110,6 +110,7 @@ def bodies(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
         metrics=_every_metric(model, probe, target),
         sinks=[RunFile(path)],
         overflow="block",
+        every=1,
     ) as watch:
         exporter = watch.expose(port=0, run="parity")
         train(model, opt, watch, 7, shape=(16, 6), generator=g, flush=True)

@@ -27,7 +27,7 @@ def test_a_real_prometheus_scrapes_a_real_training_run(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1)
-    with sw.observe(model, opt) as watch:
+    with sw.observe(model, opt, every=1) as watch:
         exporter = watch.expose(port=0, run="e2e")
         target = f"127.0.0.1:{exporter.port}"
         with PrometheusServer(tmp_path, [target]) as prom:

@@ -35,7 +35,7 @@ README_MAX_LINES = 200
 # Printed output that must appear when a file's blocks run (keyed by the path from the repository root).
 EXPECTED = {
     "README.md": [
-        "50 records; 0 dropped",  # the quickstart
+        "50 steps; 0 dropped; budget 0.02",  # the quickstart, under the default governor
         "True True",  # the exporter served the loss on a free port
     ],
     "docs/metrics.md": [
@@ -48,7 +48,7 @@ EXPECTED = {
         # observe(overhead=0.05): the first sampled steps are fixed whatever the timing (calibration)
         "first sampled steps: [0, 3, 6, 9, 12]",
         "weights on the first: True",
-        "records = sampled steps: True",
+        "records with rows = sampled steps: True",
         "budget: 0.05 interval >= 1: True",
     ],
     "docs/nonfinite.md": [

@@ -209,7 +209,7 @@ def test_injected_nans_fire_the_non_finite_alert_in_a_real_prometheus(tmp_path: 
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1)  # one stream of batches for both stretches of training
 
-    with sw.observe(model, opt) as watch:
+    with sw.observe(model, opt, every=1) as watch:
         exporter = watch.expose(port=0, run="faults")
         with PrometheusServer(tmp_path / "prom", [f"127.0.0.1:{exporter.port}"], rule_files=[rules]) as prom:
             train(model, opt, watch, 12, shape=(16, 8), generator=g, flush=True)

@@ -67,6 +67,7 @@ def train(
         sinks=[RunFile(path, fsync=fsync), reference],
         overflow="block",
         metrics=[*sw.DEFAULT_METRICS, sw.metrics.SpectralNorm()],
+        every=1,
     ) as watch:
         for step in range(steps):
             x = torch.randn(16, 8, generator=generator)
@@ -573,7 +574,7 @@ CHILD = textwrap.dedent(
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    watch = sw.observe(model, opt, sinks=[RunFile(sys.argv[1])], overflow="block")
+    watch = sw.observe(model, opt, sinks=[RunFile(sys.argv[1])], overflow="block", every=1)
     for _ in range(1_000_000):
         x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
         logits = model(x)

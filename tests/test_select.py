@@ -61,7 +61,7 @@ def test_select_criteria_all_hold(select: sw.Select, names: list[str]) -> None:
 def test_observe_taps_exactly_the_selected_modules(shorthand: object, layers: set[str]) -> None:
     net = model()
     recs = sw.sinks.collect()
-    with sw.observe(net, select=shorthand, taps=("activation",), sinks=[recs]) as watch:
+    with sw.observe(net, select=shorthand, taps=("activation",), sinks=[recs], every=1) as watch:
         net(torch.randn(3, 4))
         watch.step()
     (record,) = recs.items
@@ -73,7 +73,7 @@ def test_a_selected_container_is_summarised_as_a_whole_output() -> None:
     recs = sw.sinks.collect()
     captured = {}
     net[1].register_forward_hook(lambda m, a, out: captured.__setitem__("out", out.detach().clone()))
-    with sw.observe(net, select=sw.Select(depth=1), taps=("activation",), sinks=[recs]) as watch:
+    with sw.observe(net, select=sw.Select(depth=1), taps=("activation",), sinks=[recs], every=1) as watch:
         net(torch.randn(3, 4))
         watch.step()
     (record,) = recs.items
@@ -129,12 +129,12 @@ def test_a_criterion_of_the_wrong_type_is_refused_naming_the_field(
 def test_a_select_that_matches_no_module_is_refused_before_anything_is_attached(select: object) -> None:
     net = model()
     with pytest.raises((ValueError, TypeError), match=r"`select`") as info:
-        sw.observe(net, select=select)
+        sw.observe(net, select=select, every=1)
     if isinstance(info.value, ValueError):  # matched nothing: says what select was, lists module names
         message = str(info.value)
         assert repr(select) in message
         assert "'0.0'" in message
         assert "'1.1'" in message
     assert not any(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in net.modules())
-    with sw.observe(net):
+    with sw.observe(net, every=1):
         pass

@@ -129,7 +129,7 @@ def test_a_failing_sink_stops_only_itself_and_never_hangs_training(
     model, opt = _model()
     sink, arm, pattern = _faulty(kind, immutable_dir)
     healthy = sw.sinks.collect()
-    watch = sw.observe(model, opt, sinks=[sink, healthy], overflow=overflow, capacity=2)  # type: ignore[arg-type]
+    watch = sw.observe(model, opt, sinks=[sink, healthy], overflow=overflow, capacity=2, every=1)  # type: ignore[arg-type]
     arm()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -171,7 +171,7 @@ CHILD = textwrap.dedent(
     run, healthy = sw.sinks.RunFile(sys.argv[1]), sw.sinks.collect()
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
     warnings.simplefilter("ignore")
-    watch = sw.observe(model, opt, sinks=[run, healthy], overflow="block", capacity=2)
+    watch = sw.observe(model, opt, sinks=[run, healthy], overflow="block", capacity=2, every=1)
     for _ in range(40):
         loss = torch.nn.functional.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 3, (8,)))
         opt.zero_grad(); loss.backward(); opt.step()
@@ -236,9 +236,9 @@ def test_close_gives_up_on_a_sink_that_never_returns(stuck: Stuck, where: str) -
     model, opt = _model()
     healthy = sw.sinks.collect()
     if where == "observe":
-        watch = sw.observe(model, opt, sinks=[healthy, stuck], close_timeout=0.2)
+        watch = sw.observe(model, opt, sinks=[healthy, stuck], close_timeout=0.2, every=1)
     else:
-        watch = sw.observe(model, opt, sinks=[healthy, stuck])
+        watch = sw.observe(model, opt, sinks=[healthy, stuck], every=1)
     train(model, opt, watch, 1, report_outputs=False)
     assert stuck.entered.wait(JOIN_S)  # the worker is inside the stuck sink with step 0
     train(model, opt, watch, 2, report_outputs=False)  # steps 1, 2 wait in the channel (training does not)
@@ -267,7 +267,7 @@ def test_close_gives_up_on_a_sink_that_never_returns(stuck: Stuck, where: str) -
 def test_close_waits_as_long_as_the_sinks_are_working() -> None:
     model, opt = _model()
     slow = sw.sinks.callback(lambda record: time.sleep(0.05))
-    watch = sw.observe(model, opt, sinks=[slow], overflow="block", close_timeout=math.inf)
+    watch = sw.observe(model, opt, sinks=[slow], overflow="block", close_timeout=math.inf, every=1)
     train(model, opt, watch, 4, report_outputs=False)
     watch.close(timeout=None)  # the observe() default: here, forever
     stats = watch.statistics()
@@ -280,7 +280,10 @@ def test_a_bad_close_timeout_is_refused(timeout: object) -> None:
     model, opt = _model()
     message = r"^Expected `close_timeout` to be a number of seconds > 0 \(math.inf waits forever\), got "
     with pytest.raises(ValueError, match=message):
-        sw.observe(model, opt, close_timeout=timeout)  # type: ignore[arg-type]
-    with sw.observe(model, opt) as watch, pytest.raises(ValueError, match=message.replace("close_", "")):
+        sw.observe(model, opt, close_timeout=timeout, every=1)  # type: ignore[arg-type]
+    with (
+        sw.observe(model, opt, every=1) as watch,
+        pytest.raises(ValueError, match=message.replace("close_", "")),
+    ):
         watch.close(timeout=timeout)  # type: ignore[arg-type]
     assert watch.closed  # refused before closing anything: the with block then closed it

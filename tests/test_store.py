@@ -56,7 +56,9 @@ def test_a_store_fed_the_records_serves_what_snapshot_serves() -> None:
     model, opt = _model()
     records = sw.sinks.collect()
     # detectors=(): the store alone runs no detector (streamwatch.detectors.pipelines adds them)
-    with sw.observe(model, opt, sinks=[records], cadence={"param": 1, "update": 1}, detectors=()) as watch:
+    with sw.observe(
+        model, opt, sinks=[records], cadence={"param": 1, "update": 1}, detectors=(), every=1
+    ) as watch:
         _train(watch, model, opt, 3)
         snapshot = watch.snapshot()
     store = SeriesStore()
@@ -75,7 +77,7 @@ def test_a_store_fed_the_records_serves_what_snapshot_serves() -> None:
 
 def test_update_ratio_and_layer_mean_match_plain_torch() -> None:
     model, opt = _model()
-    with sw.observe(model, opt, cadence={"param": 1, "update": 1}) as watch:
+    with sw.observe(model, opt, cadence={"param": 1, "update": 1}, every=1) as watch:
         last = _train(watch, model, opt, 2)
         samples = watch.store.samples()
     ratios = {
@@ -109,7 +111,7 @@ def test_the_store_runs_only_the_metrics_selected(
     metrics: tuple[str, ...], present: set[str], absent: set[str]
 ) -> None:
     model, opt = _model()
-    with sw.observe(model, opt, metrics=metrics, cadence={"param": 1, "update": 1}) as watch:
+    with sw.observe(model, opt, metrics=metrics, cadence={"param": 1, "update": 1}, every=1) as watch:
         _train(watch, model, opt, 1)
         samples = watch.snapshot()
     assert watch.store.metrics == metrics
@@ -139,7 +141,7 @@ def test_a_failing_metric_stops_only_itself_and_is_reported(monkeypatch: pytest.
 
     monkeypatch.setitem(DERIVED, "boom", boom)
     model, opt = _model()
-    watch = sw.observe(model, opt, metrics=["boom", "layer_mean"])
+    watch = sw.observe(model, opt, metrics=["boom", "layer_mean"], every=1)
     try:
         # warned once, at a step after the worker met the failure: at the latest the step after flush()
         with pytest.warns(RuntimeWarning, match="boom"):
@@ -159,7 +161,7 @@ def test_records_and_the_run_file_carry_histogram_edges(tmp_path: Path) -> None:
     metric = sw.metrics.Histogram(kinds=("activation", "param_grad"), buckets=buckets)
     records = sw.sinks.collect()
     path = tmp_path / "run.jsonl"
-    with sw.observe(model, opt, metrics=[metric], sinks=[records, RunFile(path)]) as watch:
+    with sw.observe(model, opt, metrics=[metric], sinks=[records, RunFile(path)], every=1) as watch:
         _train(watch, model, opt, 2)
     bounds = tuple(buckets.upper_bounds())
     assert all(dict(r.edges) == {"activation": bounds, "param_grad": bounds} for r in records.items)

@@ -24,7 +24,7 @@ def test_scalars_and_histograms_reach_tensorboard(tmp_path: Path, train: Train) 
     board = sw.sinks.TensorBoard(tmp_path / "tb", buckets=buckets)
     records = sw.sinks.collect()
     metrics = [*sw.DEFAULT_METRICS, sw.metrics.Histogram(kinds=("activation",), buckets=buckets)]
-    with sw.observe(model, opt, metrics=metrics, sinks=[board, records]) as watch:
+    with sw.observe(model, opt, metrics=metrics, sinks=[board, records], every=1) as watch:
         train(model, opt, watch, 3, shape=(16, 6), seed=1)
     reader = event_accumulator.EventAccumulator(
         str(tmp_path / "tb"), size_guidance={"scalars": 0, "histograms": 0}

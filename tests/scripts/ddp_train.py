@@ -49,7 +49,7 @@ def main() -> None:
         )
     ddp = DistributedDataParallel(model)  # the observed model is the inner module; DDP calls it
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    watch = sw.observe(model, opt)
+    watch = sw.observe(model, opt, every=1)
     exporter = watch.expose(port=args.port, run="ddp")
     g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     for step in range(args.steps):

@@ -82,7 +82,7 @@ def main() -> None:
 
         net = DistributedDataParallel(model)  # observed: the inner module, which DDP calls
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    watch = sw.observe(model, opt, cadence={"param": 1, "update": 1}, detail=_policy(args.detail))
+    watch = sw.observe(model, opt, cadence={"param": 1, "update": 1}, detail=_policy(args.detail), every=1)
     watch.expose(port=args.port, run=args.name)
     g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     full: dict[str, dict[str, float]] = {}
