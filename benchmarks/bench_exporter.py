@@ -65,7 +65,7 @@ def _watch(series: int) -> tuple[sw.Watch, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(4, 4, bias=False) for _ in range(width)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    watch = sw.observe(model, opt, metrics=())
+    watch = sw.observe(model, opt, metrics=(), every=1)
     exporter = watch.expose(port=0, series_budget=10**6)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
@@ -403,7 +403,7 @@ def test_training_under_a_scrape_storm(benchmark: Any, bench_report: list[str]) 
     torch.set_num_threads(1)
     plain_model, plain_opt = _storm_model()
     model, opt = _storm_model()
-    watch = sw.observe(model, opt)
+    watch = sw.observe(model, opt, every=1)
     speeds: dict[str, list[float]] = {"unmonitored": [], "monitored": [], "storm": []}
     scrapes: list[float] = []
     paired: list[float] = []  # storm over monitored, within each cycle

@@ -75,13 +75,15 @@ def _variants(spec: bench.Spec) -> dict[str, bench.Variant]:
     made: dict[str, bench.Variant] = {"baseline": bench.Variant("baseline", bench.build(spec), period=1)}
     for name, metrics in (("no_metrics", ()), ("default", sw.DEFAULT_METRICS)):
         variant = bench.Variant(name, bench.build(spec), period=bench.WEIGHT_CADENCE)
-        variant.watch = sw.observe(variant.model, variant.optimizer, metrics=metrics)
+        variant.watch = sw.observe(variant.model, variant.optimizer, metrics=metrics, every=1)
         made[name] = variant
     for name, factory in opt_in.items():
         metric = factory()
         period = bench.WEIGHT_CADENCE if metric.every == 1 else metric.every
         variant = bench.Variant(name, bench.build(spec), period=period)
-        variant.watch = sw.observe(variant.model, variant.optimizer, metrics=[*sw.DEFAULT_METRICS, metric])
+        variant.watch = sw.observe(
+            variant.model, variant.optimizer, metrics=[*sw.DEFAULT_METRICS, metric], every=1
+        )
         made[name] = variant
     return made
 

@@ -63,8 +63,8 @@ def _runner(kind: str) -> Callable[[], None]:
         "sentinel only": {"every": 1000},
         "no sentinel": {"every": 1000, "sentinel": ()},
         "sentinel + grad_norm": {"every": 1000, "sentinel": ("loss", "grad_norm")},
-        "every step": {},
-        "escalated": {"cadence": {"param": 1, "update": 1}},
+        "every step": {"every": 1},
+        "escalated": {"cadence": {"param": 1, "update": 1}, "every": 1},
     }.get(kind, {})
     watch = sw.observe(model, opt, **options) if kind not in ("baseline", "detect_anomaly") else None  # type: ignore[arg-type]
 

@@ -116,7 +116,7 @@ def profile(name: str, rounds: int) -> list[str]:
     k = spec.steps * 2
     base_times: list[float] = []
     seen_times: list[float] = []
-    with sw.observe(seen_model, seen_opt) as watch:
+    with sw.observe(seen_model, seen_opt, every=1) as watch:
         for r in range(rounds + 1):  # round 0 warms up
             if r == 1:
                 TIMERS.clear()

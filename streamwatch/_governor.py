@@ -50,7 +50,7 @@ Probes:
 
 Adaptation:
     The windows slide, so the estimates follow a new regime (an eval phase, a new sequence length, a
-    slower node). The baseline follows within ``baseline_window // 2 + 1`` clean steps: at least one
+    slower node). The baseline follows within ``baseline_window // 2 + REFRESH`` clean steps (its median is retaken every ``REFRESH``): at least one
     step in 3 is clean at an interval of 3 or more, and one in ``probe + 2`` below that. Cost samples
     are ratios to the baseline of their time, so a change that slows every step alike needs nothing
     more. A cost ratio that falls is followed within ``cost_window // 2 + 1`` sampled steps, and one
@@ -99,6 +99,10 @@ CALIBRATION_INTERVAL = 3
 """The interval while the governor has too few measurements to choose one (sampled, shadow, clean)."""
 
 _CALIBRATION_COUNT = 3  # clean and cost samples needed (fewer if a window is smaller) before deciding
+REFRESH = 8
+"""Once calibrated, the baseline and floor medians (and the interval from them) are retaken every
+``REFRESH`` clean steps and before every cost sample, not on every step: a clean step then costs an
+append. The estimates lag by at most ``REFRESH - 1`` clean steps."""
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # the phase sequence k·φ mod 1 spreads sampled steps evenly
 _EPSILON = 1e-9  # a quotient that is an integer up to rounding (0.2 / 0.02, 1.0 / 0.1) is that integer
 
@@ -222,6 +226,7 @@ class Governor:
         "_sampling",
         "_since_clean",
         "_since_sample",
+        "_stale",
         "_step_seconds",
         "_steps",
         "_warmup",
@@ -267,6 +272,7 @@ class Governor:
         self._since_sample = 0  # steps ended since the last sampled step began
         self._since_clean = 0  # steps ended since the last clean one
         self._steps = 0
+        self._stale = 0  # clean steps filed since the medians were last taken (see REFRESH)
         self._sampled = 1
         self._rejected = 0
 
@@ -326,14 +332,25 @@ class Governor:
             self._add_cost((waiting + seconds) / self._baseline_or_nan() - 2)
         elif not self._prev_sampled:
             self._baseline.append(seconds)
-            self._step_seconds = _median(self._baseline)
             if math.isfinite(own) and 0 <= own < seconds:  # (else: an odd reading, not a floor)
                 self._floors.append(own / (seconds - own))
-                self._floor = _median(self._floors)
-            self._update()
+            self._stale += 1
+            if self._stale >= REFRESH or self._cost_ratio is None:
+                self._refresh()
         # else: the shadow of a sampled step that was not measured (warm-up, rejected): no use
 
+    def _refresh(self) -> None:
+        """The baseline and floor medians from their windows, and the interval from them."""
+        self._stale = 0
+        if self._baseline:
+            self._step_seconds = _median(self._baseline)
+        if self._floors:
+            self._floor = _median(self._floors)
+        self._update()
+
     def _baseline_or_nan(self) -> float:
+        if self._stale:
+            self._refresh()  # a cost sample is a ratio to the latest baseline
         return math.nan if self._step_seconds is None else self._step_seconds
 
     def _add_cost(self, cost: float) -> None:
