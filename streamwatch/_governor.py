@@ -50,13 +50,14 @@ Probes:
 
 Adaptation:
     The windows slide, so the estimates follow a new regime (an eval phase, a new sequence length, a
-    slower node). The baseline follows within ``baseline_window // 2 + REFRESH`` clean steps (its median is retaken every ``REFRESH``): at least one
-    step in 3 is clean at an interval of 3 or more, and one in ``probe + 2`` below that. Cost samples
-    are ratios to the baseline of their time, so a change that slows every step alike needs nothing
-    more. A cost ratio that falls is followed within ``cost_window // 2 + 1`` sampled steps, and one
-    that rises within about as many per doubling. With the defaults, and ``N`` the larger of the old and the
-    new interval, the interval is back within 1 of its new value at most ``80 + 8 * N`` steps after a
-    change in step times (tested for cost ratios that change up to 50-fold either way).
+    slower node). The baseline follows within ``baseline_window // 2 + REFRESH`` clean steps (its median
+    is retaken every ``REFRESH``): at least one step in 3 is clean at an interval of 3 or more, and one in
+    ``probe + 2`` below that. Cost samples are ratios to the baseline of their time, so a change that
+    slows every step alike needs nothing more. A cost ratio that falls is followed within ``cost_window //
+    2 + 1`` sampled steps, and one that rises within about as many per doubling. With the defaults, and
+    ``N`` the larger of the old and the new interval, the interval is back within 1 of its new value at
+    most ``80 + 8 * N`` steps after a change in step times (tested for cost ratios that change up to
+    50-fold either way).
 
 Guards:
     A step time that is zero, negative, NaN or infinite (a coarse or broken clock) is ignored and

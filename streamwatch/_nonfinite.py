@@ -383,7 +383,7 @@ class Sentinel:
         flag: torch.Tensor | None = None
         tripped: list[int] = []
         if isinstance(loss, torch.Tensor):
-            if loss.device.type == "cpu":
+            if loss.is_cpu:
                 if not math.isfinite(loss.item()):  # a CPU scalar: reading it waits for nothing
                     tripped.append(step)
             else:

@@ -354,6 +354,7 @@ class Watch:
         if self._closed:
             raise RuntimeError("this Watch is closed; create a new one with streamwatch.observe()")
         now = time.perf_counter()
+        timed = self._state.timed  # this step's parts were timed
         try:
             try:
                 checked = _check_step(loss, outputs, targets, batch_size)
@@ -369,7 +370,8 @@ class Watch:
             self._overhead = state.busy + (end - now)
             self._overhead_total += self._overhead
             state.busy = 0.0
-            state.times.reset(state.times.clock())  # the next step's data wait starts after our own work
+            if timed or state.timed:  # (untimed steps leave the boundaries at 0: their hooks are out)
+                state.times.reset(state.times.clock())  # the next step's data wait starts after our work
 
     def _end_step(self, now: float, failed: bool) -> None:
         """The step is over; with ``failed`` it has no record: its rows are dropped and counted."""
@@ -1142,8 +1144,10 @@ def _check_step(loss: object, outputs: object, targets: object, batch_size: obje
                 f"Expected `loss` to be a scalar (a one-element real tensor or a number), got {loss!r}"
             )
         checked_loss = float(loss)
-    if batch_size is not None and (
-        isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1
+    if (
+        batch_size is not None
+        and not (type(batch_size) is int and batch_size >= 1)  # (the common case, accepted first)
+        and (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1)
     ):
         raise ValueError(
             f"Expected `batch_size` to be a positive integer (the samples in the step), got {batch_size!r}"

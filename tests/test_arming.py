@@ -78,6 +78,8 @@ def test_an_unsampled_step_keeps_only_the_root_pre_hook() -> None:
         assert parts == {"part/data_wait", "part/forward", "part/backward", "part/optimizer"} - (
             {"part/data_wait"} if record.step == 0 else set()
         )
+        # each part is this step's own (no boundary left over from an earlier sampled step)
+        assert 0 < sum(record.scalars[name] for name in parts) <= record.scalars["step_seconds"]
 
 
 def test_a_cadence_arms_only_the_groups_its_step_samples() -> None:
@@ -112,6 +114,8 @@ def test_an_evaluation_pass_on_an_unsampled_step_is_summarised_and_disarmed_afte
         assert module_hooks(model) == 0
         watch.flush()
     eval_record = records.items[-1]
+    assert eval_record.step == 1
+    assert not [name for name in eval_record.scalars if name.startswith("part/")]  # not timed, none stale
     rows = eval_record.rows(kind="activation", phase="eval")
     assert [eval_record.keys[i].layer for i in rows] == ["0", "1", "2"]
     first = rows[0]
