@@ -154,6 +154,9 @@ def test_the_parser_has_the_documented_options() -> None:
         ["demo", "--steps", "7", "--port", "9500", "--hidden", "32", "--no-live"]
     )
     assert (args.steps, args.port, args.hidden, args.no_live) == (7, 9500, 32, True)
+    assert (args.every, args.overhead) == (None, None)  # observe()'s default: the governor at 2 %
+    assert build_parser().parse_args(["demo", "--overhead", "0.05"]).overhead == 0.05
+    assert build_parser().parse_args(["demo", "--every", "3"]).every == 3
     with pytest.raises(SystemExit):
         build_parser().parse_args([])
 

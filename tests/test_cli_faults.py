@@ -101,6 +101,11 @@ BAD_OPTIONS = [
     [*_DEMO, "--layers", "0"],
     [*_DEMO, "--batch", "-1"],
     [*_DEMO, "--every", "0"],
+    [*_DEMO, "--overhead", "0"],
+    [*_DEMO, "--overhead", "1"],
+    [*_DEMO, "--overhead", "nan"],
+    [*_DEMO, "--overhead", "two"],
+    [*_DEMO, "--every", "2", "--overhead", "0.05"],  # exclusive: a fixed interval or a budget
     [*_DEMO, "--port", "-1"],
     [*_DEMO, "--port", "65536"],
     [*_DEMO, "--port", "http"],
