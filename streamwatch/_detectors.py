@@ -572,7 +572,7 @@ def attach(watch: Watch, detectors: Iterable[Detector] = DEFAULT_DETECTORS) -> l
         >>> import torch, streamwatch as sw
         >>> from streamwatch import detectors
         >>> model = torch.nn.Linear(3, 1)
-        >>> with sw.observe(model, detectors=()) as watch:
+        >>> with sw.observe(model, every=1, detectors=()) as watch:
         ...     _ = detectors.attach(watch, [detectors.LossSpike(warmup=2)])
         ...     for _ in range(4):
         ...         loss = model(torch.randn(8, 3)).pow(2).mean()

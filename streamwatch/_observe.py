@@ -757,7 +757,7 @@ class Watch:
             >>> from streamwatch import ops
             >>> model = torch.nn.Linear(3, 1)
             >>> losses = sw.sinks.collect()
-            >>> with sw.observe(model) as watch:
+            >>> with sw.observe(model, every=1) as watch:
             ...     _ = watch.pipe(sw.source() | ops.map(lambda r: r.scalars["loss"]) | losses)
             ...     for _ in range(2):
             ...         loss = model(torch.randn(4, 3)).pow(2).mean()
@@ -787,7 +787,7 @@ class Watch:
             >>> import torch, streamwatch as sw
             >>> from streamwatch import ops
             >>> model = torch.nn.Linear(2, 1)
-            >>> with sw.observe(model) as watch:
+            >>> with sw.observe(model, every=1) as watch:
             ...     try:
             ...         watch.serve("queue_length")
             ...     except ValueError as err:

@@ -50,7 +50,7 @@ class ActivationSimilarity(Metric):
         >>> import torch, streamwatch as sw
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
         >>> sim = sw.metrics.ActivationSimilarity(torch.randn(256, 4), layers=["1"], every=1)
-        >>> watch = sw.observe(model, metrics=[sim])
+        >>> watch = sw.observe(model, every=1, metrics=[sim])
         >>> watch.step(); watch.step(); watch.close()
         >>> [round(s.value, 6) for s in watch.snapshot() if s.labels.get("stat") == "cca_similarity"]
         [1.0]

@@ -50,7 +50,7 @@ class GradientCosine(Metric):
         >>> import torch, streamwatch as sw
         >>> model = torch.nn.Linear(4, 2)
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> watch = sw.observe(model, opt, metrics=[sw.metrics.GradientCosine()])
+        >>> watch = sw.observe(model, opt, every=1, metrics=[sw.metrics.GradientCosine()])
         >>> for _ in range(3):
         ...     opt.zero_grad(); model(torch.ones(8, 4)).pow(2).mean().backward(); opt.step(); watch.step()
         >>> watch.close()

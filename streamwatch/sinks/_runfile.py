@@ -302,7 +302,7 @@ class RunFile(Sink):
         >>> import tempfile, pathlib, torch, streamwatch as sw
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "run.jsonl"
         >>> model = torch.nn.Linear(3, 2)
-        >>> with sw.observe(model, sinks=[RunFile(path)]) as watch:
+        >>> with sw.observe(model, every=1, sinks=[RunFile(path)]) as watch:
         ...     for _ in range(2):
         ...         model(torch.randn(4, 3)).sum().backward()
         ...         watch.step(loss=1.0)
