@@ -276,7 +276,8 @@ class _Smoothed(Detector):
 class LossSpike(_Smoothed):
     """The loss's robust z-score against an exponentially weighted baseline of its recent history.
 
-    For each sampled step with a finite loss ``x``, once ``warmup`` losses are in the baseline::
+    For each record with a finite loss ``x`` (sampled steps, and the scalar records between them), once
+    ``warmup`` losses are in the baseline::
 
         z = (x - mean) / max(sqrt(pi/2) * dev, 1e-9 * max(|mean|, 1))
 
