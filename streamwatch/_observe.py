@@ -404,8 +404,11 @@ class Watch:
                 self._run_step_metrics(device)
             buffer = state.buffer
             if self._sampling_now or len(buffer) or buffer.extras or device:
-                if state.on.get("param") and not self._taps.has_optimizer:
-                    self._taps.summarize_params()
+                taps = self._taps
+                if state.on.get("param_grad") and taps.has_optimizer and not taps.grads_taken:
+                    taps.summarize_grads()  # the optimizer step did not run (a GradScaler skipped it)
+                if state.on.get("param") and not taps.has_optimizer:
+                    taps.summarize_params()
                 self._send(seconds, checked, device, full=True)
             elif now - self._last_record >= SCALAR_SECONDS:
                 # Between sampled steps, the cheap values (loss, lr, step time, throughput) still go out

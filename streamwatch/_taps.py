@@ -10,7 +10,9 @@ kind            where                                            hook
 ``activation``  a module's output (each tensor leaf)             ``register_forward_hook``
 ``output_grad`` gradient w.r.t. the output                       ``Tensor.register_hook`` on the output
 ``input_grad``  gradient w.r.t. the inputs                       ``Tensor.register_hook`` on the inputs
-``param_grad``  each parameter's accumulated gradient            ``register_post_accumulate_grad_hook``
+``param_grad``  each parameter's gradient, as the optimizer       optimizer step pre-hook, all at once (the
+                applies it                                       boundary; without an optimizer,
+                                                                 ``register_post_accumulate_grad_hook``)
 ``param``       each parameter (weights, biases separately)      optimizer step post-hook (or the boundary)
 ``update``      Δ = w_after − w_before across ``optimizer.step``  optimizer step pre- and post-hooks
 ==============  ===============================================  ==========================================
@@ -18,7 +20,7 @@ kind            where                                            hook
 Under ``torch.compile`` every tap traces into the graph without a break, except gradients w.r.t.
 outputs and inputs: a ``Tensor.register_hook`` inside a compiled forward always breaks the graph, so
 those two taps are skipped there and counted (``skipped["compiled_grad_hook"]``); parameter gradients
-(post-accumulate hooks) are unaffected.
+(read at the optimizer's pre-step, or post-accumulate hooks) are unaffected.
 
 Hooks never raise into the training step: an exception inside one is caught, counted and kept for
 ``Watch.close()``. The per-module and per-parameter hooks are *armed* only for the steps that sample
@@ -483,6 +485,8 @@ class TapSet:
         self.static = False
         self._before: list[torch.Tensor] | None = None
         self.has_optimizer = optimizer is not None
+        self._grads: list[tuple[SeriesKey, nn.Parameter]] = []  # the param_grad tap's keys and parameters
+        self.grads_taken = False  # this step's gradients are summarised (at the optimizer's pre-step)
         try:
             self._install(model, modules, params, optimizer)
         except BaseException:
@@ -517,14 +521,15 @@ class TapSet:
         step = self._registrations["step"]
         step.append(functools.partial(model.register_forward_hook, self._root_forward_end))
         if "param_grad" in taps:
-            for layer, pname, param in params:
-                if param.requires_grad:
-                    key = SeriesKey("train", layer, "param_grad", pname)
-                    self._registrations["param_grad"].append(
-                        functools.partial(
-                            param.register_post_accumulate_grad_hook, self._param_grad_hook(key)
+            self._grads = [(SeriesKey("train", layer, "param_grad", pname), p) for layer, pname, p in params]
+            if optimizer is None:  # with an optimizer: all of them at its pre-step hook, in one call
+                for key, param in self._grads:
+                    if param.requires_grad:
+                        self._registrations["param_grad"].append(
+                            functools.partial(
+                                param.register_post_accumulate_grad_hook, self._param_grad_hook(key)
+                            )
                         )
-                    )
         if optimizer is not None:
             before = _guarded(state, self._before_optimizer_step)
             after = _guarded(state, self._after_optimizer_step)
@@ -552,6 +557,7 @@ class TapSet:
         static = self.static or state.compiled
         self.static = static
         self._eval_armed = False
+        self.grads_taken = False
         self._set_group("forward", static or state.forward)
         self._set_group("param_grad", static or state.on.get("param_grad", False))
         self._set_group("step", static or state.timed)
@@ -648,6 +654,23 @@ class TapSet:
 
         return _guarded(state, body)
 
+    def summarize_grads(self) -> None:
+        """Every parameter's gradient as the optimizer is about to apply it (accumulated, unscaled by a
+        ``GradScaler``, clipped if the loop clips, averaged by DDP), in one pass: at the optimizer's
+        pre-step hook, or at ``watch.step()`` on a sampled step whose optimizer step did not run (a
+        ``GradScaler`` skipping a step with infs). Each row is placed in the step's execution order where
+        autograd produced that gradient: parameters in reverse order, each right after the gradient
+        w.r.t. its own module's output (:func:`place_in_backward`). One failing tensor stops only itself."""
+        state = self.state
+        self.grads_taken = True
+        buffer = state.buffer
+        start = len(buffer.keys)
+        for key, param in reversed(self._grads):
+            grad = param.grad
+            if grad is not None:
+                state.call(summarize_into, state, key, grad, None, True)
+        place_in_backward(buffer, start)
+
     def summarize_params(self) -> None:
         """Weights and biases, each on its own row (``kind="param"``)."""
         for layer, pname, param in self.params:
@@ -693,6 +716,8 @@ class TapSet:
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.state.times.optimizer_start = self.state.times.clock()
+        if self.state.on.get("param_grad") and self._grads:
+            self.summarize_grads()
         for metric in self.state.step_metrics:
             self.state.call(metric.before_optimizer_step, self.state.buffer)
         if self.state.on.get("update") and self.params:
@@ -743,6 +768,47 @@ class TapSet:
         self._registrations = {group: [] for group in self._registrations}
         self._before = None
         self.params = []  # a closed Watch must not keep the model's parameters alive
+        self._grads = []
+
+
+def place_in_backward(buffer: StepBuffer, start: int) -> None:
+    """Give the rows from ``start`` on (parameter gradients summarised together, in reverse parameter
+    order) their places in the step's execution order: each right after the last gradient w.r.t. its
+    own module's output (autograd computes a module's parameter gradients from it), a parameter whose
+    module has no such row right after the one placed before it, the first such ones before the step's
+    first backward row. Without backward rows they stay where they are, after the forward.
+
+    Example:
+        >>> buffer = StepBuffer()
+        >>> for layer, kind in [("a", "activation"), ("b", "activation"), ("b", "output_grad"),
+        ...                     ("a", "output_grad"), ("b", "param_grad"), ("a", "param_grad")]:
+        ...     buffer._append(SeriesKey("train", layer, kind, ""), 1, False)
+        >>> place_in_backward(buffer, 4)
+        >>> [" ".join(buffer.keys[i][1:3]) for i in sorted(range(6), key=buffer.order.__getitem__)]
+        ['a activation', 'b activation', 'b output_grad', 'b param_grad', 'a output_grad', 'a param_grad']
+    """
+    keys, order = buffer.keys, buffer.order
+    backward: dict[str, int] = {}  # module -> position of the last gradient w.r.t. its output
+    first = None  # position of the step's first backward row
+    for key, position in zip(keys[:start], order[:start], strict=True):
+        if isinstance(key, SeriesKey) and key.phase == "train" and key.kind.endswith("_grad"):
+            if first is None or position < first:
+                first = position
+            if key.kind == "output_grad" and position > backward.get(key.layer, -1):
+                backward[key.layer] = position
+    if first is None or len(keys) == start:
+        return
+    slots: list[tuple[float, int, int]] = [(position, 0, i) for i, position in enumerate(order[:start])]
+    anchor: tuple[float, int] = (first, -1)  # before the first backward row
+    for i in range(start, len(keys)):
+        key = keys[i]
+        layer = key.layer if isinstance(key, SeriesKey) else None
+        if layer in backward:
+            anchor = (backward[layer], 1)
+        slots.append((anchor[0], anchor[1], i))
+    slots.sort()
+    for rank, (_, _, i) in enumerate(slots):
+        order[i] = rank
 
 
 def named_params(

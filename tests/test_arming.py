@@ -44,10 +44,31 @@ def test_hooks_are_in_only_on_sampled_steps() -> None:
         for _ in range(6):
             seen.append((module_hooks(model), param_hooks(model)))
             train_step(model, opt, watch)
+    # three modules with a forward hook each; the parameters' gradients are read at the optimizer's
+    # pre-step hook, so no parameter ever gets a hook: torch's backward never dispatches one (an emptied
+    # post-accumulate hook table still costs a call per parameter in every backward)
+    assert seen == [(3, 0), (0, 0), (0, 0), (3, 0), (0, 0), (0, 0)]
+    assert all(p._post_accumulate_grad_hooks is None for p in model.parameters())
+    assert (module_hooks(model), param_hooks(model)) == (0, 0)
+    assert (len(model._forward_hooks), len(model._forward_pre_hooks)) == (0, 0)
+
+
+def test_without_an_optimizer_gradient_hooks_are_in_only_on_sampled_steps() -> None:
+    """``observe(model)`` alone has no optimizer pre-step to read gradients at: each parameter gets a
+    post-accumulate hook, installed only for the sampled steps."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: list[tuple[int, int]] = []
+    records = sw.sinks.collect()
+    with sw.observe(model, every=3, sinks=[records]) as watch:
+        for _ in range(6):
+            seen.append((module_hooks(model), param_hooks(model)))
+            train_step(model, opt, watch)
+        watch.flush()
     # three modules with a forward hook each, four parameters with a post-accumulate hook
     assert seen == [(3, 4), (0, 0), (0, 0), (3, 4), (0, 0), (0, 0)]
     assert (module_hooks(model), param_hooks(model)) == (0, 0)
-    assert (len(model._forward_hooks), len(model._forward_pre_hooks)) == (0, 0)
+    assert [len(r.rows("param_grad")) for r in records.items] == [4, 4]
 
 
 def test_an_unsampled_step_keeps_only_the_root_pre_hook() -> None:
@@ -87,13 +108,26 @@ def test_a_cadence_arms_only_the_groups_its_step_samples() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen = []
     cadence = {"activation": 2, "output_grad": 2, "param_grad": 1}
+    records = sw.sinks.collect()
     with sw.observe(
-        model, opt, taps=("activation", "output_grad", "param_grad"), cadence=cadence, every=1
+        model,
+        opt,
+        taps=("activation", "output_grad", "param_grad"),
+        cadence=cadence,
+        every=1,
+        sinks=[records],
     ) as watch:
         for _ in range(4):
             seen.append((module_hooks(model), param_hooks(model)))
             train_step(model, opt, watch)
-    assert seen == [(3, 4), (0, 4), (3, 4), (0, 4)]
+        watch.flush()
+    assert seen == [(3, 0), (0, 0), (3, 0), (0, 0)]  # gradients: at the optimizer's pre-step, no hooks
+    assert [(len(r.rows("activation")), len(r.rows("param_grad"))) for r in records.items] == [
+        (3, 4),
+        (0, 4),
+        (3, 4),
+        (0, 4),
+    ]
 
 
 def test_an_evaluation_pass_on_an_unsampled_step_is_summarised_and_disarmed_after() -> None:
@@ -151,7 +185,7 @@ def compiled_run(static_from_start: bool) -> tuple[list[tuple[int, int]], int]:
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_a_compiled_model_keeps_every_hook_and_compiles_no_more_than_with_fixed_hooks() -> None:
     seen, graphs = compiled_run(static_from_start=False)
-    assert seen == [(3, 4)] * 6  # static from the first compiled forward on
+    assert seen == [(3, 0)] * 6  # static from the first compiled forward on (gradients: no hooks)
     _, fixed = compiled_run(static_from_start=True)
     # the sampled and unsampled flags are guarded on either way (one graph each, plus the first step's)
     assert graphs == fixed <= 3

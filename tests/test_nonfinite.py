@@ -678,9 +678,9 @@ def test_monitoring_with_faults_and_escalation_leaves_training_bit_identical() -
 @pytest.mark.timeout(180)
 def test_a_nan_on_one_rank_of_a_two_rank_gloo_run_names_that_rank(tmp_path: Path) -> None:
     """Rank 1's layer "1" outputs a NaN at step 6. Each rank reports its own first non-finite value: rank 1
-    the activation in the forward; rank 0, whose own forward and gradients were finite, the update made
-    from the all-reduced (NaN) gradients, which shows in its next forward. The earliest in (step,
-    direction) is the origin: rank 1."""
+    the activation in the forward; rank 0, whose own forward and output gradients were finite, the
+    all-reduced (NaN) parameter gradients its optimizer was about to apply, in the same step: the last
+    layer's first, where its backward began. The earliest in (step, direction) is the origin: rank 1."""
     script = Path(__file__).parent / "scripts" / "ddp_train.py"
     out = tmp_path / "run"
     out.mkdir()
@@ -714,8 +714,9 @@ def test_a_nan_on_one_rank_of_a_two_rank_gloo_run_names_that_rank(tmp_path: Path
         finish(proc, out)
     by_rank = {f["rank"]: (f["step"], f["layer"], f["kind"], f["direction"]) for f in firsts}
     assert by_rank[1] == (6, "1", "activation", "forward")
-    # rank 0 saw its first NaN later: in the next forward (its step 6 record sampled no update: cadence)
-    assert by_rank[0] == (7, "0", "activation", "forward")
+    # rank 0 saw its first NaN in the gradients DDP averaged with rank 1's (param_grad is what the
+    # optimizer applies: docs/scale.md), in the same step, after its own finite forward
+    assert by_rank[0] == (6, "2", "param_grad", "backward")
     rank_order = {"forward": 0, "backward": 1, "optimizer": 2}
     origin = min(firsts, key=lambda f: (f["step"], rank_order[f["direction"]]))
     assert origin["rank"] == 1

@@ -9,9 +9,8 @@ not split evenly over 2 or 4 ranks, and at 4 ranks one rank holds an empty shard
 * ``full``: per parameter, the sum of squares and element count of the whole (unsharded) weight after
   the step, of its gradient, and of the step's update (FSDP2: ``DTensor.full_tensor()``, a collective the
   script issues itself; DDP: the replica, identical on every rank);
-* ``local``: the same of what this rank holds (FSDP2: its shard, ``to_local()``; DDP: the weights and the
-  update as above, and the gradient of this rank's own batch before DDP averages it, from an unobserved
-  copy of the model).
+* ``local``: the same of what this rank holds (FSDP2: its shard, ``to_local()``; DDP: the replica, the
+  gradient the one DDP averaged over the ranks, as the optimizer applies it).
 
 It writes them to ``DIR/ref-<rank>.json`` and keeps serving until ``DIR/done`` exists.
 """
@@ -90,10 +89,6 @@ def main() -> None:
     for step in range(args.steps):
         x, y = torch.randn(32, 16, generator=g), torch.randint(0, 5, (32,), generator=g)
         last = step == args.steps - 1
-        if last and args.mode == "ddp":  # this rank's own gradient, before DDP averages it
-            replica = _mlp()  # unobserved: no hook of streamwatch runs on it
-            replica.load_state_dict(model.state_dict())
-            own = torch.autograd.grad(F.cross_entropy(replica(x), y), list(replica.parameters()))
         if rank == args.slow_rank:
             time.sleep(0.05)  # the injected straggler: slow compute on this rank only
         loss = F.cross_entropy(net(x), y)
@@ -103,11 +98,10 @@ def main() -> None:
             params = dict(model.named_parameters())
             before = {n: _full(p.detach()).clone() for n, p in params.items()}
             before_local = {n: _local(p.detach()).clone() for n, p in params.items()}
-            for i, (n, p) in enumerate(params.items()):
+            for n, p in params.items():
                 assert p.grad is not None
                 full[n] = {"param_grad": _sumsq(_full(p.grad)), "count": float(p.numel())}
-                grad = own[i] if args.mode == "ddp" else _local(p.grad)
-                local[n] = {"param_grad": _sumsq(grad), "count": float(_local(p.detach()).numel())}
+                local[n] = {"param_grad": _sumsq(_local(p.grad)), "count": float(_local(p.detach()).numel())}
         opt.step()
         watch.step(loss=loss, batch_size=32)
     for n, p in model.named_parameters():

@@ -1,0 +1,131 @@
+"""The parameter-gradient tap with an optimizer: every gradient is summarised in one pass at the optimizer's
+pre-step hook — the gradient the optimizer applies (accumulated, clipped, unscaled by a GradScaler) —
+or, on a sampled step whose optimizer step did not run, at ``watch.step()``. No parameter ever gets a
+hook. Each value is checked against the tensor torch holds at that moment."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import streamwatch as sw
+from streamwatch import SeriesKey
+from tests.test_observe_battery import assert_row
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _grads(model: nn.Module) -> dict[SeriesKey, torch.Tensor]:
+    out = {}
+    for qualified, p in model.named_parameters():
+        layer, _, name = qualified.rpartition(".")
+        assert p.grad is not None
+        out[SeriesKey("train", layer, "param_grad", name)] = p.grad.detach().clone()
+    return out
+
+
+def test_the_gradient_summarised_is_the_clipped_one_the_optimizer_applies() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = sw.sinks.collect()
+    applied: list[dict[SeriesKey, torch.Tensor]] = []
+    raw_norms = []
+    g = torch.Generator().manual_seed(1)
+    with sw.observe(model, opt, every=1, sinks=[records]) as watch:
+        for _ in range(3):
+            x, y = torch.randn(8, 6, generator=g) * 30, torch.randint(0, 3, (8,), generator=g)
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            raw_norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.01)))
+            applied.append(_grads(model))
+            opt.step()
+            watch.step(loss=loss)
+        assert watch.flush()
+    assert min(raw_norms) > 0.01  # clipping changed every step's gradients
+    assert [r.step for r in records.items] == [0, 1, 2]
+    for record, grads in zip(records.items, applied, strict=True):
+        assert {record.keys[i] for i in record.rows("param_grad")} == set(grads)
+        for key, grad in grads.items():
+            assert_row(record, key, grad)
+        total = sum(float(grad.double().pow(2).sum()) for grad in grads.values()) ** 0.5
+        assert abs(total - 0.01) < 1e-6  # the clipped norm, not the raw one
+
+
+def test_a_grad_scaler_step_is_summarised_unscaled_and_a_skipped_one_at_the_boundary(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``GradScaler.step`` unscales before ``optimizer.step``: the rows hold the real gradient, not the
+    scaled one. A step with an inf is skipped (no optimizer step): its gradients are summarised at
+    ``watch.step()`` instead, infs counted, so the sampled step still shows them."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    records = sw.sinks.collect()
+    seen: list[dict[SeriesKey, torch.Tensor]] = []
+    g = torch.Generator().manual_seed(2)
+    with (
+        caplog.at_level(logging.WARNING, "streamwatch"),
+        sw.observe(model, opt, every=1, stats=("nonfinite",), sinks=[records]) as watch,
+    ):
+        for step in range(3):
+            x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            if step == 1:
+                bias = model[2].bias.grad
+                assert bias is not None
+                bias[0] = float("inf")  # the scaler finds it and skips this optimizer step
+            scaler.step(opt)
+            seen.append(_grads(model))  # unscaled in place by the scaler, skipped or not
+            scaler.update()
+            watch.step(loss=loss)
+        assert watch.flush()
+        first = watch.statistics().first_nonfinite
+    assert first is not None
+    assert (first.step, first.layer, first.kind, first.param) == (1, "2", "param_grad", "bias")
+    assert scaler.get_scale() == 512.0  # step 1 was skipped (and the scale halved)
+    assert "param_grad of layer '2' (param 'bias'" in caplog.text  # warned once, with the origin
+    for record, grads in zip(records.items, seen, strict=True):
+        for key, grad in grads.items():
+            assert_row(record, key, grad, counted=True)
+    bad = records.items[1]
+    (row,) = [i for i in bad.rows("param_grad") if bad.keys[i].layer == "2" and bad.keys[i].name == "bias"]
+    assert bad.column("nonfinite")[row] == 1
+
+
+def test_gradients_take_their_place_in_the_backward_order() -> None:
+    """Summarised together before the optimizer step, each parameter's gradient row is placed where
+    autograd produced it: after the gradient w.r.t. its own module's output, before the next one's."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = sw.sinks.collect()
+    with sw.observe(
+        model, opt, every=1, taps=("activation", "output_grad", "param_grad"), sinks=[records]
+    ) as w:
+        loss = nn.functional.cross_entropy(model(torch.randn(8, 6)), torch.randint(0, 3, (8,)))
+        loss.backward()
+        opt.step()
+        w.step(loss=loss)
+        assert w.flush()
+    (record,) = records.items
+    ran = [(k.layer, k.kind, k.name) for k in (record.keys[i] for i in record.execution_order().argsort())]
+    assert ran == [
+        ("0", "activation", ""),
+        ("1", "activation", ""),
+        ("2", "activation", ""),
+        ("2", "output_grad", ""),
+        ("2", "param_grad", "bias"),
+        ("2", "param_grad", "weight"),
+        ("1", "output_grad", ""),
+        ("0", "output_grad", ""),
+        ("0", "param_grad", "bias"),
+        ("0", "param_grad", "weight"),
+    ]
