@@ -208,6 +208,8 @@ class Watch:
             self._governor: Governor | None = None
             self._sample_count = 0  # governor mode: sampled steps so far (the cadences count these)
             self._all_off = dict.fromkeys(KINDS, False)
+            # a sampled step's flags (never mutated: shared), by which kinds its cadences turn on
+            self._patterns: dict[tuple[bool, ...], tuple[dict[str, bool], bool]] = {}
             self._step_metrics: tuple[Any, ...] = ()
             self._exporters: list[Exporter] = []
             self._overhead = 0.0  # streamwatch's own seconds on the training thread, last step
@@ -439,7 +441,11 @@ class Watch:
                 host["samples_per_second"] = checked.batch_size / seconds
         loss = checked.loss
         if isinstance(loss, torch.Tensor):
-            device["loss"] = loss.detach().reshape(()).to(torch.float32)
+            if loss.is_cpu:  # read at once, nothing to wait for (as float32, like a device loss)
+                value = loss.detach()
+                host["loss"] = float(value if value.dtype == torch.float32 else value.to(torch.float32))
+            else:
+                device["loss"] = loss.detach().reshape(()).to(torch.float32)
         elif loss is not None:
             host["loss"] = loss
         if checked.accuracy is not None:
@@ -591,10 +597,13 @@ class Watch:
                 return  # as the step before: nothing to change (the unsampled step's fast path)
             state.on, state.forward = self._all_off, False
         else:
-            state.on = dict.fromkeys(KINDS, False) | {
-                kind: k % cadence == 0 for kind, cadence in self._periods
-            }
-            state.forward = any(state.on[kind] for kind in _FORWARD_KINDS)
+            pattern = tuple(k % cadence == 0 for _, cadence in self._periods)
+            flags = self._patterns.get(pattern)
+            if flags is None:  # a few patterns per run (one per cadence phase): built once each, shared
+                kinds = [kind for kind, _ in self._periods]
+                on = dict.fromkeys(KINDS, False) | dict(zip(kinds, pattern, strict=True))
+                flags = self._patterns[pattern] = (on, any(on[kind] for kind in _FORWARD_KINDS))
+            state.on, state.forward = flags
         self._sampling_now = sampled
         state.timed = sampled or bool(state.step_metrics)
         self._taps.arm()  # only the hooks this step needs are installed

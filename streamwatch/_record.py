@@ -299,6 +299,10 @@ def _merged_order(keys: list[Hashable], order: list[int], merged: int) -> tuple[
     return () if all(b > a for a, b in itertools.pairwise(positions)) else positions
 
 
+_NO_DEVICE_DATA = torch.empty(0, dtype=torch.float64)
+"""A record's ``data`` when nothing came from a device: shared, never written (the worker copies it)."""
+
+
 class StepBuffer:
     """Rows of the current step, appended by hooks on the training thread (no locks: one thread).
 
@@ -527,8 +531,10 @@ class StepBuffer:
                 flat = torch.stack([p.to(device, non_blocking=True) for p in parts])
             if vectors:  # convert the small vectors, never the sums (float64 models keep float64)
                 flat = torch.cat([flat, *(v if v.dtype == flat.dtype else v.to(flat.dtype) for v in vectors)])
+        elif self.extras:
+            flat = torch.empty(0, dtype=torch.float64, device=device)
         else:
-            flat = torch.empty(0, dtype=torch.float64, device=device if self.extras else "cpu")
+            flat = _NO_DEVICE_DATA  # every row on the host (the fused kernel's), every scalar read
         extra_layout: list[tuple[tuple[Any, str], int]] = []
         if self.extras:  # opt-in metric values: float64 (histogram counts stay exact), after the rest
             values = [
