@@ -427,23 +427,28 @@ class Watch:
             self._end_step(now, failed)
         self._surface_errors()
 
-    def _send(self, seconds: float, checked: _StepArgs, device: dict[str, torch.Tensor], full: bool) -> None:
+    def _send(
+        self, seconds: float | None, checked: _StepArgs, device: dict[str, torch.Tensor], full: bool
+    ) -> None:
         """Seal this step's record and offer it to the worker: ``full`` for a sampled step (or one with
-        rows: an evaluation pass, a metric), else a scalar record between sampled steps."""
-        host: dict[str, float] = {"step_seconds": seconds}
-        if full:
-            times = self._state.times
-            for part, value in times.parts(times.clock()).items():
-                host[f"part/{part}"] = value
-        if checked.batch_size is not None:
+        rows: an evaluation pass, a metric), else a scalar record between sampled steps. ``seconds``
+        None: not a step's end (evaluation rows handed over at close), so no step time and no parts."""
+        host: dict[str, float] = {}
+        if seconds is not None:
+            host["step_seconds"] = seconds
+            if full:
+                times = self._state.times
+                for part, value in times.parts(times.clock()).items():
+                    host[f"part/{part}"] = value
+        if checked.batch_size is not None and seconds is not None:
             host["batch_size"] = float(checked.batch_size)
             if seconds > 0:
                 host["samples_per_second"] = checked.batch_size / seconds
         loss = checked.loss
         if isinstance(loss, torch.Tensor):
             if loss.is_cpu:  # read at once, nothing to wait for (as float32, like a device loss)
-                value = loss.detach()
-                host["loss"] = float(value if value.dtype == torch.float32 else value.to(torch.float32))
+                scalar = loss.detach()
+                host["loss"] = float(scalar if scalar.dtype == torch.float32 else scalar.to(torch.float32))
             else:
                 device["loss"] = loss.detach().reshape(()).to(torch.float32)
         elif loss is not None:
@@ -909,6 +914,7 @@ class Watch:
             metric.unbind()
         self._metrics, self._step_metrics = (), ()
         self._state.kind_metrics, self._state.step_metrics = {}, ()
+        self._send_evaluation()
         release_scratch()
         self._state.buffer.clear()  # an unfinished step is not a completed step
         model = self._model_ref()
@@ -932,6 +938,19 @@ class Watch:
         if self._errors:
             errors, self._errors = self._errors, []
             raise PipelineError(errors) from errors[0][1]
+
+    def _send_evaluation(self) -> None:
+        """At close: evaluation passes run after the last ``watch.step()`` (a final validation) are
+        handed over as a record of their own (step: the next step's number, as evaluation rows between
+        steps are; no step time, no loss). Rows of a training step that never reached ``watch.step()``
+        are not a completed step: with them in the buffer, nothing is sent (docs/observe.md)."""
+        buffer = self._state.buffer
+        if not len(buffer) or any(getattr(key, "phase", None) != "eval" for key in buffer.keys):
+            return
+        try:
+            self._send(None, _StepArgs(None, None, None), {}, full=True)
+        except Exception as exc:  # a full channel under overflow="error" too: counted, raised below
+            self._state.fail(exc)
 
     def _give_up(self, waited: float) -> None:
         """close() waited ``waited`` seconds for the worker in vain: count and warn, leave it behind."""

@@ -159,6 +159,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"demo": _demo, "report": _report, "replay": _replay, "plot": _plot}[args.command](args)
+    except BrokenPipeError as err:
+        from streamwatch._exceptions import ChannelClosed
+
+        if isinstance(err, ChannelClosed):  # streamwatch's own channel: an error like any other
+            message = _describe(err)
+        else:  # `streamwatch report run | head`: the reader has what it wanted; stop quietly, as cat does
+            _drop_stdout()
+            return 128 + 13  # the status of a process ended by SIGPIPE
     except (ValueError, OSError, OverflowError, ImportError) as err:  # a clear line, never a traceback
         # ValueError includes RunFileError (not a run file, a corrupt line); OSError: a missing or
         # unreadable file, a port in use, an output that cannot be written
@@ -170,6 +178,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     print(f"streamwatch {args.command}: error: {_one_line(message)}", file=sys.stderr)
     return 2
+
+
+def _drop_stdout() -> None:
+    """Point standard output at the null device: its reader has gone away, and the interpreter's final
+    flush must not fail again on the way out."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 def _describe(err: BaseException) -> str:

@@ -299,6 +299,27 @@ def test_deeply_nested_run_file_from_a_real_process(tmp_path: Path) -> None:
     assert "RecursionError" not in err
 
 
+def test_a_reader_that_goes_away_ends_report_quietly(tmp_path: Path) -> None:
+    """``streamwatch report run | head``: once the reader has closed the pipe, report stops as cat does
+    (the SIGPIPE status, 141), with nothing on stderr: no traceback, no error line."""
+    run = _write_run(tmp_path / "run.jsonl", 3)
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line is written
+    with os.fdopen(write, "w") as stdout:
+        proc = subprocess.run(
+            [sys.executable, "-m", "streamwatch", "report", str(run)],
+            cwd=tmp_path,
+            env=_env(),
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=100,
+            check=False,
+        )
+    assert proc.returncode == 141
+    assert proc.stderr == ""
+
+
 @pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="plot needs matplotlib (the demo extra)")
 @pytest.mark.parametrize(
     "output",

@@ -77,6 +77,42 @@ def test_close_removes_every_hook_and_later_training_records_nothing(train: Trai
     watch.close()  # idempotent
 
 
+@pytest.mark.parametrize("every", [1, None], ids=["every=1", "governor"])
+def test_an_evaluation_after_the_last_step_is_sent_at_close(train: Train, every: int | None) -> None:
+    """A final validation pass, after the last ``watch.step()``, is a record of its own at close (the
+    next step's number, evaluation rows only, no step time); an unfinished training step is not."""
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recs = sw.sinks.collect()
+    x = torch.randn(5, 4)
+    watch = sw.observe(model, opt, sinks=[recs], every=every)
+    train(model, opt, watch, 2)
+    model.eval()
+    with torch.no_grad():
+        first = model[0]
+        assert isinstance(first, nn.Linear)
+        expected = nn.functional.linear(x, first.weight, first.bias)  # not through the hooked module
+        model(x)
+    watch.close()
+    last = recs.items[-1]
+    assert last.step == 2
+    assert {key.phase for key in last.keys} == {"eval"}
+    assert "step_seconds" not in last.scalars
+    assert "loss" not in last.scalars
+    (row,) = [i for i, key in enumerate(last.keys) if key.layer == "0" and key.kind == "activation"]
+    assert last.table[row, 0] == expected.numel()
+    torch.testing.assert_close(last.stat("mean")[row], expected.double().mean().item())
+    torch.testing.assert_close(last.stat("l2")[row], expected.double().norm().item())
+    # a training forward that never reached watch.step(): not a completed step, nothing is sent
+    model.train()
+    recs2 = sw.sinks.collect()
+    with sw.observe(model, opt, sinks=[recs2], every=1) as watch2:
+        model(x).sum().backward()
+    assert recs2.items == []
+    assert watch2.statistics().steps == 0
+
+
 def test_with_block_exception_propagates_and_hooks_are_removed(train: Train) -> None:
     torch.manual_seed(0)
     model = _model()
