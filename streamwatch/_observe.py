@@ -143,8 +143,7 @@ class Watch:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"Expected `optimizer` to be a torch.optim.Optimizer or None, got {optimizer!r}")
+        optimizer = _unwrap_optimizer(optimizer)
         if every is not None and overhead is not None:
             raise ValueError(
                 f"Expected `every` or `overhead`, got both (every={every!r}, overhead={overhead!r}): pass "
@@ -487,7 +486,7 @@ class Watch:
             raise
         if sent:
             self._last_record = time.perf_counter()
-            self._sampled += full
+            self._sampled += full and seconds is not None  # (not the evaluation record of close())
             self._scalar_records += not full
             self._sent_steps.append(self._step)  # its loss is there for the worker's non-finite verdict
 
@@ -1027,6 +1026,47 @@ class _Served(Sink):
         else:
             samples = [Sample(self.name, self.labels, float(item))]
         self.store.put(samples)
+
+
+def _unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer | None:
+    """The torch optimizer to hook: ``optimizer`` itself, or the one a framework's wrapper steps
+    (Accelerate's ``AcceleratedOptimizer.optimizer``, Lightning's ``LightningOptimizer._optimizer``):
+    those subclass or imitate ``torch.optim.Optimizer`` without its hook tables, and step the inner one
+    only when a step really happens (not on an accumulation micro-step, not when a scaler skips it).
+
+    Example:
+        >>> import torch
+        >>> inner = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+        >>> class Wrapper(torch.optim.Optimizer):
+        ...     def __init__(self, optimizer):  # does not call Optimizer.__init__, as Accelerate's does not
+        ...         self.optimizer = optimizer
+        >>> _unwrap_optimizer(Wrapper(inner)) is inner, _unwrap_optimizer(inner) is inner
+        (True, True)
+    """
+    seen = optimizer
+    for _ in range(8):  # wrappers of wrappers, bounded
+        if optimizer is None or (
+            isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks")
+        ):
+            return optimizer
+        inner = next(
+            (
+                value
+                for value in (getattr(optimizer, name, None) for name in ("optimizer", "_optimizer"))
+                if isinstance(value, torch.optim.Optimizer)
+            ),
+            None,
+        )
+        if inner is None:
+            break
+        optimizer = inner
+    if isinstance(seen, torch.optim.Optimizer):
+        raise TypeError(
+            f"Expected `optimizer` to be a torch.optim.Optimizer initialised by its __init__ (it has no "
+            f"step hooks), or a wrapper whose `optimizer` attribute is one; got a {type(seen).__qualname__} "
+            "without them: pass the torch optimizer it wraps"
+        )
+    raise TypeError(f"Expected `optimizer` to be a torch.optim.Optimizer or None, got {seen!r}")
 
 
 def _names(value: object, name: str, allowed: tuple[str, ...]) -> frozenset[str]:

@@ -60,7 +60,8 @@ class WatchStatistics:
         sampled: sampled steps whose record was sent to the worker.
         scalar_records: scalar records sent between sampled steps (loss, learning rates, step time,
             throughput; no layer rows), at most one per ``streamwatch.SCALAR_SECONDS``.
-        records_received: records the worker turned into step records.
+        records_received: records the worker turned into step records (``sampled`` plus
+            ``scalar_records``, and the evaluation record ``close()`` sends, if any).
         dropped_oldest: queued records evicted because the worker fell behind (``overflow="drop_oldest"``).
         dropped_newest: records discarded at send (``overflow="drop_newest"``).
         slots_exhausted: CUDA steps dropped because every pinned slot was still in flight.

@@ -9,7 +9,8 @@
   Trainer logged (``state.log_history``) and to an independent computation, evaluation under
   ``phase="eval"``, the watch closed and every hook gone.
 * Accelerate: ``observe(accelerator.unwrap_model(model), optimizer)`` unchanged, one record per
-  optimizer step under ``accelerator.accumulate``.
+  optimizer step under ``accelerator.accumulate``; the ``AcceleratedOptimizer`` itself is unwrapped to
+  the optimizer it steps.
 * ``import streamwatch`` imports none of the trainer libraries, and a missing one is an ImportError
   naming the extra.
 """
@@ -141,7 +142,11 @@ def test_lightning_one_record_per_optimizer_step_with_the_trainers_loss(pl: Any,
 
     assert trainer.global_step == 6
     assert watch.statistics().steps == watch.statistics().sampled == 6
-    assert [r.step for r in records.items] == list(range(6))
+    # one record per optimizer step, and the final validation's, sent at close as the next step's
+    assert [r.step for r in records.items] == list(range(7))
+    steps, final = records.items[:6], records.items[6]
+    assert {k.phase for k in final.keys} == {"eval"}
+    assert "loss" not in final.scalars
     # Lightning divides each batch's loss by accumulate_grad_batches (2) before backward and reports it
     # so; a step's loss is the sum over its batches (windows of 2, 2, 1 batches per epoch)
     windows = [[0, 1], [2, 3], [4], [5, 6], [7, 8], [9]]
@@ -152,13 +157,13 @@ def test_lightning_one_record_per_optimizer_step_with_the_trainers_loss(pl: Any,
         for i in window[1:]:
             total = total + model.losses[i] / 2
         expected.append(float(total))
-    assert [r.scalars["loss"] for r in records.items] == expected
-    assert [r.scalars["batch_size"] for r in records.items] == [16.0, 16.0, 8.0] * 2
+    assert [r.scalars["loss"] for r in steps] == expected
+    assert [r.scalars["batch_size"] for r in steps] == [16.0, 16.0, 8.0] * 2
     assert all(r.scalars["lr/0"] == 0.1 for r in records.items)
     # validation is summarised under phase="eval" in the record of the next optimizer step: the sanity
     # check in the first, epoch 0's validation in the first step of epoch 1; epoch 1's comes after the
-    # last step and belongs to none
-    assert _eval_records(records.items) == {0, 3}
+    # last step: in the record close() sends
+    assert _eval_records(records.items) == {0, 3, 6}
     layers = {k.layer for k in records.items[3].keys if k.phase == "eval" and k.kind == "activation"}
     assert layers == {"net.0", "net.1", "net.2", "net.3"}
     assert {r.rank for r in records.items} == {trainer.global_rank} == {0}
@@ -210,7 +215,7 @@ def test_lightning_fit_resumed_from_a_checkpoint_steps_with_the_optimizer(pl: An
     # the trainer restores global_step (3) only after on_fit_start; the second epoch steps 3 more times
     resumed, model = _fit(pl, tmp_path, [callback], ckpt_path=tmp_path / "epoch0.ckpt")
     assert resumed.global_step == 6
-    assert [r.scalars["batch_size"] for r in records.items] == [16.0, 16.0, 8.0]
+    assert [r.scalars.get("batch_size") for r in records.items] == [16.0, 16.0, 8.0, None]  # + validation
     assert len(model.losses) == 5
     assert records.items[0].scalars["loss"] == float(model.losses[0] / 2 + model.losses[1] / 2)
 
@@ -360,11 +365,13 @@ def test_transformers_one_record_per_optimizer_step_with_the_logged_loss(
 
     assert trainer.state.global_step == 6
     assert watch.statistics().steps == watch.statistics().sampled == 6
-    assert [r.step for r in records.items] == list(range(6))
+    # one record per optimizer step, and the last evaluation's, sent at close as the next step's
+    assert [r.step for r in records.items] == list(range(7))
+    steps = records.items[:6]
     # the record of optimizer step n (from 1) carries the loss the Trainer logged right after it
     logged = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     assert sorted(logged) == list(range(logging_steps, 7, logging_steps))
-    for record in records.items:
+    for record in steps:
         assert record.scalars.get("loss") == logged.get(record.step + 1)
     if logging_steps == 1:  # then that is each step's own loss: its micro-batches' losses, each divided
         # by the micro-batches in the step (HF scales a short last window by its own length)
@@ -377,10 +384,11 @@ def test_transformers_one_record_per_optimizer_step_with_the_logged_loss(
                 total = total + model.losses[i] / len(window)
             expected.append(float(total))
         # (transformers 4.x logs the loss rounded to 4 decimals; 5.x as computed)
-        assert [r.scalars["loss"] for r in records.items] == pytest.approx(expected, rel=1e-6, abs=5e-5)
+        assert [r.scalars["loss"] for r in steps] == pytest.approx(expected, rel=1e-6, abs=5e-5)
     # evaluation after steps 2 and 4 is summarised under phase="eval" in the next step's record (the one
-    # after step 6 belongs to no step)
-    assert _eval_records(records.items) == {2, 4}
+    # after step 6, the last, in the record close() sends)
+    assert _eval_records(records.items) == {2, 4, 6}
+    assert {k.phase for k in records.items[6].keys} == {"eval"}
     assert watch.closed
     assert _leftover_hooks(model, trainer.optimizer.optimizer) == []
 
@@ -430,6 +438,48 @@ def test_accelerate_observe_the_unwrapped_model_unchanged() -> None:
     kinds = {k.kind for r in records.items for k in r.keys}
     assert kinds == {"activation", "output_grad", "param", "param_grad", "update"}
     assert _leftover_hooks(model, optimizer) == []
+
+
+def test_accelerate_wrapped_optimizer_is_unwrapped_to_the_one_it_steps() -> None:
+    """``observe(model, accelerated_optimizer)``: the hooks go on the torch optimizer inside (the wrapper
+    has none), so the records are those of passing it; a subclass with no hook tables and nothing
+    inside is refused, naming what to pass."""
+    accelerate = pytest.importorskip("accelerate")
+    accelerator = accelerate.Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    prepared, wrapped = accelerator.prepare(model, optimizer)
+    assert wrapped is not optimizer
+    records = sw.sinks.collect()
+    grads: list[torch.Tensor] = []
+    with sw.observe(model, wrapped, sinks=[records], every=1, cadence={"update": 1}) as watch:
+        assert (len(optimizer._optimizer_step_pre_hooks), len(optimizer._optimizer_step_post_hooks)) == (1, 1)
+        for x, y in DataLoader(_dataset(16, seed=2), batch_size=8):
+            loss = F.cross_entropy(prepared(x), y)
+            accelerator.backward(loss)
+            grads.append(model[2].weight.grad.detach().clone())
+            wrapped.step()
+            wrapped.zero_grad()
+            watch.step(loss=loss)
+    assert [r.step for r in records.items] == [0, 1]
+    for record, grad in zip(records.items, grads, strict=True):
+        (row,) = [
+            i
+            for i, k in enumerate(record.keys)
+            if k.kind == "param_grad" and k.layer == "2" and k.name == "weight"
+        ]
+        assert record.table[row, 2] == pytest.approx(float(grad.double().pow(2).sum()), rel=1e-6)
+        assert record.scalars["lr/0"] == 0.1
+        assert record.rows("update")
+    assert _leftover_hooks(model, optimizer) == []
+
+    class Hollow(torch.optim.Optimizer):
+        def __init__(self) -> None:  # never calls Optimizer.__init__ and wraps nothing
+            pass
+
+    with pytest.raises(TypeError, match=r"has no step hooks.*pass the torch optimizer it wraps"):
+        sw.observe(model, Hollow())
 
 
 # -- imports --------------------------------------------------------------------------------------------
