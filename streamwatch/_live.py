@@ -176,7 +176,7 @@ class LiveView:
     ``step/total`` and steps per second; the latest train loss and accuracy; a per-layer table (the
     first ``top`` layers, the rest summarised as ``… N more``) of activation l2, gradient l2 (the
     weight's, else the output gradient's), update l2, dead-unit rate and non-finite count; and
-    streamwatch's own health (records dropped, queue, worker lag, overhead per step, hook errors, the
+    streamwatch's own health (records dropped, queue, worker lag, mean overhead per step, hook errors, the
     sampling interval and, with ``observe(overhead=...)``, the measured overhead and its budget, an
     escalation after a non-finite loss, and where the run's first NaN/Inf started:
     ``statistics().first_nonfinite``, docs/nonfinite.md).
@@ -294,7 +294,9 @@ class LiveView:
         text.append(f"   queue {stats.queue_len} (max {stats.queue_high_water})")
         text.append(f"   lag {format_ms(stats.worker_lag_seconds)}")
         text.append(f"   hook errors {stats.hook_errors}", style="red" if stats.hook_errors else "")
-        overhead = stats.overhead_seconds if stats.steps else None
+        # streamwatch's own time on the training thread, the mean over the run's steps: sampled and
+        # unsampled alike (the last step's alone is mostly an unsampled one's under the governor)
+        overhead = stats.overhead_seconds_total / stats.steps if stats.steps else None
         text.append(f"\n             overhead {format_ms(overhead)}/step")
         if overhead is not None and step_seconds is not None and step_seconds > 0:
             text.append(f" ({format_percent(overhead / step_seconds)} of a step)")
