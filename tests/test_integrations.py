@@ -220,6 +220,28 @@ def test_lightning_fit_resumed_from_a_checkpoint_steps_with_the_optimizer(pl: An
     assert records.items[0].scalars["loss"] == float(model.losses[0] / 2 + model.losses[1] / 2)
 
 
+def test_lightning_optimizer_wrapper_is_unwrapped(pl: Any) -> None:
+    """A ``LightningOptimizer`` (what ``self.optimizers()`` returns in a LightningModule) given to
+    ``observe()`` directly: the hooks go on the torch optimizer it wraps, and its steps are recorded."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = LightningOptimizer(optimizer)
+    records = sw.sinks.collect()
+    with sw.observe(model, wrapped, sinks=[records], every=1, cadence={"update": 1}) as watch:
+        assert len(optimizer._optimizer_step_pre_hooks) == len(optimizer._optimizer_step_post_hooks) == 1
+        for x, y in DataLoader(_dataset(16, seed=3), batch_size=8):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()  # the wrapper's step() does this inside a Trainer
+            optimizer.zero_grad()
+            watch.step(loss=loss)
+    assert [bool(r.rows("update")) for r in records.items] == [True, True]
+    assert _leftover_hooks(model, optimizer) == []
+
+
 def test_lightning_callback_checks_its_arguments(pl: Any) -> None:
     from streamwatch.integrations.lightning import StreamwatchCallback
 
