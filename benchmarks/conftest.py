@@ -8,6 +8,8 @@ measured in the same run, per-step costs). The same numbers also go to ``benchma
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 _REPORT = pytest.StashKey[list[str]]()
@@ -25,3 +27,19 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
         terminalreporter.section("benchmark report")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--benchmark-disable`` every benchmark here is skipped, saying why, instead of failing: each
+    one reads its own timings (``benchmark.stats``, ratios to a baseline timed in the same run), which
+    pytest-benchmark does not take when disabled."""
+    if not config.getoption("benchmark_disable", default=False):
+        return
+    skip = pytest.mark.skip(
+        reason="the benchmarks read their own timings, which --benchmark-disable does not take: run them "
+        "with --benchmark-only (make bench)"
+    )
+    here = Path(__file__).parent
+    for item in items:
+        if here in item.path.parents:  # (this hook sees the whole session's items: only ours)
+            item.add_marker(skip)
