@@ -279,7 +279,7 @@ class Governor:
 
     # -- the training thread's side -----------------------------------------------------------------
 
-    def tick(self, own: float = 0.0) -> bool:
+    def tick(self, own: float = 0.0, forced: bool = False) -> bool:
         """Mark a step boundary: the running step has ended and the next one begins now.
 
         Measures the step that ended (clock now minus at the previous boundary), updates the interval
@@ -290,6 +290,10 @@ class Governor:
             own: seconds of the step that ended spent in the monitor's own code on this thread (hooks
                 and the step boundary). On clean steps it measures the floor: what monitoring costs
                 on steps it does not sample, which no interval removes (:attr:`floor_ratio`).
+            forced: the step that ended was sampled by someone else's decision (the watch's
+                escalation after a non-finite loss samples every step in full): it is measured as
+                nothing — neither a clean step, nor a cost, nor the shadow of the sampled step before
+                it — and the step after it is not a clean step either (it may carry its worker time).
         """
         reading = float(self._clock())
         now = reading if math.isfinite(reading) else None
@@ -302,7 +306,11 @@ class Governor:
             if self._last_sample_at is None or now < self._last_sample_at:
                 self._last_sample_at = now  # a clock that went back must not postpone the time ceiling
         self._steps += 1
-        self._measure(seconds, ended_sampled, own)
+        if forced:
+            self._pending = None  # a sampled step whose shadow this was loses its cost sample
+            ended_sampled = True  # (for what follows: the next step is its shadow, not a clean step)
+        else:
+            self._measure(seconds, ended_sampled, own)
         self._since_sample += 1
         clean = not ended_sampled and not self._prev_sampled
         self._since_clean = 0 if clean else self._since_clean + 1

@@ -206,6 +206,7 @@ class Watch:
             self._periods = [(kind, merged[kind]) for kind in KINDS if kind in taps_on]
             self._governor: Governor | None = None
             self._sample_count = 0  # governor mode: sampled steps so far (the cadences count these)
+            self._forced = False  # the running step is sampled only because of an escalation
             self._all_off = dict.fromkeys(KINDS, False)
             # a sampled step's flags (never mutated: shared), by which kinds its cadences turn on
             self._patterns: dict[tuple[bool, ...], tuple[dict[str, bool], bool]] = {}
@@ -390,7 +391,7 @@ class Watch:
                 if _governor_clock is time.perf_counter
                 else 0.0
             )
-            sampled: bool | None = self._governor.tick(own)
+            sampled: bool | None = self._governor.tick(own, forced=self._forced)
         else:
             sampled = None
         self._set_sampling(self._step, sampled)
@@ -592,6 +593,8 @@ class Watch:
             self._set_metrics(step, k if sampled else None)
         if self._escalated_until is not None and step >= self._escalated_until:
             self._escalated_until = None  # the escalation is over
+        # an escalated step is sampled in full whatever the governor said: its time measures nothing
+        self._forced = self._escalated_until is not None
         if self._escalated_until is not None:  # a sentinel trip: every step, every tapped kind
             sampled = True
             state.on = self._all_on

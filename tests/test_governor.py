@@ -587,3 +587,38 @@ def test_the_global_random_state_is_untouched() -> None:
     clock = FakeClock()
     drive(Governor(0.02, clock=clock), clock, 2_000, costing(0.2))
     assert random.getstate() == state
+
+
+# -- forced steps: sampled by someone else (the watch's escalation) ------------------------------------
+
+
+def test_forced_steps_measure_nothing_and_their_shadows_are_not_clean() -> None:
+    """An escalation samples every step in full for a while: those steps are slow and spend their time
+    in the monitor's own code. Told so (``forced``), the governor takes none of them (nor the step after
+    each, its shadow) as a clean step, a floor or a cost: the baseline, the floor, the cost and the
+    interval come out of the episode exactly as they went in."""
+    clock = FakeClock()
+    gov = Governor(0.02, clock=clock)
+    own = PLAIN * 0.005 / 1.005  # a floor of 0.5 %
+    drive_with_floor(gov, clock, settle_steps(smallest_interval(1.0, 0.015)), 1.0, own)
+    before = (gov.step_seconds, gov.floor_ratio, gov.cost_ratio, gov.interval)
+    assert before == (
+        pytest.approx(PLAIN),
+        pytest.approx(0.005),
+        pytest.approx(1.0),
+        smallest_interval(1.0, 0.015),
+    )
+    for _ in range(50):  # escalated: every step 5 plain steps long, 4 of them the monitor's own
+        clock.advance(5 * PLAIN)
+        gov.tick(4 * PLAIN, forced=True)
+    clock.advance(3 * PLAIN)  # the shadow of the last one (worker time spilling over): not clean either
+    gov.tick(own)
+    after = (gov.step_seconds, gov.floor_ratio, gov.cost_ratio, gov.interval)
+    assert after == before
+    # unforced, the same episode moves the floor and the baseline (what the flag prevents)
+    control = Governor(0.02, clock=(clock2 := FakeClock()))
+    drive_with_floor(control, clock2, settle_steps(smallest_interval(1.0, 0.015)), 1.0, own)
+    for _ in range(50):
+        clock2.advance(5 * PLAIN)
+        control.tick(4 * PLAIN)
+    assert control.floor_ratio > 0.5  # the escalated steps became the floor

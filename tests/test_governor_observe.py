@@ -401,3 +401,31 @@ def test_a_scalar_record_leaves_the_layer_series_and_updates_the_loss(
     losses = [value for (name, _), value in after.items() if name == "streamwatch_loss"]
 
     assert losses == [pytest.approx(loss.item(), rel=1e-6)]
+
+
+def test_escalated_steps_are_forced_samples_the_governor_does_not_measure(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A non-finite loss escalates: the next ``escalate`` steps are sampled in full whatever the governor
+    said. Each of those steps ends with ``tick(forced=True)`` (their times measure nothing: the
+    governor's own tests show what that keeps), and every other step with ``forced=False``."""
+    seen: list[bool] = []
+    tick = Governor.tick
+
+    def spy(self: Governor, own: float = 0.0, forced: bool = False) -> bool:
+        seen.append(forced)
+        return tick(self, own, forced)
+
+    monkeypatch.setattr(Governor, "tick", spy)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sw.observe(model, opt, escalate=3, on_nonfinite="warn") as watch:
+        for step, (x, y) in enumerate(_batches(12)):
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            watch.step(loss=loss * math.nan if step == 5 else loss)
+    assert watch.statistics().escalations == 1
+    assert "for the next 3 steps" in caplog.text
+    assert [i for i, forced in enumerate(seen) if forced] == [6, 7, 8]  # the steps after the trip
