@@ -104,6 +104,13 @@ REFRESH = 8
 """Once calibrated, the baseline and floor medians (and the interval from them) are retaken every
 ``REFRESH`` clean steps and before every cost sample, not on every step: a clean step then costs an
 append. The estimates lag by at most ``REFRESH - 1`` clean steps."""
+FLOOR_WINDOW = 64
+"""The floor is the mean own-time ratio of the last this many clean steps: a mean, not a median, so
+that a cost paid on one clean step in several (a tick that measures the step ends filed before it)
+counts in full; own time is measured exactly, with none of a step time's outliers."""
+QUIET_MAX = 2 * REFRESH
+"""At most this many step ends in a row are filed (:attr:`Governor.filed`) before a tick measures them:
+the interval and the estimates then lag by at most that many steps more."""
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # the phase sequence k·φ mod 1 spreads sampled steps evenly
 _EPSILON = 1e-9  # a quotient that is an integer up to rounding (0.2 / 0.02, 1.0 / 0.1) is that integer
 
@@ -130,7 +137,7 @@ class GovernorStatistics:
     step_seconds: float | None
     """The baseline: the median time of the recent clean (unmonitored) steps."""
     steps: int
-    """Steps that have ended (calls to :meth:`Governor.tick`)."""
+    """Steps that have ended (calls to :meth:`Governor.tick`, and step ends filed since the last)."""
     sampled: int
     """Steps chosen to be sampled, the first step and the one now running included."""
     rejected: int
@@ -231,6 +238,8 @@ class Governor:
         "_step_seconds",
         "_steps",
         "_warmup",
+        "filed",
+        "quiet",
     )
 
     def __init__(
@@ -254,8 +263,8 @@ class Governor:
         self._warmup = _check_int("warmup", warmup, 0)
         self._baseline: deque[float] = deque(maxlen=_check_int("baseline_window", baseline_window, 1))
         self._costs: deque[float] = deque(maxlen=_check_int("cost_window", cost_window, 1))
-        self._floors: deque[float] = deque(maxlen=self._baseline.maxlen)
-        self._floor = 0.0  # what an unsampled step costs: the median of the clean steps' own-time ratios
+        self._floors: deque[float] = deque(maxlen=FLOOR_WINDOW)
+        self._floor = 0.0  # what an unsampled step costs: the mean of the clean steps' own-time ratios
         self._probe = _check_int("probe", probe, 1)
         self._clock = clock
         now = float(clock())
@@ -276,6 +285,15 @@ class Governor:
         self._stale = 0  # clean steps filed since the medians were last taken (see REFRESH)
         self._sampled = 1
         self._rejected = 0
+        self.quiet = 0
+        """How many of the coming step ends may be filed instead of ticked: :meth:`tick` would leave the
+        step after each unsampled whatever it measured (the interval, the step-count ceiling; never more
+        than :data:`QUIET_MAX`). The time ceiling is the filer's to check: a reading at or past
+        :attr:`deadline` ticks."""
+        self.filed: list[tuple[float, float]] = []
+        """Step ends not yet measured, as ``(clock reading, own seconds)``: a caller for whom a tick costs
+        too much files its quiet step ends here (at most :attr:`quiet` in a row, each before
+        :attr:`deadline`) and the next :meth:`tick` measures them first, in order, as ticks."""
 
     # -- the training thread's side -----------------------------------------------------------------
 
@@ -284,7 +302,8 @@ class Governor:
 
         Measures the step that ended (clock now minus at the previous boundary), updates the interval
         and returns whether the next step is sampled (also :attr:`sampling` from now on). Cheap (a few
-        microseconds); never raises for odd clock readings.
+        microseconds); never raises for odd clock readings. Step ends filed in :attr:`filed` since the
+        last tick are measured first, in order.
 
         Args:
             own: seconds of the step that ended spent in the monitor's own code on this thread (hooks
@@ -295,7 +314,39 @@ class Governor:
                 nothing — neither a clean step, nor a cost, nor the shadow of the sampled step before
                 it — and the step after it is not a clean step either (it may carry its worker time).
         """
-        reading = float(self._clock())
+        reading = float(self._clock())  # (first: the rest of this call is the next step's time)
+        if self.filed:
+            self._replay()
+        now = self._advance(reading, own, forced)
+        sample = self._choose(now)
+        self._sampling = sample
+        if sample:
+            self._sampled += 1
+            self._since_sample = 0
+            self._last_sample_at = now if now is not None else self._last_sample_at
+            self._phase = (self._phase + _GOLDEN) % 1.0
+            self.quiet = 0
+        else:
+            self.quiet = max(0, min(self._gap() - self._since_sample - 1, QUIET_MAX))
+        return sample
+
+    @property
+    def deadline(self) -> float:
+        """The clock reading from which the time ceiling samples the next step (inf before any reading):
+        a step end filed at or after it must be a :meth:`tick` instead."""
+        last = self._last_sample_at
+        return math.inf if last is None else last + self._max_seconds
+
+    def _replay(self) -> None:
+        """Measure the step ends filed since the last tick: each as :meth:`tick` would have, every one
+        leaving the next step unsampled (as it was: :attr:`quiet` promised it)."""
+        filed, self.filed = self.filed, []
+        for reading, own in filed:
+            self._advance(reading, own, False)
+            self._sampling = False
+
+    def _advance(self, reading: float, own: float, forced: bool) -> float | None:
+        """A step ended at ``reading``: measure it; the reading if it is finite, else None."""
         now = reading if math.isfinite(reading) else None
         ended_sampled = self._sampling
         seconds = math.nan
@@ -315,14 +366,7 @@ class Governor:
         clean = not ended_sampled and not self._prev_sampled
         self._since_clean = 0 if clean else self._since_clean + 1
         self._prev_sampled = ended_sampled
-        sample = self._choose(now)
-        self._sampling = sample
-        if sample:
-            self._sampled += 1
-            self._since_sample = 0
-            self._last_sample_at = now if now is not None else self._last_sample_at
-            self._phase = (self._phase + _GOLDEN) % 1.0
-        return sample
+        return now
 
     def _measure(self, seconds: float, sampled: bool, own: float = 0.0) -> None:
         """File the time of the step that ended: a clean step's, a cost sample's, or nothing."""
@@ -354,7 +398,7 @@ class Governor:
         if self._baseline:
             self._step_seconds = _median(self._baseline)
         if self._floors:
-            self._floor = _median(self._floors)
+            self._floor = math.fsum(self._floors) / len(self._floors)
         self._update()
 
     def _baseline_or_nan(self) -> float:
@@ -465,7 +509,7 @@ class Governor:
             overhead_ratio=None if ratio is None else self._floor + ratio / interval,
             floor_ratio=self._floor,
             step_seconds=self._step_seconds,
-            steps=self._steps,
+            steps=self._steps + len(self.filed),
             sampled=self._sampled,
             rejected=self._rejected,
         )

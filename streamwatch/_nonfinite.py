@@ -378,6 +378,12 @@ class Sentinel:
         self._carry: torch.Tensor | None = None
         self._carry_first = 0
 
+    @property
+    def idle(self) -> bool:
+        """Whether a step with a finite CPU loss (or none) has nothing for :meth:`check` to do: no
+        gradient-norm check, no device flag in flight."""
+        return not self.grad_norm and not self._pending and self._carry is None
+
     def check(self, step: int, loss: torch.Tensor | float | None, grads: Iterable[torch.Tensor]) -> list[int]:
         """Check ``step``'s loss (and gradients, if ``grad_norm``); the steps now known to have failed."""
         flag: torch.Tensor | None = None

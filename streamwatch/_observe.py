@@ -214,6 +214,8 @@ class Watch:
             self._exporters: list[Exporter] = []
             self._overhead = 0.0  # streamwatch's own seconds on the training thread, last step
             self._overhead_total = 0.0
+            self._ticked = 0.0  # perf_counter when the governor took its reading at the last boundary
+            self._tail = 0.0  # own seconds after it (the last boundary's rest): the next step's
             self._overflow: OverflowPolicy = overflow
             self._optimizer = optimizer
             self._state = TapState(
@@ -231,6 +233,7 @@ class Watch:
             self._scalar_records = 0  # scalar records sent between sampled steps (SCALAR_SECONDS)
             self._sampling_now = True  # the step running now is sampled (set with the flags)
             self._last_record = time.perf_counter()
+            self._quiet_until = 0.0  # a quiet step must begin before (see _quiet_step)
             self._failed_steps = 0
             self._last = time.perf_counter()
             self._errors: list[tuple[str, BaseException]] = []
@@ -353,9 +356,15 @@ class Watch:
                 this step for its own non-finite loss, later for a NaN the loss does not show
                 (docs/nonfinite.md gives the bounds).
         """
+        now = time.perf_counter()
+        if (
+            self._state.quiet
+            and now < self._quiet_until
+            and self._quiet_step(now, loss, outputs, targets, batch_size)
+        ):
+            return
         if self._closed:
             raise RuntimeError("this Watch is closed; create a new one with streamwatch.observe()")
-        now = time.perf_counter()
         timed = self._state.timed  # this step's parts were timed
         try:
             try:
@@ -372,8 +381,86 @@ class Watch:
             self._overhead = state.busy + (end - now)
             self._overhead_total += self._overhead
             state.busy = 0.0
+            self._tail = end - self._ticked  # (after the governor's reading: the next step's own time)
             if timed or state.timed:  # (untimed steps leave the boundaries at 0: their hooks are out)
                 state.times.reset(state.times.clock())  # the next step's data wait starts after our work
+
+    def _quiet_step(
+        self, now: float, loss: object, outputs: object, targets: object, batch_size: object
+    ) -> bool:
+        """End a quiet step, if this one is (else False, and nothing is touched): the step that ends was
+        not sampled, nothing was recorded in it, the next one will not be sampled either, and nothing is
+        due (a scalar record, the governor's time ceiling, a verdict to raise). Its arguments get the
+        checks that need no layout (types; the loss's size and finiteness, which the sentinel needs);
+        outputs' and targets' layouts are checked on the steps that send a record. The governor files
+        the step's end (it measures it at its next tick). The common step under a governor or
+        ``every=N``: a few microseconds, where the full boundary takes tens on a small model whose step
+        evicts the interpreter's caches (docs/performance.md)."""
+        if isinstance(loss, torch.Tensor):
+            if not loss.is_cpu:
+                return False  # (a device loss: the sentinel queues its flag; the full boundary does it)
+            try:
+                value = loss.item()  # (a CPU scalar: nothing to wait for; fails unless one element)
+            except RuntimeError:
+                return False
+            if type(value) is not float or not math.isfinite(value):
+                return False
+        elif loss is not None and not (type(loss) is float and math.isfinite(loss)):
+            return False
+        if not (
+            (batch_size is None or (type(batch_size) is int and batch_size > 0))
+            and (
+                (outputs is None and targets is None)
+                or (isinstance(outputs, torch.Tensor) and isinstance(targets, torch.Tensor))
+            )
+        ):
+            return False
+        if self._reaction == "raise" and self._tracker.pending:
+            return False
+        governor = self._governor
+        state = self._state
+        if governor is not None:
+            clock = _governor_clock
+            reading = float(clock())
+            if not reading < governor.deadline:  # (NaN included: tick() rejects it)
+                return False
+            real = clock is time.perf_counter  # (else a test's fake clock: no own time, as in tick())
+            governor.filed.append((reading, self._tail + state.busy + (reading - now) if real else 0.0))
+        state.quiet -= 1
+        self._step += 1
+        self._last = now
+        end = time.perf_counter()
+        own = state.busy + (end - now)
+        state.busy = 0.0
+        self._overhead = own
+        self._overhead_total += own
+        if governor is not None:
+            self._tail = end - reading if real else 0.0
+        return True
+
+    def _quiet_window(self) -> int:
+        """How many of the coming step ends may be quiet (:meth:`_quiet_step`), decided at a full
+        boundary: none while the running step samples, runs metrics, escalates, has hooks or rows in,
+        or the sentinel has more to do than look at a CPU loss."""
+        state = self._state
+        taps = self._taps
+        sentinel = self._sentinel
+        if (
+            self._sampling_now
+            or self._metrics
+            or state.step_metrics
+            or self._escalated_until is not None
+            or taps.pending
+            or taps.static
+            or state.compiled
+            or len(state.buffer)
+            or state.buffer.extras
+            or (sentinel is not None and not (sentinel.idle and self._grad_norm_trial is None))
+        ):
+            return 0
+        if self._governor is not None:
+            return self._governor.quiet
+        return self._every - 1 - self._step % self._every
 
     def _end_step(self, now: float, failed: bool) -> None:
         """The step is over; with ``failed`` it has no record: its rows are dropped and counted."""
@@ -384,10 +471,13 @@ class Watch:
         self._step += 1
         # The governor times the step that ended, the hand-off included; it picks the next step's sampling.
         if self._governor is not None:
-            # Own time (the hooks' and this boundary's so far) is read with perf_counter: it is the
-            # floor's measure only when the governor's clock is perf_counter too (tests may fake it).
+            # Own time in the step that ended, from the governor's reading at the last boundary to its
+            # reading now: the rest of that boundary, the hooks', this boundary's so far. Read with
+            # perf_counter: it is the floor's measure only when the governor's clock is perf_counter
+            # too (tests may fake it).
+            self._ticked = time.perf_counter()
             own = (
-                self._state.busy + (time.perf_counter() - now)
+                self._tail + self._state.busy + (self._ticked - now)
                 if _governor_clock is time.perf_counter
                 else 0.0
             )
@@ -395,6 +485,8 @@ class Watch:
         else:
             sampled = None
         self._set_sampling(self._step, sampled)
+        self._state.quiet = self._quiet_window()
+        self._quiet_until = self._last_record + SCALAR_SECONDS
 
     def _step_boundary(self, now: float, checked: _StepArgs) -> None:
         seconds = now - self._last
@@ -909,6 +1001,7 @@ class Watch:
         if self._closed:
             return
         self._closed = True
+        self._state.quiet = 0
         self._taps.remove()
         for exporter in self._exporters:  # the final values stay readable through snapshot()
             exporter.close()

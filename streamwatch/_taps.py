@@ -304,6 +304,9 @@ class TapState:
         default_factory=dict
     )
     step_metrics: tuple[Any, ...] = ()
+    # how many coming step ends may take the Watch's quiet path; anything that records (an evaluation
+    # pass arming its hooks) or fails on the training thread sets it to 0
+    quiet: int = 0
 
     def skip(self, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
@@ -311,6 +314,7 @@ class TapState:
     def fail(self, exc: BaseException) -> None:
         """Count (and keep the first few of) an exception caught on the training thread."""
         self.hook_errors += 1
+        self.quiet = 0  # the next boundary surfaces it
         if len(self.errors) < 16:
             self.errors.append(exc)
 
@@ -680,8 +684,10 @@ class TapSet:
         if torch.compiler.is_compiling():
             self.state.compiled = True  # every hook stays in from the next step boundary on
             return
+        start = perf_counter()  # (the one hook on every step: its time is part of the governor's floor)
         state = self.state
         if not (module.training and torch.is_grad_enabled()):
+            state.quiet = 0  # an evaluation pass records: the step ends at a full boundary
             if not self._armed["forward"] and not state.paused and self._registrations["forward"]:
                 # An evaluation pass is summarised whatever the step samples: its hooks go in for it.
                 try:
@@ -689,14 +695,18 @@ class TapSet:
                 except Exception as exc:  # never into the user's forward
                     state.fail(exc)
                 self._eval_armed = True
-            return
-        if self._eval_armed:  # a training forward after an evaluation pass (no root forward hook ended it)
-            self._end_eval()
-        if not state.timed or _recomputing():
-            return  # an unsampled step is not timed; a checkpoint's recomputation is not the step's forward
-        times = state.times
-        if not times.forward_start:
-            times.forward_start = times.clock()
+        else:
+            if (
+                self._eval_armed
+            ):  # a training forward after an evaluation pass (no root forward hook ended it)
+                self._end_eval()
+            if (
+                state.timed and not _recomputing()
+            ):  # (not an unsampled step; not a checkpoint's recomputation)
+                times = state.times
+                if not times.forward_start:
+                    times.forward_start = times.clock()
+        state.busy += perf_counter() - start
 
     def _root_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._eval_armed:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 import re
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import FrozenInstanceError, dataclass, field
 from itertools import pairwise
@@ -18,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamwatch._governor import CALIBRATION_INTERVAL, Governor, GovernorStatistics
+from streamwatch._governor import CALIBRATION_INTERVAL, QUIET_MAX, Governor, GovernorStatistics
 from streamwatch.testing import FakeClock
 
 PLAIN = 0.01  # seconds per plain step
@@ -622,3 +623,92 @@ def test_forced_steps_measure_nothing_and_their_shadows_are_not_clean() -> None:
         clock2.advance(5 * PLAIN)
         control.tick(4 * PLAIN)
     assert control.floor_ratio > 0.5  # the escalated steps became the floor
+
+
+# -- filed step ends: the watch's quiet steps ------------------------------------------------------------
+
+
+def drive_filing(
+    gov: Governor, clock: FakeClock, steps: int, step_time: StepTime, own: Callable[[int], float]
+) -> tuple[Run, int]:
+    """Like :func:`drive`, but a step end is filed (not ticked) whenever the governor allows it, as the
+    watch's quiet path does; returns the run and how many step ends were filed."""
+    run, quiet, filed = Run(), 0, 0
+    previous = False
+    for i in range(steps):
+        sampled = gov.sampling
+        seconds = step_time(i, sampled, previous)
+        run.sampled.append(sampled)
+        run.starts.append(clock())
+        clock.advance(seconds)
+        reading = clock()
+        if quiet and reading < gov.deadline:
+            gov.filed.append((reading, own(i)))
+            quiet -= 1
+            filed += 1
+        else:
+            gov.tick(own(i))
+            quiet = gov.quiet
+        previous = sampled
+    return run, filed
+
+
+def test_filed_step_ends_are_measured_as_ticks() -> None:
+    """Filing a step end instead of ticking changes nothing the governor decides or measures: the same
+    steps are sampled and the same statistics come out (step times settle on one interval here, so no
+    estimate moves inside a filed stretch)."""
+    ticked_clock, filed_clock = FakeClock(), FakeClock()
+    ticked, filer = Governor(0.05, clock=ticked_clock), Governor(0.05, clock=filed_clock)
+    ticked_run = Run()
+    steps = 3_000
+    for i in range(steps):
+        ticked_run.sampled.append(ticked.sampling)
+        ticked_clock.advance(costing(0.5)(i, ticked.sampling, False))
+        ticked.tick(0.0002)
+    filed_run, filed = drive_filing(filer, filed_clock, steps, costing(0.5), lambda _i: 0.0002)
+    assert filed > steps // 2  # most step ends were filed
+    assert filed_run.sampled == ticked_run.sampled
+    filer.tick(0.0002)  # (measures what is still filed)
+    ticked.tick(0.0002)
+    assert filer.statistics() == ticked.statistics()
+    assert filer.floor_ratio == pytest.approx(0.0002 / (PLAIN - 0.0002))
+
+
+def test_quiet_promises_only_unsampled_steps_within_the_cap() -> None:
+    clock = FakeClock()
+    gov = Governor(0.02, clock=clock)
+    run, _ = drive_filing(gov, clock, 5_000, costing(1.0), lambda _i: 0.0)
+    assert gov.interval == 50
+    assert 0 <= gov.quiet <= QUIET_MAX
+    gaps = run.gaps()[20:]  # filing never delays a sampled step: the gaps are the interval's
+    assert statistics.fmean(gaps) == pytest.approx(50, rel=0.05)
+    assert max(gaps) <= 50 + 50 // 4
+
+
+def test_filed_steps_respect_the_time_ceiling() -> None:
+    """A reading at or past ``deadline`` is ticked, not filed, so the time ceiling still samples it:
+    here steps become 10x slower at once, while a stretch of filed step ends (measured only at the
+    next tick) would otherwise carry the interval of the fast steps past the ceiling."""
+    clock = FakeClock()
+    gov = Governor(0.01, max_seconds=1.0, clock=clock)
+
+    def step_time(i: int, sampled: bool, _previous: bool) -> float:
+        plain = PLAIN if i < 2_000 else 10 * PLAIN
+        return plain * 6 if sampled else plain
+
+    run, filed = drive_filing(gov, clock, 3_000, step_time, lambda _i: 0.0)
+    assert filed > 1_000
+    at = [start for start, sampled in zip(run.starts, run.sampled, strict=True) if sampled]
+    assert max(b - a for a, b in pairwise(at)) <= 1.0 + 10 * PLAIN + 1e-9  # (the step that crosses it)
+
+
+def test_the_floor_is_the_mean_own_time_so_a_periodic_cost_counts() -> None:
+    """Own time paid on one clean step in eight (the tick that measures filed step ends) counts in full:
+    the floor is the mean own ratio, which a median would miss."""
+    clock = FakeClock()
+    gov = Governor(0.05, clock=clock)
+    own = [0.0001] * 7 + [0.0009]
+    drive_filing(gov, clock, 4_000, costing(0.5), lambda i: own[i % 8])
+    expected = statistics.fmean(o / (PLAIN - o) for o in own)
+    assert gov.floor_ratio == pytest.approx(expected, rel=0.1)
+    assert gov.floor_ratio > 1.5 * statistics.median(o / (PLAIN - o) for o in own)

@@ -1,0 +1,209 @@
+"""The quiet step: ``watch.step()`` on an unsampled step between unsampled steps (``Watch._quiet_step``).
+
+It skips what such a step does not need (the record, the metrics, the arming) and files the step's end
+with the governor instead of ticking it; everything a user can see must be as if the full boundary had
+run: the same records, the same sampled steps, the same errors on the same steps, the same non-finite
+reactions. Real torch training throughout; the governor's clock is faked only where a test compares the
+sampled steps with a reference governor.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import streamwatch as sw
+from streamwatch import _observe
+from streamwatch._governor import Governor
+from streamwatch.testing import FakeClock
+
+PLAIN, COST, BUDGET = 0.010, 0.5, 0.05  # the governor settles at ceil(COST / BUDGET) = 10
+
+
+@pytest.fixture
+def quiet_calls(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[bool]:
+    """How often the quiet path was tried, by whether it took the step."""
+    counts: collections.Counter[bool] = collections.Counter()
+    original = _observe.Watch._quiet_step
+
+    def counted(self: _observe.Watch, *args: object) -> bool:
+        took = original(self, *args)
+        counts[took] += 1
+        return took
+
+    monkeypatch.setattr(_observe.Watch, "_quiet_step", counted)
+    return counts
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _batches(n: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(n):
+        yield torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> tuple:
+    out = model(x)
+    loss = F.cross_entropy(out, y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss, out
+
+
+def test_quiet_steps_sample_exactly_what_a_ticking_governor_samples(
+    monkeypatch: pytest.MonkeyPatch, quiet_calls: collections.Counter[bool]
+) -> None:
+    clock, reference_clock = FakeClock(), FakeClock()
+    monkeypatch.setattr(_observe, "_governor_clock", clock)
+    reference = Governor(BUDGET, clock=reference_clock)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    records = sw.sinks.collect()
+    chosen = []
+    with sw.observe(model, opt, overhead=BUDGET, sentinel=("loss",), sinks=[records]) as watch:
+        for step, (x, y) in enumerate(_batches(400)):
+            if reference.sampling:
+                chosen.append(step)
+            seconds = PLAIN * (1 + COST) if reference.sampling else PLAIN
+            clock.advance(seconds)
+            reference_clock.advance(seconds)
+            loss, out = _train(model, opt, x, y)
+            watch.step(loss=loss, outputs=out, targets=y, batch_size=12)
+            reference.tick()
+        watch.flush()
+        stats = watch.statistics()
+    assert quiet_calls[True] > 200  # most steps were quiet
+    assert [r.step for r in records.items] == chosen
+    assert stats.steps == 400
+    assert stats.sampling_interval == reference.interval == 10
+
+
+@pytest.mark.parametrize("every", [5, None], ids=["every=5", "governor"])
+def test_a_bad_argument_on_a_quiet_step_raises_on_that_step(
+    every: int | None, monkeypatch: pytest.MonkeyPatch, quiet_calls: collections.Counter[bool]
+) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(_observe, "_governor_clock", clock)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    kwargs = {"every": every} if every else {"overhead": BUDGET, "sentinel": ("loss",)}
+    bad_calls = [
+        ({"loss": "stack"}, "Expected `loss` to be a scalar"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"outputs": torch.zeros(12, 3)}, "`outputs` and `targets` together"),
+        ({"outputs": [0.0], "targets": torch.zeros(12)}, "`outputs` to be a torch.Tensor"),
+    ]
+    with sw.observe(model, opt, **kwargs) as watch:
+        governor = watch._governor
+        steps = 0
+        for kwargs_bad, message in bad_calls:
+            for x, y in _batches(200):  # until the next step end may be quiet
+                if watch._state.quiet and steps > 20:
+                    break
+                clock.advance(PLAIN * (1 + COST) if governor is not None and governor.sampling else PLAIN)
+                loss, _ = _train(model, opt, x, y)
+                watch.step(loss=loss)
+                steps += 1
+            assert watch._state.quiet > 0
+            loss, _ = _train(model, opt, *next(_batches(1)))
+            call = {"loss": loss, **kwargs_bad}
+            if call["loss"] == "stack":
+                call["loss"] = torch.stack([loss, loss])
+            with pytest.raises((TypeError, ValueError), match=message):
+                watch.step(**call)
+            steps += 1
+        stats = watch.statistics()
+    assert quiet_calls[True] > 0
+    assert stats.failed_steps == len(bad_calls)
+    assert stats.steps == steps
+
+
+def test_a_bad_layout_on_a_quiet_step_is_refused_at_the_next_full_boundary(
+    quiet_calls: collections.Counter[bool],
+) -> None:
+    """Layouts (which need the shapes) are checked at full boundaries; a quiet step checks the types only.
+    With ``every=4``, steps 1, 2, 5, 6 and 9 end quietly; step 7 ends at a full boundary (the next step is
+    sampled: its hooks go in), which refuses the layout, naming the shapes; so does sampled step 8 (no
+    record), and step 9 is quiet again."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    records = sw.sinks.collect()
+    with sw.observe(model, opt, every=4, sinks=[records]) as watch:
+        bad = torch.zeros(12, 3, 5, 5)  # targets that fit no layout with [12, 3] outputs
+        refused, messages = [], []
+        for step, (x, y) in enumerate(_batches(10)):
+            loss, out = _train(model, opt, x, y)
+            try:
+                watch.step(loss=loss, outputs=out, targets=y if step < 5 else bad)
+            except ValueError as err:
+                refused.append(step)
+                messages.append(str(err))
+        stats = watch.statistics()
+    assert quiet_calls[True] == 5
+    assert refused == [7, 8]
+    assert all("[12, 3]" in message for message in messages)
+    assert [r.step for r in records.items] == [0, 4]
+    assert stats.failed_steps == 2
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("as_tensor", [True, False], ids=["tensor", "float"])
+def test_a_non_finite_loss_on_a_quiet_step_raises_on_that_step(bad: float, as_tensor: bool) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with sw.observe(model, opt, every=50, on_nonfinite="raise") as watch:
+        for x, y in _batches(20):
+            loss, _ = _train(model, opt, x, y)
+            watch.step(loss=loss if as_tensor else loss.item())
+        assert watch._state.quiet > 0
+        with pytest.raises(sw.NonFiniteError, match="step 20"):
+            watch.step(loss=torch.tensor(bad) if as_tensor else bad)
+
+
+def test_an_evaluation_pass_in_a_quiet_stretch_is_recorded_with_its_step(
+    quiet_calls: collections.Counter[bool],
+) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    records = sw.sinks.collect()
+    with sw.observe(model, opt, every=100, sinks=[records]) as watch:
+        for step, (x, y) in enumerate(_batches(30)):
+            loss, _ = _train(model, opt, x, y)
+            if step == 17:
+                model.eval()
+                with torch.no_grad():
+                    evaluated = model(x)
+                model.train()
+            watch.step(loss=loss)
+        watch.flush()
+    assert quiet_calls[True] > 20
+    assert [r.step for r in records.items] == [0, 17]
+    eval_record = records.items[1]
+    assert {key.phase for key in eval_record.keys} == {"eval"}
+    key = next(k for k in eval_record.keys if k.layer == "2" and k.kind == "activation")
+    row = eval_record.keys.index(key)
+    assert eval_record.stat("mean")[row] == pytest.approx(evaluated.double().mean().item(), rel=1e-5)
+
+
+def test_a_device_loss_or_an_int_loss_takes_the_full_boundary() -> None:
+    """What the quiet path does not handle falls back to the full boundary: same results."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with sw.observe(model, opt, every=10) as watch:
+        for x, y in _batches(3):
+            _train(model, opt, x, y)
+            watch.step(loss=2)  # an int: accepted as a number
+        stats = watch.statistics()
+    assert stats.steps == 3
+    assert stats.failed_steps == 0
