@@ -88,8 +88,10 @@ Example:
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ._clock import Clock
@@ -108,7 +110,17 @@ FLOOR_WINDOW = 64
 """The floor is the mean own-time ratio of the last this many clean steps: a mean, not a median, so
 that a cost paid on one clean step in several (a tick that measures the step ends filed before it)
 counts in full; own time is measured exactly, with none of a step time's outliers."""
-QUIET_MAX = 2 * REFRESH
+DARK_PAIRS = 48
+"""Dark steps measured per calibration of the floor's unseen part (see *The floor* above): pairs of
+steps run with the monitor entirely out of the way, each pair followed by two lit steps."""
+DARK_MIN_INTERVAL = 8
+"""Dark pairs run only between sampled steps at least this far apart (never delaying one); below it,
+where sampling costs far more than the floor, the unseen part is not measured."""
+DARK_DECLINES = 4
+"""A measurement is given up after this many declined pairs (and tried again after the next drift)."""
+DARK_DRIFT = 1.5
+"""The unseen part is measured again when the baseline has moved by this factor either way since."""
+QUIET_MAX = 64
 """At most this many step ends in a row are filed (:attr:`Governor.filed`) before a tick measures them:
 the interval and the estimates then lag by at most that many steps more."""
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # the phase sequence k·φ mod 1 spreads sampled steps evenly
@@ -142,6 +154,11 @@ class GovernorStatistics:
     """Steps chosen to be sampled, the first step and the one now running included."""
     rejected: int
     """Step times ignored because they were zero, negative, NaN or infinite."""
+    unseen_ratio: float | None
+    """The part of :attr:`floor_ratio` that only dark steps show (torch's dispatch of the root module's
+    hook, caches left cold for the user's code): None until measured, and without dark steps."""
+    dark_steps: int
+    """Steps run dark so far (two per measurement)."""
 
 
 def check_budget(value: object, name: str = "budget") -> float:
@@ -173,7 +190,15 @@ def _check_seconds(name: str, value: object) -> float:
     return float(value)
 
 
-def _median(values: deque[float]) -> float:
+def _spread(values: Sequence[float]) -> float:
+    """σ of ``values`` estimated from their quartiles (0 for fewer than 2)."""
+    if len(values) < 2:
+        return 0.0
+    low, _, high = statistics.quantiles(values, n=4)
+    return (high - low) / 1.349
+
+
+def _median(values: Sequence[float]) -> float:
     ordered = sorted(values)
     middle = len(ordered) // 2
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
@@ -192,6 +217,8 @@ class Governor:
         cost_window: how many recent cost samples the cost ratio is the median of.
         probe: at intervals of 1 and 2, leave steps unsampled whenever ``probe`` steps have passed
             without a clean one, to keep the baseline fresh.
+        dark_pairs: dark step pairs per measurement of the floor's unseen part (see *The floor*);
+            0: none (the floor is the own time alone).
         clock: seconds from a monotonic origin; step times are differences of its readings.
 
     Raises:
@@ -218,13 +245,21 @@ class Governor:
         "_clock",
         "_cost_ratio",
         "_costs",
+        "_dark_pairs",
+        "_dark_phase",
+        "_dark_steps",
+        "_dark_todo",
+        "_darks",
+        "_declined",
         "_floor",
         "_floors",
         "_growth_limit",
         "_interval",
         "_last_sample_at",
+        "_lights",
         "_max_interval",
         "_max_seconds",
+        "_own_floor",
         "_pending",
         "_phase",
         "_prev_sampled",
@@ -237,7 +272,11 @@ class Governor:
         "_stale",
         "_step_seconds",
         "_steps",
+        "_unseen",
+        "_unseen_at",
         "_warmup",
+        "dark",
+        "deadline",
         "filed",
         "quiet",
     )
@@ -252,6 +291,7 @@ class Governor:
         baseline_window: int = 15,
         cost_window: int = 7,
         probe: int = 8,
+        dark_pairs: int = DARK_PAIRS,
         clock: Clock = time.perf_counter,
     ) -> None:
         checked = check_budget(budget)
@@ -285,6 +325,24 @@ class Governor:
         self._stale = 0  # clean steps filed since the medians were last taken (see REFRESH)
         self._sampled = 1
         self._rejected = 0
+        self._own_floor = 0.0  # the mean own-time ratio of the clean steps (the floor's seen part)
+        self._unseen: float | None = None  # seconds per step the monitor costs that own time misses
+        self._unseen_at: float | None = None  # the baseline it was measured at
+        self._dark_pairs = _check_int("dark_pairs", dark_pairs, 0)
+        self._darks: deque[float] = deque(maxlen=max(1, dark_pairs))  # each pair's second dark step
+        self._dark_todo = 0  # pairs still to run in this measurement
+        self._lights: list[float] = []  # the clean steps between them
+        self._dark_phase = 0  # the running step: 1 or 2 the first or second of a dark pair, 3 the next
+        self._dark_steps = 0
+        self._declined = 0
+        self.dark = False
+        """Whether the step beginning now starts a dark pair (set by :meth:`tick`): the caller takes the
+        monitor entirely out of this step and the next one (no hook, nothing done at the boundary
+        between them but reading the clock) and ticks both step ends at the boundary after, with their
+        readings; or calls :meth:`decline_dark` at once if it cannot."""
+        self.deadline = math.inf
+        """The clock reading from which the time ceiling samples the next step (set by :meth:`tick`): a
+        step end filed at or after it must be a :meth:`tick` instead."""
         self.quiet = 0
         """How many of the coming step ends may be filed instead of ticked: :meth:`tick` would leave the
         step after each unsampled whatever it measured (the interval, the step-count ceiling; never more
@@ -297,7 +355,7 @@ class Governor:
 
     # -- the training thread's side -----------------------------------------------------------------
 
-    def tick(self, own: float = 0.0, forced: bool = False) -> bool:
+    def tick(self, own: float = 0.0, forced: bool = False, at: float | None = None) -> bool:
         """Mark a step boundary: the running step has ended and the next one begins now.
 
         Measures the step that ended (clock now minus at the previous boundary), updates the interval
@@ -313,12 +371,27 @@ class Governor:
                 escalation after a non-finite loss samples every step in full): it is measured as
                 nothing — neither a clean step, nor a cost, nor the shadow of the sampled step before
                 it — and the step after it is not a clean step either (it may carry its worker time).
+            at: the clock reading at the boundary, taken earlier (a dark pair's step ends, ticked at
+                the boundary after them); None reads the clock now.
         """
-        reading = float(self._clock())  # (first: the rest of this call is the next step's time)
+        reading = float(self._clock()) if at is None else float(at)  # (first: the rest is the next step's)
         if self.filed:
             self._replay()
         now = self._advance(reading, own, forced)
-        sample = self._choose(now)
+        self.dark = False
+        if self._dark_phase:
+            sample = False  # a dark pair's steps ran unsampled; the step after it is not sampled either
+        else:
+            sample = self._choose(now)
+            if (
+                not sample
+                and self._dark_todo
+                and self._since_clean == 0  # (after a clean step: the pair's neighbours are plain steps)
+                and self._gap() - self._since_sample >= 4  # (room for it before the next sampled step)
+            ):
+                self.dark = True
+                self._dark_phase = 1
+                self._dark_steps += 2
         self._sampling = sample
         if sample:
             self._sampled += 1
@@ -326,24 +399,76 @@ class Governor:
             self._last_sample_at = now if now is not None else self._last_sample_at
             self._phase = (self._phase + _GOLDEN) % 1.0
             self.quiet = 0
+        elif self._dark_todo or self._dark_phase:
+            self.quiet = 0  # (a measurement of the unseen part is running: every step end ticks)
         else:
             self.quiet = max(0, min(self._gap() - self._since_sample - 1, QUIET_MAX))
+        last = self._last_sample_at
+        self.deadline = math.inf if last is None else last + self._max_seconds
         return sample
 
+    def decline_dark(self) -> None:
+        """The caller cannot run the dark pair :attr:`dark` asked for (the step has hooks in, say): the
+        two steps run lit and are measured as usual; a pair is asked for again later."""
+        if self.dark:
+            self.dark = False
+            self._dark_phase = 0
+            self._dark_steps -= 2
+            self._declined += 1
+            if self._declined >= DARK_DECLINES:  # not now: again when the step time has moved
+                self._dark_todo = 0
+                self._declined = 0
+                self._unseen_at = self._step_seconds
+
     @property
-    def deadline(self) -> float:
-        """The clock reading from which the time ceiling samples the next step (inf before any reading):
-        a step end filed at or after it must be a :meth:`tick` instead."""
-        last = self._last_sample_at
-        return math.inf if last is None else last + self._max_seconds
+    def unseen_ratio(self) -> float | None:
+        """What the monitor costs beyond its own measured time, as a fraction of a plain step; None
+        until dark steps measured it."""
+        if self._unseen is None or self._step_seconds is None:
+            return None
+        return self._unseen / self._step_seconds
 
     def _replay(self) -> None:
         """Measure the step ends filed since the last tick: each as :meth:`tick` would have, every one
-        leaving the next step unsampled (as it was: :attr:`quiet` promised it)."""
-        filed, self.filed = self.filed, []
-        for reading, own in filed:
+        leaving the next step unsampled (as it was: :attr:`quiet` promised it). Once they are plain
+        clean steps, in bulk: their windows take appends, and the medians are retaken once."""
+        filed = self.filed.copy()  # (emptied in place: a caller may hold its append)
+        self.filed.clear()
+        for k, (reading, own) in enumerate(filed):
+            if (
+                self._steps >= self._warmup
+                and self._cost_ratio is not None
+                and self._pending is None
+                and not (self._prev_sampled or self._sampling or self._dark_phase or self._dark_todo)
+            ):
+                self._file_clean(filed[k:])
+                return
             self._advance(reading, own, False)
             self._sampling = False
+
+    def _file_clean(self, filed: list[tuple[float, float]]) -> None:
+        """:meth:`_advance` for clean unsampled step ends past the warm-up, in one pass."""
+        baseline, floors = self._baseline, self._floors
+        plain = 0
+        for reading, own in filed:
+            boundary = self._boundary
+            if boundary is None or not (math.isfinite(reading) and reading > boundary):
+                self._advance(reading, own, False)  # an odd reading: the general path
+                continue
+            seconds = reading - boundary
+            self._boundary = reading
+            baseline.append(seconds)
+            if 0 <= own < seconds:  # (NaN and inf fail it: not a floor)
+                floors.append(own / (seconds - own))
+            plain += 1
+        if plain:
+            self._steps += plain
+            self._since_sample += plain
+            self._since_clean = 0
+            self._prev_sampled = False
+            self._stale += plain
+            if self._stale >= REFRESH:
+                self._refresh()
 
     def _advance(self, reading: float, own: float, forced: bool) -> float | None:
         """A step ended at ``reading``: measure it; the reading if it is finite, else None."""
@@ -357,13 +482,24 @@ class Governor:
             if self._last_sample_at is None or now < self._last_sample_at:
                 self._last_sample_at = now  # a clock that went back must not postpone the time ceiling
         self._steps += 1
-        if forced:
+        phase = self._dark_phase
+        if phase:  # a dark pair, or the step after it (which carries the pair's deferred boundaries)
+            self._dark_phase = (phase + 1) % 4
+            if phase == 2 and math.isfinite(seconds) and seconds > 0:
+                self._darks.append(seconds)
+                self._dark_todo -= 1
+                if not self._dark_todo:
+                    self._measure_unseen()
+            elif not (math.isfinite(seconds) and seconds > 0):
+                self._rejected += 1
+            ended_sampled = False
+        elif forced:
             self._pending = None  # a sampled step whose shadow this was loses its cost sample
             ended_sampled = True  # (for what follows: the next step is its shadow, not a clean step)
         else:
             self._measure(seconds, ended_sampled, own)
         self._since_sample += 1
-        clean = not ended_sampled and not self._prev_sampled
+        clean = not ended_sampled and not self._prev_sampled and not phase
         self._since_clean = 0 if clean else self._since_clean + 1
         self._prev_sampled = ended_sampled
         return now
@@ -385,6 +521,8 @@ class Governor:
             self._add_cost((waiting + seconds) / self._baseline_or_nan() - 2)
         elif not self._prev_sampled:
             self._baseline.append(seconds)
+            if self._dark_todo:
+                self._lights.append(seconds)
             if math.isfinite(own) and 0 <= own < seconds:  # (else: an odd reading, not a floor)
                 self._floors.append(own / (seconds - own))
             self._stale += 1
@@ -398,8 +536,41 @@ class Governor:
         if self._baseline:
             self._step_seconds = _median(self._baseline)
         if self._floors:
-            self._floor = math.fsum(self._floors) / len(self._floors)
+            self._own_floor = math.fsum(self._floors) / len(self._floors)
+        self._floor = self._own_floor + (self.unseen_ratio or 0.0)
+        baseline, at = self._step_seconds, self._unseen_at
+        if self._dark_todo and self._interval < DARK_MIN_INTERVAL:
+            self._dark_todo = 0  # no room between sampled steps any more: again after the next drift
+            self._unseen_at = baseline
+        elif (
+            baseline is not None
+            and self._cost_ratio is not None
+            and self._dark_pairs
+            and not self._dark_todo
+            and self._interval >= DARK_MIN_INTERVAL
+            and (at is None or not at / DARK_DRIFT <= baseline <= at * DARK_DRIFT)
+        ):
+            self._dark_todo = self._dark_pairs  # calibrated, or the step time moved: measure the unseen part
+            self._darks.clear()
+            self._lights = []
         self._update()
+
+    def _measure_unseen(self) -> None:
+        """A measurement's last dark pair ended: the unseen part is the clean steps' median time over
+        the dark steps' median, less the own-time share, in seconds (never below 0)."""
+        darks, lights = self._darks, self._lights
+        self._lights = []
+        if not lights:
+            return
+        dark, light = _median(darks), _median(lights)
+        if self._floors:
+            self._own_floor = math.fsum(self._floors) / len(self._floors)
+        # Less two standard errors of the difference of the medians (1.2533 σ / √n each, σ from the
+        # quartiles): what noise alone would show is not taken for a cost (one time in 40 or so).
+        error = 2.5066 * math.sqrt(_spread(darks) ** 2 / len(darks) + _spread(lights) ** 2 / len(lights))
+        self._unseen = max(0.0, light - dark * (1 + self._own_floor) - error)
+        self._unseen_at = light
+        self._refresh()
 
     def _baseline_or_nan(self) -> float:
         if self._stale:
@@ -512,6 +683,8 @@ class Governor:
             steps=self._steps + len(self.filed),
             sampled=self._sampled,
             rejected=self._rejected,
+            unseen_ratio=self.unseen_ratio,
+            dark_steps=self._dark_steps,
         )
 
     def __repr__(self) -> str:

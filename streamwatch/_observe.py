@@ -214,6 +214,9 @@ class Watch:
             self._exporters: list[Exporter] = []
             self._overhead = 0.0  # streamwatch's own seconds on the training thread, last step
             self._overhead_total = 0.0
+            self._dark = 0  # steps left in a dark pair (docs/governor.md): their ends only read the clock
+            self._stashed: list[tuple[float, float, tuple[object, object, object, object]]] = []
+            self._reading: float | None = None  # a dark step's reading, for its deferred tick
             self._ticked = 0.0  # perf_counter when the governor took its reading at the last boundary
             self._tail = 0.0  # own seconds after it (the last boundary's rest): the next step's
             self._overflow: OverflowPolicy = overflow
@@ -288,6 +291,9 @@ class Watch:
                 self._metrics += (metric,)
             if budget is not None:  # last before the worker: the first step begins when observe() returns
                 self._governor = Governor(budget, clock=_governor_clock)
+                self._file = self._governor.filed.append  # (a quiet step's one call into it)
+            self._gov_clock = _governor_clock
+            self._gov_real = _governor_clock is time.perf_counter  # (else a test's fake clock: no own time)
             self._set_sampling(0)
             self._worker.start()  # last: a failure before it leaves no thread and no sink touched
         except BaseException:
@@ -363,8 +369,17 @@ class Watch:
             and self._quiet_step(now, loss, outputs, targets, batch_size)
         ):
             return
+        if self._dark:
+            self._dark_step(now, loss, outputs, targets, batch_size)
+            return
         if self._closed:
             raise RuntimeError("this Watch is closed; create a new one with streamwatch.observe()")
+        self._full_step(now, loss, outputs, targets, batch_size)
+
+    def _full_step(
+        self, now: float, loss: object, outputs: object, targets: object, batch_size: object
+    ) -> None:
+        """The full step boundary: every check, the record (if any), the governor's tick, the arming."""
         timed = self._state.timed  # this step's parts were timed
         try:
             try:
@@ -418,34 +433,61 @@ class Watch:
         if self._reaction == "raise" and self._tracker.pending:
             return False
         governor = self._governor
-        state = self._state
         if governor is not None:
-            clock = _governor_clock
-            reading = float(clock())
+            reading = self._gov_clock()
             if not reading < governor.deadline:  # (NaN included: tick() rejects it)
                 return False
-            real = clock is time.perf_counter  # (else a test's fake clock: no own time, as in tick())
-            governor.filed.append((reading, self._tail + state.busy + (reading - now) if real else 0.0))
-        state.quiet -= 1
+            # own time in the step: the last boundary's rest, this one's so far (no hook ran in it)
+            self._file((reading, self._tail + (reading - now) if self._gov_real else 0.0))
+        self._state.quiet -= 1
         self._step += 1
         self._last = now
         end = time.perf_counter()
-        own = state.busy + (end - now)
-        state.busy = 0.0
-        self._overhead = own
-        self._overhead_total += own
+        self._overhead = end - now
+        self._overhead_total += end - now
         if governor is not None:
-            self._tail = end - reading if real else 0.0
+            self._tail = end - reading if self._gov_real else 0.0
         return True
 
-    def _quiet_window(self) -> int:
-        """How many of the coming step ends may be quiet (:meth:`_quiet_step`), decided at a full
-        boundary: none while the running step samples, runs metrics, escalates, has hooks or rows in,
-        or the sentinel has more to do than look at a CPU loss."""
+    def _dark_step(
+        self, now: float, loss: object, outputs: object, targets: object, batch_size: object
+    ) -> None:
+        """One end of a dark pair (the governor's measurement of what its own time misses,
+        docs/governor.md): the first only reads the clock and keeps the arguments; the second reads it,
+        puts the root module's pre-hook back and runs both boundaries as they would have run, ticking
+        the governor with their readings. An error of the first is raised after both ran."""
+        self._stashed.append((now, float(self._gov_clock()), (loss, outputs, targets, batch_size)))
+        self._dark -= 1
+        if not self._dark:
+            self._finish_dark()
+
+    def _finish_dark(self) -> None:
+        self._dark = 0
+        stashed, self._stashed = self._stashed, []
+        error: BaseException | None = None
+        try:
+            self._taps.go_light()
+        except Exception as exc:  # never into the user's step: counted, and the pair still ends
+            self._state.fail(exc)
+        for now, reading, args in stashed:
+            self._reading = reading
+            try:
+                self._full_step(now, *args)
+            except Exception as exc:
+                error = error or exc
+            finally:
+                self._reading = None
+        if error is not None:
+            raise error
+
+    def _unencumbered(self) -> bool:
+        """Whether the step beginning now has nothing for the full boundary to do at its end, nor in
+        it: no sampling, metrics, escalation, hooks or rows in, and a sentinel with nothing to do but
+        look at a CPU loss. Then its end may be quiet (:meth:`_quiet_step`) or it may run dark."""
         state = self._state
         taps = self._taps
         sentinel = self._sentinel
-        if (
+        return not (
             self._sampling_now
             or self._metrics
             or state.step_metrics
@@ -456,7 +498,12 @@ class Watch:
             or len(state.buffer)
             or state.buffer.extras
             or (sentinel is not None and not (sentinel.idle and self._grad_norm_trial is None))
-        ):
+        )
+
+    def _quiet_window(self) -> int:
+        """How many of the coming step ends may be quiet (:meth:`_quiet_step`), decided at a full
+        boundary (see :meth:`_unencumbered`)."""
+        if not self._unencumbered():
             return 0
         if self._governor is not None:
             return self._governor.quiet
@@ -476,17 +523,20 @@ class Watch:
             # perf_counter: it is the floor's measure only when the governor's clock is perf_counter
             # too (tests may fake it).
             self._ticked = time.perf_counter()
-            own = (
-                self._tail + self._state.busy + (self._ticked - now)
-                if _governor_clock is time.perf_counter
-                else 0.0
-            )
-            sampled: bool | None = self._governor.tick(own, forced=self._forced)
+            own = self._tail + self._state.busy + (self._ticked - now) if self._gov_real else 0.0
+            sampled: bool | None = self._governor.tick(own, forced=self._forced, at=self._reading)
         else:
             sampled = None
         self._set_sampling(self._step, sampled)
         self._state.quiet = self._quiet_window()
         self._quiet_until = self._last_record + SCALAR_SECONDS
+        governor = self._governor
+        if governor is not None and governor.dark:
+            if self._unencumbered() and self._taps.go_dark():
+                self._dark = 2  # this step and the next: no hook, nothing at the boundary between
+                self._state.quiet = 0
+            else:
+                governor.decline_dark()
 
     def _step_boundary(self, now: float, checked: _StepArgs) -> None:
         seconds = now - self._last
@@ -503,11 +553,11 @@ class Watch:
                     taps.summarize_grads()  # the optimizer step did not run (a GradScaler skipped it)
                 if state.on.get("param") and not taps.has_optimizer:
                     taps.summarize_params()
-                self._send(seconds, checked, device, full=True)
+                self._send(seconds, checked, device, full=True, now=now)
             elif now - self._last_record >= SCALAR_SECONDS:
                 # Between sampled steps, the cheap values (loss, lr, step time, throughput) still go out
                 # at least once a second: a scalar record, no layer rows.
-                self._send(seconds, checked, device, full=False)
+                self._send(seconds, checked, device, full=False, now=now)
             failed = False
             if self._sentinel is not None:
                 self._run_sentinel(checked, seconds)
@@ -520,7 +570,12 @@ class Watch:
         self._surface_errors()
 
     def _send(
-        self, seconds: float | None, checked: _StepArgs, device: dict[str, torch.Tensor], full: bool
+        self,
+        seconds: float | None,
+        checked: _StepArgs,
+        device: dict[str, torch.Tensor],
+        full: bool,
+        now: float | None = None,
     ) -> None:
         """Seal this step's record and offer it to the worker: ``full`` for a sampled step (or one with
         rows: an evaluation pass, a metric), else a scalar record between sampled steps. ``seconds``
@@ -577,8 +632,8 @@ class Watch:
         except BaseException:
             _release_dropped(pending, "error")  # the pinned slot goes back; the step is counted as failed
             raise
-        if sent:
-            self._last_record = time.perf_counter()
+        if sent:  # (``now``: the step's boundary, which a dark pair's first step runs late)
+            self._last_record = time.perf_counter() if now is None else now
             self._sampled += full and seconds is not None  # (not the evaluation record of close())
             self._scalar_records += not full
             self._sent_steps.append(self._step)  # its loss is there for the worker's non-finite verdict
@@ -962,6 +1017,7 @@ class Watch:
             sampling_interval=self._every if governor is None else governor.interval,
             overhead_ratio=None if governor is None else governor.overhead_ratio,
             overhead_budget=None if governor is None else governor.budget,
+            dark_steps=0 if governor is None else governor.dark_steps,
             first_nonfinite=self._tracker.first,
             nonfinite_episodes=self._tracker.episodes,
             sentinel_trips=0 if self._sentinel is None else self._sentinel.trips,
@@ -1000,6 +1056,9 @@ class Watch:
         wait = self._close_timeout if timeout is None else seconds_or_forever(timeout, "timeout")
         if self._closed:
             return
+        if self._dark:  # a dark pair in flight: its first step's boundary runs now (hook back in)
+            with contextlib.suppress(Exception):  # (its argument errors were the step's to raise)
+                self._finish_dark()
         self._closed = True
         self._state.quiet = 0
         self._taps.remove()

@@ -89,6 +89,9 @@ class WatchStatistics:
             run's time, measured by the governor (the cost of a sampled step over the interval); None
             before it has measured it, and with a fixed interval.
         overhead_budget: the ``overhead=`` budget; None with a fixed interval.
+        dark_steps: steps the governor ran dark to measure what streamwatch costs beyond its own
+            measured time (docs/governor.md): no streamwatch hook ran in them, so an evaluation pass
+            in one is not summarised. 0 with a fixed interval.
         first_nonfinite: where the run's first NaN/Inf started: the first tensor, in execution order,
             of the first record with a non-finite value (a :class:`streamwatch.FirstNonFinite`), or None
             (docs/nonfinite.md). Computed on the worker: ``watch.flush()`` makes it current.
@@ -126,6 +129,7 @@ class WatchStatistics:
     sampling_interval: int = 1
     overhead_ratio: float | None = None
     overhead_budget: float | None = None
+    dark_steps: int = 0
     first_nonfinite: FirstNonFinite | None = None
     nonfinite_episodes: int = 0
     sentinel_trips: int = 0

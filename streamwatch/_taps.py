@@ -49,6 +49,7 @@ import fnmatch
 import functools
 import itertools
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -521,7 +522,9 @@ class TapSet:
         # The root module's pre-hook is in for the Watch's life: it sees evaluation passes coming (their
         # hooks go in for the pass) and starts the clock of a sampled step's forward. Its forward hook
         # ends that clock: with the optimizer's hooks, only on steps that sample something.
-        self.handles.append(model.register_forward_pre_hook(self._root_forward_start))
+        self._model = weakref.ref(model)  # (for go_light; the Watch releases the model at close)
+        self._root_handle: RemovableHandle | None = model.register_forward_pre_hook(self._root_forward_start)
+        self.handles.append(self._root_handle)
         step = self._registrations["step"]
         step.append(functools.partial(model.register_forward_hook, self._root_forward_end))
         if "param_grad" in taps:
@@ -543,6 +546,25 @@ class TapSet:
             self._set_group(group, True)
 
     # -- arming -----------------------------------------------------------------------------------------
+
+    def go_dark(self) -> bool:
+        """Take the root module's pre-hook out for a dark pair (the governor's measurement of what no
+        own time shows: torch's dispatch of a module with a hook, among others); False if it is not
+        in (under torch.compile every hook stays)."""
+        handle = self._root_handle
+        if handle is None or self.static or self.state.compiled:
+            return False
+        handle.remove()
+        self.handles.remove(handle)
+        self._root_handle = None
+        return True
+
+    def go_light(self) -> None:
+        """Put the root module's pre-hook back after a dark pair (after any hook registered since)."""
+        model = self._model()
+        if self._root_handle is None and model is not None:
+            self._root_handle = model.register_forward_pre_hook(self._root_forward_start)
+            self.handles.append(self._root_handle)
 
     def _set_group(self, group: str, on: bool) -> None:
         handles = self._armed[group]
@@ -684,7 +706,6 @@ class TapSet:
         if torch.compiler.is_compiling():
             self.state.compiled = True  # every hook stays in from the next step boundary on
             return
-        start = perf_counter()  # (the one hook on every step: its time is part of the governor's floor)
         state = self.state
         if not (module.training and torch.is_grad_enabled()):
             state.quiet = 0  # an evaluation pass records: the step ends at a full boundary
@@ -706,7 +727,6 @@ class TapSet:
                 times = state.times
                 if not times.forward_start:
                     times.forward_start = times.clock()
-        state.busy += perf_counter() - start
 
     def _root_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._eval_armed:

@@ -412,9 +412,9 @@ def test_escalated_steps_are_forced_samples_the_governor_does_not_measure(
     seen: list[bool] = []
     tick = Governor.tick
 
-    def spy(self: Governor, own: float = 0.0, forced: bool = False) -> bool:
+    def spy(self: Governor, own: float = 0.0, forced: bool = False, at: float | None = None) -> bool:
         seen.append(forced)
-        return tick(self, own, forced)
+        return tick(self, own, forced, at)
 
     monkeypatch.setattr(Governor, "tick", spy)
     model = _model()

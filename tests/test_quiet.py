@@ -1,10 +1,13 @@
-"""The quiet step: ``watch.step()`` on an unsampled step between unsampled steps (``Watch._quiet_step``).
+"""The short ways a step ends: quiet steps and dark pairs.
 
-It skips what such a step does not need (the record, the metrics, the arming) and files the step's end
-with the governor instead of ticking it; everything a user can see must be as if the full boundary had
-run: the same records, the same sampled steps, the same errors on the same steps, the same non-finite
-reactions. Real torch training throughout; the governor's clock is faked only where a test compares the
-sampled steps with a reference governor.
+A quiet step (``Watch._quiet_step``: an unsampled step between unsampled steps) skips what such a step
+does not need (the record, the metrics, the arming) and files the step's end with the governor instead of
+ticking it. A dark pair (``Watch._dark_step``: the governor's measurement of what its own time misses)
+runs two steps with no streamwatch hook and nothing at the boundary between them but a clock reading;
+the second boundary runs both. Everything a user can see must be as if the full boundary had run: the
+same records, the same sampled steps, the same errors (a dark step's one boundary later), the same
+non-finite reactions, bit-identical training. Real torch training throughout; the governor's clock is
+faked where a test compares the sampled steps with a reference governor or needs dark pairs to happen.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ def test_quiet_steps_sample_exactly_what_a_ticking_governor_samples(
     records = sw.sinks.collect()
     chosen = []
     with sw.observe(model, opt, overhead=BUDGET, sentinel=("loss",), sinks=[records]) as watch:
-        for step, (x, y) in enumerate(_batches(400)):
+        for step, (x, y) in enumerate(_batches(1500)):
             if reference.sampling:
                 chosen.append(step)
             seconds = PLAIN * (1 + COST) if reference.sampling else PLAIN
@@ -83,9 +86,10 @@ def test_quiet_steps_sample_exactly_what_a_ticking_governor_samples(
             reference.tick()
         watch.flush()
         stats = watch.statistics()
-    assert quiet_calls[True] > 200  # most steps were quiet
+    assert quiet_calls[True] > 500  # most steps after the dark pairs' measurement were quiet
     assert [r.step for r in records.items] == chosen
-    assert stats.steps == 400
+    assert stats.steps == 1500
+    assert stats.dark_steps == reference.statistics().dark_steps > 0
     assert stats.sampling_interval == reference.interval == 10
 
 
@@ -207,3 +211,112 @@ def test_a_device_loss_or_an_int_loss_takes_the_full_boundary() -> None:
         stats = watch.statistics()
     assert stats.steps == 3
     assert stats.failed_steps == 0
+
+
+# -- dark pairs -------------------------------------------------------------------------------------------
+
+
+def _governed(
+    monkeypatch: pytest.MonkeyPatch, **kwargs: object
+) -> tuple[nn.Module, torch.optim.Optimizer, sw.Watch, FakeClock]:
+    clock = FakeClock()
+    monkeypatch.setattr(_observe, "_governor_clock", clock)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    options: dict = {"overhead": BUDGET, "sentinel": ("loss",), **kwargs}
+    return model, opt, sw.observe(model, opt, **options), clock
+
+
+def _until_dark(watch: sw.Watch, model: nn.Module, opt: torch.optim.Optimizer, clock: FakeClock) -> int:
+    """Train until the next step runs dark; the steps trained."""
+    governor = watch._governor
+    assert governor is not None
+    for step, (x, y) in enumerate(_batches(3_000)):
+        if watch._dark:
+            return step
+        clock.advance(PLAIN * (1 + COST) if governor.sampling else PLAIN)
+        loss, _ = _train(model, opt, x, y)
+        watch.step(loss=loss)
+    raise AssertionError("no dark pair in 3000 steps")
+
+
+def test_dark_pairs_run_without_any_streamwatch_hook_and_end_with_both_boundaries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    records = sw.sinks.collect()
+    model, opt, watch, clock = _governed(monkeypatch, sinks=[records])
+    governor = watch._governor
+    assert governor is not None
+    hookless = 0
+    with watch:
+        for x, y in _batches(1500):
+            if not model._forward_pre_hooks:
+                hookless += 1
+                assert watch._dark  # (no hook only in a dark pair)
+            clock.advance(PLAIN * (1 + COST) if governor.sampling else PLAIN)
+            loss, _ = _train(model, opt, x, y)
+            watch.step(loss=loss, batch_size=12)
+        watch.flush()
+        stats = watch.statistics()
+    assert stats.dark_steps == hookless == 2 * 48
+    assert stats.steps == 1500
+    assert stats.failed_steps == 0
+    assert len(model._forward_pre_hooks) == 0  # (closed: every hook out)
+    assert governor.unseen_ratio == 0.0  # (the fake clock gave dark steps the lit steps' time)
+    assert all(r.keys for r in records.items if r.step > 0)  # sampled records only (no scalar: < 1 s)
+
+
+def test_a_bad_argument_in_a_dark_step_is_raised_one_boundary_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt, watch, clock = _governed(monkeypatch)
+    with watch:
+        steps = _until_dark(watch, model, opt, clock)
+        loss, _ = _train(model, opt, *next(_batches(1)))
+        watch.step(loss=loss, batch_size=0)  # the first dark step only keeps its arguments
+        with pytest.raises(ValueError, match="batch_size"):
+            watch.step(loss=loss)  # the second runs both boundaries
+        assert model._forward_pre_hooks  # the root pre-hook is back
+        stats = watch.statistics()
+    assert stats.failed_steps == 1
+    assert stats.steps == steps + 2
+
+
+def test_a_nan_in_a_dark_step_trips_the_sentinel_for_that_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt, watch, clock = _governed(monkeypatch, on_nonfinite="raise")
+    with watch:
+        steps = _until_dark(watch, model, opt, clock)
+        watch.step(loss=math.nan)
+        with pytest.raises(sw.NonFiniteError, match=f"step {steps}"):
+            watch.step(loss=1.0)
+
+
+def test_closing_in_a_dark_pair_runs_its_first_boundary(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt, watch, clock = _governed(monkeypatch)
+    steps = _until_dark(watch, model, opt, clock)
+    watch.step(loss=1.0)
+    watch.close()
+    assert watch.statistics().steps == steps + 1
+    assert not model._forward_pre_hooks
+
+
+def test_training_is_bit_identical_through_dark_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
+    def train(watched: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        clock = FakeClock()
+        monkeypatch.setattr(_observe, "_governor_clock", clock)
+        watch = sw.observe(model, opt, overhead=BUDGET) if watched else None
+        for _ in range(600):
+            x, y = torch.randn(12, 6), torch.randint(0, 3, (12,))
+            if watch is not None and watch._governor is not None:
+                clock.advance(PLAIN * (1 + COST) if watch._governor.sampling else PLAIN)
+            loss, _ = _train(model, opt, x, y)
+            if watch is not None:
+                watch.step(loss=loss)
+        if watch is not None:
+            assert watch.statistics().dark_steps > 0
+            watch.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(train(False), train(True), strict=True):
+        assert torch.equal(a, b)
