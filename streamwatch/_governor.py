@@ -18,8 +18,7 @@ What it measures:
 
 How it sets the interval:
     Sampling one step in ``N`` costs ``r / N`` of the run's time on top of the floor ``f`` (what the
-    unsampled steps cost: the monitor's own time on clean steps, passed to :meth:`Governor.tick`, over
-    the rest of the step; the median of the last ``baseline_window``), so the interval is the smallest
+    unsampled steps cost), so the interval is the smallest
     ``N`` with ``f + r / N <= budget``, ``N = ceil(r / (budget - f))``, at least 1 (the ceiling where
     ``f >= budget``). Two ceilings cap it so that
     dashboards never go stale, whichever comes first: ``max_interval`` steps, and ``max_seconds`` of
@@ -57,7 +56,19 @@ Adaptation:
     2 + 1`` sampled steps, and one that rises within about as many per doubling. With the defaults, and
     ``N`` the larger of the old and the new interval, the interval is back within 1 of its new value at
     most ``80 + 8 * N`` steps after a change in step times (tested for cost ratios that change up to
-    50-fold either way).
+    50-fold either way), plus ``4 * dark_pairs`` where the step time itself moved by ``DARK_DRIFT`` or
+    more (the floor's unseen part is measured again), plus up to ``QUIET_MAX`` for filed step ends.
+
+The floor:
+    Two parts. The seen part is the monitor's own time on clean steps, passed to
+    :meth:`Governor.tick`, over the rest of the step: the mean of the last ``FLOOR_WINDOW``. The unseen
+    part is what own time cannot show (torch's dispatch of a module with a hook, caches the monitor
+    leaves cold): the governor asks for *dark pairs* (:attr:`Governor.dark`), two steps the caller
+    runs with the monitor entirely out of the way, and takes the clean steps' median over the second
+    dark steps' median, less the seen part and two standard errors, in seconds and never below 0.
+    ``dark_pairs`` pairs make a measurement; it runs once calibrated and again when the baseline moves
+    by ``DARK_DRIFT`` either way, only where the interval is ``DARK_MIN_INTERVAL`` or more, and each
+    pair only with 4 steps of room before the next sampled step: no sampled step moves.
 
 Guards:
     A step time that is zero, negative, NaN or infinite (a coarse or broken clock) is ignored and
@@ -69,9 +80,13 @@ Use:
     Create the governor when observing starts: the first step begins then and is sampled
     (:attr:`Governor.sampling`). Call :meth:`Governor.tick` once at every step boundary as the very
     last thing, after the sampled step's record has been handed off, so that the hand-off is charged
-    to the step that caused it; ``tick`` returns whether the step beginning now is sampled. One
-    thread ticks (not thread-safe); :meth:`Governor.statistics` returns a frozen snapshot and may be
-    called from any thread.
+    to the step that caused it; ``tick`` returns whether the step beginning now is sampled. A caller
+    for whom a tick costs too much may file up to :attr:`Governor.quiet` step ends in a row instead
+    (:attr:`Governor.filed`, each before :attr:`Governor.deadline`); the next tick measures them
+    first. After a tick that sets :attr:`Governor.dark`, run the next two steps dark and tick both
+    ends after them with ``at=`` their readings, or call :meth:`Governor.decline_dark`. One thread
+    ticks (not thread-safe); :meth:`Governor.statistics` returns a frozen snapshot and may be called
+    from any thread.
 
 Example:
     >>> from streamwatch._governor import Governor

@@ -356,11 +356,17 @@ class Watch:
         Raises:
             TypeError, ValueError: an argument is not what it should be (the message names it). The step
                 then ends without a record: what was summarised for it is dropped, never merged into the
-                next step, and counted in ``statistics().failed_steps``.
+                next step, and counted in ``statistics().failed_steps``. On a quiet step (unsampled
+                between unsampled ones) only what needs no shapes is checked; ``outputs``' and
+                ``targets``' layouts are refused at the next full boundary, at most a second later
+                (docs/governor.md, *Quiet steps*).
             NonFiniteError: with ``observe(on_nonfinite="raise")``, a NaN/Inf appeared: raised once per
                 episode, after the step has ended normally (its record sent, the step counted); from
                 this step for its own non-finite loss, later for a NaN the loss does not show
                 (docs/nonfinite.md gives the bounds).
+
+        The first step of a dark pair (the governor's measurement of its floor, docs/governor.md) only
+        reads the clock: its errors are raised by the next ``watch.step()``.
         """
         now = time.perf_counter()
         if (
@@ -377,9 +383,17 @@ class Watch:
         self._full_step(now, loss, outputs, targets, batch_size)
 
     def _full_step(
-        self, now: float, loss: object, outputs: object, targets: object, batch_size: object
+        self,
+        now: float,
+        loss: object,
+        outputs: object,
+        targets: object,
+        batch_size: object,
+        started: float | None = None,
     ) -> None:
-        """The full step boundary: every check, the record (if any), the governor's tick, the arming."""
+        """The full step boundary: every check, the record (if any), the governor's tick, the arming.
+        ``started``: when this call began, if later than the boundary ``now`` (a dark pair's first step,
+        whose boundary runs at the second's): the own time counted starts there."""
         timed = self._state.timed  # this step's parts were timed
         try:
             try:
@@ -393,7 +407,7 @@ class Watch:
         finally:
             state = self._state
             end = time.perf_counter()
-            self._overhead = state.busy + (end - now)
+            self._overhead = state.busy + (end - (now if started is None else started))
             self._overhead_total += self._overhead
             state.busy = 0.0
             self._tail = end - self._ticked  # (after the governor's reading: the next step's own time)
@@ -472,7 +486,7 @@ class Watch:
         for now, reading, args in stashed:
             self._reading = reading
             try:
-                self._full_step(now, *args)
+                self._full_step(now, *args, started=time.perf_counter())
             except Exception as exc:
                 error = error or exc
             finally:

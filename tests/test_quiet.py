@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import math
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -320,3 +321,17 @@ def test_training_is_bit_identical_through_dark_pairs(monkeypatch: pytest.Monkey
 
     for a, b in zip(train(False), train(True), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_dark_pair_counts_only_streamwatch_time_as_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first step's boundary runs at the second's: its own time starts then, not at its reading
+    (which would count the user's whole second step as streamwatch's)."""
+    model, opt, watch, clock = _governed(monkeypatch)
+    with watch:
+        _until_dark(watch, model, opt, clock)
+        before = watch.statistics().overhead_seconds_total
+        watch.step(loss=1.0)
+        time.sleep(0.05)  # the user's second dark step
+        watch.step(loss=1.0)
+        spent = watch.statistics().overhead_seconds_total - before
+    assert 0 < spent < 0.025
