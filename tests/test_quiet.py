@@ -15,17 +15,17 @@ from __future__ import annotations
 import collections
 import math
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import streamwatch as sw
 from streamwatch import _observe
 from streamwatch._governor import Governor
 from streamwatch.testing import FakeClock
+from tests.test_governor_observe import _batches
+from tests.test_governor_observe import _train_step as _train
 
 PLAIN, COST, BUDGET = 0.010, 0.5, 0.05  # the governor settles at ceil(COST / BUDGET) = 10
 
@@ -48,21 +48,6 @@ def quiet_calls(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[bool]:
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
-
-
-def _batches(n: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    for _ in range(n):
-        yield torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g)
-
-
-def _train(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> tuple:
-    out = model(x)
-    loss = F.cross_entropy(out, y)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss, out
 
 
 def test_quiet_steps_sample_exactly_what_a_ticking_governor_samples(
