@@ -354,7 +354,9 @@ class Governor:
         """Whether the step beginning now starts a dark pair (set by :meth:`tick`): the caller takes the
         monitor entirely out of this step and the next one (no hook, nothing done at the boundary
         between them but reading the clock) and ticks both step ends at the boundary after, with their
-        readings; or calls :meth:`decline_dark` at once if it cannot."""
+        readings; or calls :meth:`decline_dark` at once if it cannot. A first step that ends at or past
+        :attr:`deadline` is ticked at once instead: the time ceiling samples the next step, which ends
+        the pair."""
         self.deadline = math.inf
         """The clock reading from which the time ceiling samples the next step (set by :meth:`tick`): a
         step end filed at or after it must be a :meth:`tick` instead."""
@@ -392,10 +394,14 @@ class Governor:
         reading = float(self._clock()) if at is None else float(at)  # (first: the rest is the next step's)
         if self.filed:
             self._replay()
+        phase = self._dark_phase
         now = self._advance(reading, own, forced)
         self.dark = False
-        if self._dark_phase:
-            sample = False  # a dark pair's steps ran unsampled; the step after it is not sampled either
+        if phase == 1 or phase == 2:  # a dark pair's step ended: only a ceiling samples the next step
+            sample = self._overdue(now)
+            if sample and phase == 1:  # (the caller ends the pair early at the deadline: see dark)
+                self._dark_phase = 0
+                self._dark_steps -= 1
         else:
             sample = self._choose(now)
             if (
@@ -507,7 +513,10 @@ class Governor:
                     self._measure_unseen()
             elif not (math.isfinite(seconds) and seconds > 0):
                 self._rejected += 1
-            ended_sampled = False
+            if phase == 3 and ended_sampled:  # sampled by a ceiling, with the pair's boundaries in it:
+                self._pending = None  # no cost sample, but its shadow is no clean step
+            else:
+                ended_sampled = False
         elif forced:
             self._pending = None  # a sampled step whose shadow this was loses its cost sample
             ended_sampled = True  # (for what follows: the next step is its shadow, not a clean step)
@@ -628,14 +637,19 @@ class Governor:
 
     def _choose(self, now: float | None) -> bool:
         """Whether the step that begins now is sampled: the ceilings, then probes, then the interval."""
-        last = self._last_sample_at
-        if now is not None and last is not None and now - last >= self._max_seconds:
-            return True
-        if self._since_sample >= self._max_interval:
+        if self._overdue(now):
             return True
         if self._since_clean >= self._probe:
             return False
         return self._since_sample >= self._gap()
+
+    def _overdue(self, now: float | None) -> bool:
+        """Whether a ceiling samples the step that begins now: ``max_seconds`` since the last sampled
+        step began (by :attr:`deadline`'s arithmetic), or ``max_interval`` steps."""
+        last = self._last_sample_at
+        if now is not None and last is not None and now >= last + self._max_seconds:
+            return True
+        return self._since_sample >= self._max_interval
 
     def _gap(self) -> int:
         """The interval, shifted by up to a quarter of it by the phase sequence, within the ceiling."""

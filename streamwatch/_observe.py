@@ -471,11 +471,15 @@ class Watch:
         """One end of a dark pair (the governor's measurement of what its own time misses,
         docs/governor.md): the first only reads the clock and keeps the arguments; the second reads it,
         puts the root module's pre-hook back and runs both boundaries as they would have run, ticking
-        the governor with their readings. An error of the first is raised after both ran."""
-        self._stashed.append((now, float(self._gov_clock()), (loss, outputs, targets, batch_size)))
+        the governor with their readings. An error of the first is raised after both ran. A first end
+        at or past the governor's deadline ends the pair there: its boundary runs at once, and the
+        time ceiling samples the next step."""
+        reading = float(self._gov_clock())
+        self._stashed.append((now, reading, (loss, outputs, targets, batch_size)))
         self._dark -= 1
-        if not self._dark:
-            self._finish_dark()
+        governor = self._governor
+        if not self._dark or (governor is not None and reading >= governor.deadline):
+            self._finish_dark()  # (at the deadline after the first: the time ceiling samples the next)
 
     def _finish_dark(self) -> None:
         self._dark = 0

@@ -16,7 +16,7 @@ from dataclasses import FrozenInstanceError, dataclass, field
 from itertools import pairwise
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from streamwatch._governor import (
@@ -472,6 +472,24 @@ def test_a_huge_cost_ratio_reaches_the_ceiling_without_overflow() -> None:
     max_interval=st.integers(min_value=1, max_value=60),
     max_seconds=st.floats(min_value=1e-3, max_value=100),
     warmup=st.integers(min_value=0, max_value=6),
+)
+# A dark pair's first step crossing the time ceiling (found by CI): the pair ends, the next step is
+# sampled; a ceiling crossed in its second step samples the step after it.
+@example(
+    times=[0.0] * 8 + [1.0] * 3 + [0.0] * 7 + [1.0] * 5 + [3.0, 1.0, 1.0, 3.0, 1.0, 1.0, 0, 0, 4.0, 0, 0],
+    sampled_extra=9.0,
+    budget=0.5,
+    max_interval=8,
+    max_seconds=14.0,
+    warmup=0,
+)
+@example(
+    times=[0.0] * 8 + [1.0] * 7 + [2.0] + [1.0] * 5 + [0.0, 1.0],
+    sampled_extra=11.0,
+    budget=0.5,
+    max_interval=8,
+    max_seconds=14.0,
+    warmup=0,
 )
 def test_the_ceilings_hold_for_any_step_times(
     times: list[float],

@@ -275,6 +275,33 @@ def test_a_nan_in_a_dark_step_trips_the_sentinel_for_that_step(monkeypatch: pyte
             watch.step(loss=1.0)
 
 
+@pytest.mark.parametrize("crossed_in", [1, 2])
+def test_the_time_ceiling_crossed_in_a_dark_pair_samples_the_next_step(
+    monkeypatch: pytest.MonkeyPatch, crossed_in: int
+) -> None:
+    model, opt, watch, clock = _governed(monkeypatch)
+    governor = watch._governor
+    assert governor is not None
+    with watch:
+        steps = _until_dark(watch, model, opt, clock)
+        before = governor.statistics()  # (the pair's two steps counted as dark already)
+        batches = _batches(3)
+        for dark in range(1, crossed_in + 1):  # the step that crosses the deadline is a long one
+            clock.advance(governor.deadline - clock() if dark == crossed_in else PLAIN)
+            loss, _ = _train(model, opt, *next(batches))
+            watch.step(loss=loss)
+        assert not watch._dark  # the pair is over: at the crossing, not a step later
+        assert model._forward_pre_hooks  # (the root pre-hook is back)
+        assert governor.sampling  # the time ceiling samples the step that begins now
+        clock.advance(PLAIN * (1 + COST))
+        loss, _ = _train(model, opt, *next(batches))
+        watch.step(loss=loss)
+        stats = watch.statistics()
+    assert stats.steps == steps + crossed_in + 1
+    assert governor.statistics().sampled == before.sampled + 1
+    assert stats.dark_steps == before.dark_steps - 2 + crossed_in  # a pair cut short: one dark step
+
+
 def test_closing_in_a_dark_pair_runs_its_first_boundary(monkeypatch: pytest.MonkeyPatch) -> None:
     model, opt, watch, clock = _governed(monkeypatch)
     steps = _until_dark(watch, model, opt, clock)
