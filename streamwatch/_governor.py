@@ -64,8 +64,9 @@ The floor:
     :meth:`Governor.tick`, over the rest of the step: the mean of the last ``FLOOR_WINDOW``. The unseen
     part is what own time cannot show (torch's dispatch of a module with a hook, caches the monitor
     leaves cold): the governor asks for *dark pairs* (:attr:`Governor.dark`), two steps the caller
-    runs with the monitor entirely out of the way, and takes the clean steps' median over the second
-    dark steps' median, less the seen part and two standard errors, in seconds and never below 0.
+    runs with the monitor entirely out of the way, and takes the median of the clean steps between
+    them, each less its own time, over the second dark steps' median, less two standard errors, in
+    seconds and never below 0.
     ``dark_pairs`` pairs make a measurement; it runs once calibrated and again when the baseline moves
     by ``DARK_DRIFT`` either way, only where the interval is ``DARK_MIN_INTERVAL`` or more, and each
     pair only with 4 steps of room before the next sampled step: no sampled step moves.
@@ -121,10 +122,14 @@ REFRESH = 8
 """Once calibrated, the baseline and floor medians (and the interval from them) are retaken every
 ``REFRESH`` clean steps and before every cost sample, not on every step: a clean step then costs an
 append. The estimates lag by at most ``REFRESH - 1`` clean steps."""
-FLOOR_WINDOW = 64
+QUIET_MAX = 256
+"""At most this many step ends in a row are filed (:attr:`Governor.filed`) before a tick measures them:
+the interval and the estimates then lag by at most that many steps more."""
+FLOOR_WINDOW = QUIET_MAX + 1
 """The floor is the mean own-time ratio of the last this many clean steps: a mean, not a median, so
-that a cost paid on one clean step in several (a tick that measures the step ends filed before it)
-counts in full; own time is measured exactly, with none of a step time's outliers."""
+that a cost paid on one clean step in several (a tick, and the quiet step after it that carries the
+tick's rest) counts in full: the window holds a whole run of filed step ends and its tick. Own time is
+measured exactly, with none of a step time's outliers."""
 DARK_PAIRS = 48
 """Dark steps measured per calibration of the floor's unseen part (see *The floor* above): pairs of
 steps run with the monitor entirely out of the way, each pair followed by two lit steps."""
@@ -135,9 +140,6 @@ DARK_DECLINES = 4
 """A measurement is given up after this many declined pairs (and tried again after the next drift)."""
 DARK_DRIFT = 1.5
 """The unseen part is measured again when the baseline has moved by this factor either way since."""
-QUIET_MAX = 64
-"""At most this many step ends in a row are filed (:attr:`Governor.filed`) before a tick measures them:
-the interval and the estimates then lag by at most that many steps more."""
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # the phase sequence k·φ mod 1 spreads sampled steps evenly
 _EPSILON = 1e-9  # a quotient that is an integer up to rounding (0.2 / 0.02, 1.0 / 0.1) is that integer
 
@@ -545,10 +547,10 @@ class Governor:
             self._add_cost((waiting + seconds) / self._baseline_or_nan() - 2)
         elif not self._prev_sampled:
             self._baseline.append(seconds)
-            if self._dark_todo:
-                self._lights.append(seconds)
             if math.isfinite(own) and 0 <= own < seconds:  # (else: an odd reading, not a floor)
                 self._floors.append(own / (seconds - own))
+                if self._dark_todo:
+                    self._lights.append(seconds - own)  # (what a dark step is compared with)
             self._stale += 1
             if self._stale >= REFRESH or self._cost_ratio is None:
                 self._refresh()
@@ -559,8 +561,7 @@ class Governor:
         self._stale = 0
         if self._baseline:
             self._step_seconds = _median(self._baseline)
-        if self._floors:
-            self._own_floor = math.fsum(self._floors) / len(self._floors)
+        self._take_floor()
         self._floor = self._own_floor + (self.unseen_ratio or 0.0)
         baseline, at = self._step_seconds, self._unseen_at
         if self._dark_todo and self._interval < DARK_MIN_INTERVAL:
@@ -579,21 +580,27 @@ class Governor:
             self._lights = []
         self._update()
 
+    def _take_floor(self) -> None:
+        """The floor's seen part: the mean of the floor window (a plain sum: its few hundred small
+        ratios lose nothing that matters, and ``math.fsum`` takes four times as long)."""
+        if self._floors:
+            self._own_floor = sum(self._floors) / len(self._floors)
+
     def _measure_unseen(self) -> None:
-        """A measurement's last dark pair ended: the unseen part is the clean steps' median time over
-        the dark steps' median, less the own-time share, in seconds (never below 0)."""
+        """A measurement's last dark pair ended: the unseen part is the median of the clean steps
+        between the pairs, each less its own time, over the dark steps' median, in seconds (never
+        below 0). Each light step's own time is its own (those steps end at full boundaries, whose own
+        time the floor's window, mostly quiet steps, would understate)."""
         darks, lights = self._darks, self._lights
         self._lights = []
         if not lights:
             return
         dark, light = _median(darks), _median(lights)
-        if self._floors:
-            self._own_floor = math.fsum(self._floors) / len(self._floors)
         # Less two standard errors of the difference of the medians (1.2533 σ / √n each, σ from the
         # quartiles): what noise alone would show is not taken for a cost (one time in 40 or so).
         error = 2.5066 * math.sqrt(_spread(darks) ** 2 / len(darks) + _spread(lights) ** 2 / len(lights))
-        self._unseen = max(0.0, light - dark * (1 + self._own_floor) - error)
-        self._unseen_at = light
+        self._unseen = max(0.0, light - dark - error)
+        self._unseen_at = self._step_seconds  # (the lights' median: the baseline's window is theirs)
         self._refresh()
 
     def _baseline_or_nan(self) -> float:

@@ -36,6 +36,7 @@ import importlib.machinery
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -352,6 +353,31 @@ def load(directory: Path | None = None) -> FusedKernel | None:
             stacklevel=2,
         )
     return _loaded
+
+
+def finite_checks() -> dict[torch.dtype, Callable[[int], bool]]:
+    """The compiled module's one-call finiteness checks of a scalar at an address, by dtype: what the
+    quiet step (``Watch.step``) uses to look at a CPU loss for a fraction of ``Tensor.item()``'s cost
+    (one C call instead of a dispatch through torch, which costs microseconds on a step that evicted
+    the interpreter's caches). Empty (callers use ``item()``) when the module is missing, predates
+    them, or ``STREAMWATCH_KERNEL=torch``. Never raises, never warns (:func:`load` does).
+
+    Example:
+        >>> import torch
+        >>> from streamwatch import _kernel
+        >>> checks = _kernel.finite_checks()
+        >>> loss = torch.tensor(0.25)
+        >>> checks[torch.float32](loss.data_ptr()) if checks else True
+        True
+    """
+    if _forced_off():
+        return {}
+    try:
+        from streamwatch import _fused  # type: ignore[attr-defined]  # (the compiled module)
+
+        return {torch.float32: _fused.finite_f32, torch.float64: _fused.finite_f64}
+    except (ImportError, AttributeError):
+        return {}
 
 
 def _reset() -> None:

@@ -238,6 +238,7 @@ class Watch:
             self._sampling_now = True  # the step running now is sampled (set with the flags)
             self._last_record = time.perf_counter()
             self._quiet_until = 0.0  # a quiet step must begin before (see _quiet_step)
+            self._finite_at = _kernel.finite_checks()  # a CPU loss's finiteness in one C call, by dtype
             self._failed_steps = 0
             self._last = time.perf_counter()
             self._errors: list[tuple[str, BaseException]] = []
@@ -430,12 +431,20 @@ class Watch:
         if isinstance(loss, _Tensor):
             if not loss.is_cpu:
                 return False  # (a device loss: the sentinel queues its flag; the full boundary does it)
-            try:
-                value = loss.item()  # (a CPU scalar: nothing to wait for; fails unless one element)
-            except RuntimeError:
-                return False
-            if type(value) is not float or not math.isfinite(value):
-                return False
+            finite = self._finite_at.get(loss.dtype) if type(loss) is _Tensor else None
+            if finite is not None and not loss.ndim:  # a plain 0-d float: one C call reads it
+                try:
+                    if not finite(loss.data_ptr()):
+                        return False
+                except RuntimeError:  # (no storage: the full boundary says what is wrong)
+                    return False
+            else:
+                try:
+                    value = loss.item()  # (a CPU scalar: nothing to wait for; fails unless one element)
+                except RuntimeError:
+                    return False
+                if type(value) is not float or not math.isfinite(value):
+                    return False
         elif loss is not None and not (type(loss) is float and math.isfinite(loss)):
             return False
         if not (

@@ -657,7 +657,7 @@ def test_forced_steps_measure_nothing_and_their_shadows_are_not_clean() -> None:
     for _ in range(50):
         clock2.advance(5 * PLAIN)
         control.tick(4 * PLAIN)
-    assert control.floor_ratio > 0.5  # the escalated steps became the floor
+    assert control.floor_ratio > 50 * before[1]  # the escalated steps moved the floor 0.5 % -> over 25 %
 
 
 # -- filed step ends: the watch's quiet steps ------------------------------------------------------------
@@ -762,16 +762,19 @@ def drive_dark(
     unseen: float,
     decline: bool = False,
     plain: float = PLAIN,
+    own: Callable[[Governor], float] = lambda _gov: 0.0,
 ) -> Run:
     """Steps of ``plain`` seconds (sampled ones ``ratio`` plain steps more), of which ``unseen`` are the
-    monitor's cost its own time does not show: a dark step (asked for with ``gov.dark``: this step and
-    the next) takes ``plain - unseen``. Both step ends of a pair are ticked after it, with readings."""
+    monitor's cost its own time does not show and ``own(gov)`` its own time: a dark step (asked for with
+    ``gov.dark``: this step and the next) takes ``plain - unseen - own``. Both step ends of a pair are
+    ticked after it, with readings."""
     run, dark_left, readings = Run(), 0, []
     for _ in range(steps):
         sampled = gov.sampling
         run.sampled.append(sampled)
         dark = dark_left > 0
-        clock.advance(plain - unseen if dark else plain * (1 + ratio) if sampled else plain)
+        mine = own(gov)
+        clock.advance(plain - unseen - mine if dark else plain * (1 + ratio) if sampled else plain)
         if dark:
             readings.append(clock())
             dark_left -= 1
@@ -781,7 +784,7 @@ def drive_dark(
                 gov.tick(at=reading)
             readings = []
         else:
-            gov.tick()
+            gov.tick(mine)
         if gov.dark:
             if decline:
                 gov.decline_dark()
@@ -800,6 +803,21 @@ def test_dark_steps_measure_what_own_time_misses_and_the_floor_pays_it() -> None
     assert stats.unseen_ratio == pytest.approx(unseen / PLAIN)  # (no noise: no standard error to take off)
     assert stats.floor_ratio == pytest.approx(0.01)
     assert gov.interval == smallest_interval(1.0, 0.02 - 0.01)  # sampling gets the rest of the budget
+
+
+def test_the_unseen_part_is_each_light_step_less_its_own_time() -> None:
+    """The lit steps between dark pairs end at full boundaries (every step end ticks while a
+    measurement runs), whose own time is larger than a quiet step's: each is taken less its own, not
+    less the floor window's mean."""
+    clock = FakeClock()
+    gov = Governor(0.02, clock=clock)
+    unseen = 0.01 * PLAIN
+    measuring = 0.08 * PLAIN  # a full boundary's own time; a quiet stretch's steps own a tenth of it
+    own: Callable[[Governor], float] = lambda g: measuring if g._dark_todo else measuring / 10  # noqa: E731
+    drive_dark(gov, clock, 3_000, 1.0, unseen, own=own)
+    assert gov.statistics().dark_steps == 2 * DARK_PAIRS
+    assert gov.unseen_ratio == pytest.approx(unseen / PLAIN)
+    assert gov.floor_ratio == pytest.approx(unseen / PLAIN + (measuring / 10) / (PLAIN - measuring / 10))
 
 
 def test_dark_pairs_never_move_a_sampled_step() -> None:

@@ -15,13 +15,14 @@ from __future__ import annotations
 import collections
 import math
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
 
 import streamwatch as sw
-from streamwatch import _observe
+from streamwatch import _kernel, _observe
 from streamwatch._governor import Governor
 from streamwatch.testing import FakeClock
 from tests.test_governor_observe import _batches
@@ -147,18 +148,68 @@ def test_a_bad_layout_on_a_quiet_step_is_refused_at_the_next_full_boundary(
     assert stats.failed_steps == 2
 
 
-@pytest.mark.parametrize("bad", [math.nan, math.inf])
-@pytest.mark.parametrize("as_tensor", [True, False], ids=["tensor", "float"])
-def test_a_non_finite_loss_on_a_quiet_step_raises_on_that_step(bad: float, as_tensor: bool) -> None:
+LOSS_FORMS: dict[str, Callable[[float], object]] = {
+    "float32": lambda v: torch.tensor(v),  # the C check at data_ptr()
+    "float64": lambda v: torch.tensor(v, dtype=torch.float64),  # the C check too
+    "bfloat16": lambda v: torch.tensor(v, dtype=torch.bfloat16),  # item()
+    "one-element": lambda v: torch.tensor([v]),  # item(): not 0-d
+    "view": lambda v: torch.tensor([0.0, v])[1],  # a 0-d view at an offset: data_ptr() includes it
+    "float": lambda v: v,
+}
+
+
+@pytest.fixture(params=["fused", "torch"])
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """With the compiled module's finiteness checks, and with STREAMWATCH_KERNEL=torch (item() only)."""
+    if request.param == "torch":
+        monkeypatch.setenv("STREAMWATCH_KERNEL", "torch")
+    elif not _kernel.finite_checks():
+        pytest.skip("the compiled module is not built")
+    return str(request.param)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("form", list(LOSS_FORMS))
+def test_a_non_finite_loss_on_a_quiet_step_raises_on_that_step(bad: float, form: str, kernel: str) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    make = LOSS_FORMS[form]
     with sw.observe(model, opt, every=50, on_nonfinite="raise") as watch:
+        assert bool(watch._finite_at) is (kernel == "fused")
         for x, y in _batches(20):
             loss, _ = _train(model, opt, x, y)
-            watch.step(loss=loss if as_tensor else loss.item())
-        assert watch._state.quiet > 0
+            watch.step(loss=make(loss.item()))
+        assert watch._state.quiet > 0  # (the finite losses above were quiet steps)
+        assert watch.statistics().steps == 20
         with pytest.raises(sw.NonFiniteError, match="step 20"):
-            watch.step(loss=torch.tensor(bad) if as_tensor else bad)
+            watch.step(loss=make(bad))
+
+
+def test_a_plain_cpu_loss_is_read_without_item_on_quiet_steps(
+    monkeypatch: pytest.MonkeyPatch, quiet_calls: collections.Counter[bool], kernel: str
+) -> None:
+    """The quiet step's look at a 0-d float CPU loss is one C call; ``Tensor.item()`` (a dispatch through
+    torch) only where that module is not there."""
+    items = collections.Counter[str]()
+    item = torch.Tensor.item
+
+    def counted(self: torch.Tensor) -> object:
+        items["item"] += 1
+        return item(self)
+
+    monkeypatch.setattr(torch.Tensor, "item", counted)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with sw.observe(model, opt, every=50) as watch:
+        per_quiet_step = []
+        for x, y in _batches(40):
+            loss, _ = _train(model, opt, x, y)
+            before, quiet_before = items["item"], quiet_calls[True]
+            watch.step(loss=loss)
+            if quiet_calls[True] > quiet_before:
+                per_quiet_step.append(items["item"] - before)
+    assert len(per_quiet_step) >= 35
+    assert set(per_quiet_step) == ({0} if kernel == "fused" else {1})
 
 
 def test_an_evaluation_pass_in_a_quiet_stretch_is_recorded_with_its_step(
