@@ -23,7 +23,7 @@ from torch import nn
 
 import streamwatch as sw
 from streamwatch import _kernel, _observe
-from streamwatch._governor import Governor
+from streamwatch._governor import DARK_PAIRS, Governor
 from streamwatch.testing import FakeClock
 from tests.test_governor_observe import _batches
 from tests.test_governor_observe import _train_step as _train
@@ -295,7 +295,7 @@ def test_dark_pairs_run_without_any_streamwatch_hook_and_end_with_both_boundarie
             watch.step(loss=loss, batch_size=12)
         watch.flush()
         stats = watch.statistics()
-    assert stats.dark_steps == hookless == 2 * 48
+    assert stats.dark_steps == hookless == 2 * DARK_PAIRS
     assert stats.steps == 1500
     assert stats.failed_steps == 0
     assert len(model._forward_pre_hooks) == 0  # (closed: every hook out)
