@@ -395,7 +395,7 @@ def test_a_failing_metric_is_counted_and_raised_at_close_never_into_training(tra
         model, opt, metrics=[sw.metrics.TestAccuracy(broken, every=1), sw.metrics.SpectralNorm()], every=1
     )
     with pytest.warns(RuntimeWarning, match="the evaluation broke"):
-        train(model, opt, watch, data=batches)
+        train(model, opt, watch, data=batches, flush=True)
     assert watch.statistics().hook_errors == 3
     assert any(s.labels.get("stat") == "spectral_norm" for s in watch.snapshot())  # the others kept going
     with pytest.raises(sw.PipelineError, match="the evaluation broke"):
