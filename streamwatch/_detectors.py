@@ -1,16 +1,18 @@
 """The detectors' implementation; the public face and the overview are in :mod:`streamwatch.detectors`.
 
 Every smoothed detector is ``map(extract) | filter(present) | scan(fold, Baseline.empty()) | map(samples)``:
-:meth:`_Smoothed.fold` is the one place the baseline and the scores are computed, vectorised over the
-series of a record (the loss; the global and per-layer gradient norms) with numpy. The state is an
-immutable :class:`Baseline` (``ops.scan`` starts every pipeline from the same initial state).
+:meth:`_Smoothed.fold` is the one place the baseline and the scores are computed, one series of a record
+(the loss; the global and per-layer gradient norms) at a time in plain float arithmetic. A record brings
+one to a few hundred series, and numpy's per-call cost on arrays that small is larger than the arithmetic:
+the float loop holds the worker's GIL a fraction as long. The state is an immutable :class:`Baseline`
+(``ops.scan`` starts every pipeline from the same initial state).
 
 Example:
     >>> import numpy as np
     >>> from streamwatch import StepRecord
     >>> values = LossSpike().extract(StepRecord(0, 0.0, 0, (), np.empty((0, 11)), {"loss": 0.5}))
-    >>> values.names, values.values.tolist()
-    (('',), [0.5])
+    >>> values.names, values.values
+    (('',), (0.5,))
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class Values(NamedTuple):
     """One record's values for a detector: a value per named series (NaN: this record has none)."""
 
     names: tuple[str, ...]
-    values: np.ndarray
+    values: tuple[float, ...]
 
 
 @dataclass(frozen=True, slots=True, repr=False)
@@ -93,20 +95,19 @@ class Baseline:
     """
 
     names: tuple[str, ...]
-    n: np.ndarray
-    mean: np.ndarray
-    dev: np.ndarray
-    score: np.ndarray
-    fresh: np.ndarray
-    spikes: np.ndarray
+    n: tuple[int, ...]
+    mean: tuple[float, ...]
+    dev: tuple[float, ...]
+    score: tuple[float, ...]
+    fresh: tuple[bool, ...]
+    spikes: tuple[int, ...]
 
     @classmethod
     def empty(cls) -> Baseline:
         """The state before the first record: no series."""
-        nothing = np.empty(0)
-        return cls((), np.empty(0, dtype=np.int64), nothing, nothing, nothing, np.empty(0, bool), nothing)
+        return cls((), (), (), (), (), (), ())
 
-    def aligned(self, values: Values) -> tuple[Baseline, np.ndarray]:
+    def aligned(self, values: Values) -> tuple[Baseline, tuple[float, ...]]:
         """This state grown by the series ``values`` brings for the first time, and ``values`` laid out
         over its series (NaN for the series the record lacks)."""
         if values.names == self.names:
@@ -118,17 +119,18 @@ class Baseline:
             k = len(new)
             state = Baseline(
                 self.names + new,
-                np.concatenate([self.n, np.zeros(k, dtype=np.int64)]),
-                np.concatenate([self.mean, np.zeros(k)]),
-                np.concatenate([self.dev, np.zeros(k)]),
-                np.concatenate([self.score, np.full(k, np.nan)]),
-                np.concatenate([self.fresh, np.zeros(k, dtype=bool)]),
-                np.concatenate([self.spikes, np.zeros(k)]),
+                self.n + (0,) * k,
+                self.mean + (0.0,) * k,
+                self.dev + (0.0,) * k,
+                self.score + (math.nan,) * k,
+                self.fresh + (False,) * k,
+                self.spikes + (0,) * k,
             )
             index.update({name: len(self.names) + i for i, name in enumerate(new)})
-        laid = np.full(len(state.names), np.nan)
-        laid[[index[name] for name in values.names]] = values.values
-        return state, laid
+        laid = [math.nan] * len(state.names)
+        for name, x in zip(values.names, values.values, strict=True):
+            laid[index[name]] = x
+        return state, tuple(laid)
 
     def __repr__(self) -> str:
         return f"<baseline series={len(self.names)}>"
@@ -225,43 +227,55 @@ class _Smoothed(Detector):
         """The record's values, or None if it has none (skipped)."""
 
     @abc.abstractmethod
-    def _score(self, state: Baseline, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(score, low, high)``: each value's score against the baseline, and the bounds it enters the
-        baseline within once warmed up."""
+    def _score(self, mean: float, dev: float, x: float) -> tuple[float, float, float]:
+        """``(score, low, high)``: the score of ``x`` against a warmed-up baseline, and the bounds it
+        enters the baseline within (NaN score: none)."""
 
     def samples(self, state: Baseline) -> list[Sample]:
         """The samples to publish after a record: for each series it had a value for, the score (once
         warmed up) and the spike count when it is new or changed (the store keeps the latest values)."""
-        scores, counts, label = self.scores, self.counts, self.label
-        counted = (state.n == 1) | (state.score > self.threshold)  # NaN compares False
+        scores, counts, label, threshold = self.scores.name, self.counts.name, self.label, self.threshold
         out: list[Sample] = []
-        for i in np.flatnonzero(state.fresh).tolist():
-            labels = {label: state.names[i]} if label else {}
-            if counted[i]:
-                out.append(Sample(counts.name, labels, float(state.spikes[i])))
-            score = float(state.score[i])
+        for name, fresh, n, score, spikes in zip(
+            state.names, state.fresh, state.n, state.score, state.spikes, strict=True
+        ):
+            if not fresh:
+                continue
+            labels = {label: name} if label else {}
+            if n == 1 or score > threshold:  # NaN compares False
+                out.append(Sample(counts, labels, float(spikes)))
             if score == score:
-                out.append(Sample(scores.name, labels, score))
+                out.append(Sample(scores, labels, score))
         return out
 
     def fold(self, state: Baseline, values: Values) -> Baseline:
         """Score one record's values against ``state`` and fold them in: the next state."""
-        state, x = state.aligned(values)
-        with np.errstate(all="ignore"):
-            ok = np.isfinite(x)
-            ready = ok & (state.n >= self.warmup)
-            score, low, high = self._score(state, x)
-            score = np.where(ready, score, np.nan)
-            spike = ready & (score > self.threshold)
-            entering = np.where(ready, np.minimum(np.maximum(x, low), high), x)
-            first = state.n == 0
-            a = np.maximum(self.alpha, 1.0 / (state.n + 1))
-            mean = np.where(ok, state.mean + a * (entering - state.mean), state.mean)
-            b = np.maximum(self.alpha, 1.0 / np.maximum(state.n, 1))
-            dev = np.where(
-                ok & ~first, state.dev + b * (np.abs(entering - state.mean) - state.dev), state.dev
-            )
-        return Baseline(state.names, state.n + ok, mean, dev, score, ok, state.spikes + spike)
+        state, xs = state.aligned(values)
+        threshold, alpha, warmup, isfinite = self.threshold, self.alpha, self.warmup, math.isfinite
+        ns, means, devs, scores, fresh, spikes = [], [], [], [], [], []
+        for x, n, m, d, k in zip(xs, state.n, state.mean, state.dev, state.spikes, strict=True):
+            score = math.nan
+            ok = isfinite(x)
+            if ok:
+                entering = x
+                if n >= warmup:
+                    score, low, high = self._score(m, d, x)
+                    if score > threshold:
+                        k += 1
+                    entering = min(max(x, low), high)
+                if n:  # the deviation from the mean before this value
+                    d += max(alpha, 1.0 / n) * (abs(entering - m) - d)
+                m += max(alpha, 1.0 / (n + 1)) * (entering - m)
+                n += 1
+            ns.append(n)
+            means.append(m)
+            devs.append(d)
+            scores.append(score)
+            fresh.append(ok)
+            spikes.append(k)
+        return Baseline(
+            state.names, tuple(ns), tuple(means), tuple(devs), tuple(scores), tuple(fresh), tuple(spikes)
+        )
 
     def chain(self) -> Operator:
         return (
@@ -315,12 +329,12 @@ class LossSpike(_Smoothed):
         loss = record.scalars.get("loss")
         if loss is None:
             return None
-        return Values(_LOSS, np.array([float(loss)]))
+        return Values(_LOSS, (float(loss),))
 
-    def _score(self, state: Baseline, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        scale = np.maximum(MAD_TO_SIGMA * state.dev, SCALE_FLOOR * np.maximum(np.abs(state.mean), 1.0))
+    def _score(self, mean: float, dev: float, x: float) -> tuple[float, float, float]:
+        scale = max(MAD_TO_SIGMA * dev, SCALE_FLOOR * max(abs(mean), 1.0))
         margin = self.threshold * scale
-        return (x - state.mean) / scale, state.mean - margin, state.mean + margin
+        return (x - mean) / scale, mean - margin, mean + margin
 
 
 _LOSS = ("",)
@@ -387,20 +401,25 @@ class GradientSpike(_Smoothed):
         if not rows.size:
             return None
         sumsq = record.column("sumsq")[rows]
-        with np.errstate(all="ignore"):
-            if not self.layers:
-                return Values(_GLOBAL, np.sqrt(np.array([sumsq.sum()])))
-            per_series = np.bincount(index, weights=sumsq, minlength=len(names))
-            per_series[0] = per_series.sum()  # the global norm: every row
-            return Values(names, np.sqrt(per_series))
+        if not self.layers:
+            return Values(_GLOBAL, (_root(sum(sumsq.tolist())),))
+        # float sums: an overflow is inf, and a NaN row a NaN norm, without numpy's warnings
+        per_series = np.bincount(index, weights=sumsq, minlength=len(names)).tolist()
+        per_series[0] = sum(per_series)  # the global norm: every row
+        return Values(names, tuple(map(_root, per_series)))
 
-    def _score(self, state: Baseline, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        known = state.mean > 0
-        ratio = np.where(known, x / state.mean, np.nan)
-        return ratio, np.full(len(x), -np.inf), np.where(known, self.threshold * state.mean, np.inf)
+    def _score(self, mean: float, dev: float, x: float) -> tuple[float, float, float]:
+        if mean > 0:
+            return x / mean, -math.inf, self.threshold * mean
+        return math.nan, -math.inf, math.inf
 
 
 _GLOBAL = (GLOBAL,)
+
+
+def _root(sumsq: float) -> float:
+    """√sumsq as a norm: NaN for a NaN or (in a corrupt record) negative sum of squares, never an error."""
+    return math.sqrt(sumsq) if sumsq >= 0 else math.nan
 
 
 @functools.lru_cache(maxsize=16)
@@ -470,23 +489,25 @@ class UpdateRatioBand(Detector):
                 np.bincount(index, weights=sumsq[updates], minlength=n)
                 / np.bincount(index, weights=sumsq[params], minlength=n)
             )
-        return Values(names, ratio)
+        return Values(names, tuple(ratio.tolist()))
 
     def samples(self, values: Values) -> list[Sample]:
         """``streamwatch_layer_update_ratio`` and ``streamwatch_update_ratio_out_of_band`` per layer with a
         finite ratio."""
-        ratio = values.values
-        with np.errstate(all="ignore"):
-            excess = np.where(
-                ratio > self.high,
-                np.log10(ratio / self.high),
-                np.where(ratio < self.low, np.log10(ratio / self.low), 0.0),
-            )
+        low, high = self.low, self.high
         out: list[Sample] = []
-        for i in np.flatnonzero(np.isfinite(ratio)).tolist():
-            labels = {"layer": values.names[i]}
-            out.append(Sample(LAYER_UPDATE_RATIO.name, labels, float(ratio[i])))
-            out.append(Sample(UPDATE_RATIO_OUT_OF_BAND.name, labels, float(excess[i]) + 0.0))  # no -0.0
+        for name, ratio in zip(values.names, values.values, strict=True):
+            if not math.isfinite(ratio):
+                continue
+            if ratio > high:
+                excess = math.log10(ratio / high)
+            elif ratio < low:
+                excess = math.log10(ratio / low) if ratio > 0 else -math.inf
+            else:
+                excess = 0.0
+            labels = {"layer": name}
+            out.append(Sample(LAYER_UPDATE_RATIO.name, labels, ratio))
+            out.append(Sample(UPDATE_RATIO_OUT_OF_BAND.name, labels, excess + 0.0))  # no -0.0
         return out
 
     def chain(self) -> Operator:

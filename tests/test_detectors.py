@@ -369,7 +369,7 @@ def test_rows_that_total_every_layer_count_towards_the_global_norm_only() -> Non
     values_ = detectors.GradientSpike().extract(record(0, {grad("__all__", ""): 9.0, grad("a"): 16.0}))
     assert values_ is not None
     assert values_.names == ("__all__", "a")
-    assert values_.values.tolist() == [5.0, 4.0]
+    assert values_.values == (5.0, 4.0)
 
 
 # -- UpdateRatioBand: pure logic ----------------------------------------------------------------------------
