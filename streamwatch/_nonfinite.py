@@ -187,12 +187,12 @@ def find_first(record: StepRecord) -> FirstNonFinite | None:
     first backward row: a NaN that first appears in the loss function is reported as ``kind="loss"``.
     """
     nonfinite = record.column("nonfinite") if len(record.keys) else np.empty(0)
-    with np.errstate(invalid="ignore"):
-        bad = np.flatnonzero(~(nonfinite <= 0))  # > 0, or NaN (unknown counts as suspect)
+    clean = nonfinite <= 0  # not > 0 and not NaN (unknown counts as suspect); comparisons never warn
     loss = record.scalars.get("loss")
     loss_bad = loss is not None and not math.isfinite(loss)
-    if not len(bad) and not loss_bad:
+    if not loss_bad and clean.all():  # the common case, in one pass
         return None
+    bad = np.flatnonzero(~clean)
     positions = record.execution_order()
     first: int | None = int(bad[np.argmin(positions[bad])]) if len(bad) else None
     if loss_bad:

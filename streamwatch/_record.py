@@ -223,14 +223,14 @@ class PendingRecord:
             self.event.synchronize()
         n = len(self.keys)
         nstats = NSTATS if self.nonfinite_counted else NSTATS - 1
-        flat = self.data.numpy().astype(np.float64, copy=True)
+        data = self.data
+        flat = _NO_DEVICE_VALUES if data is _NO_DEVICE_DATA else data.numpy().astype(np.float64, copy=True)
         if self.release is not None:
             self.release()
         values = self.host[:n]
         if len(values) < n:  # the table only grows for fused rows; device rows need their lines too
             values = np.concatenate([values, np.empty((n - len(values), NSTATS))])
-        dead = np.full(n, np.nan)
-        active = np.full(n, np.nan)
+        dead, active = np.full((2, n), np.nan)
         nd = len(self.device_rows)
         if nd:
             rows = np.asarray(self.device_rows, dtype=np.intp)
@@ -241,8 +241,7 @@ class PendingRecord:
             pairs = np.asarray(self.host_units, dtype=np.intp)
             rows, offsets = pairs[:, 0], pairs[:, 1]
             vectors = self.arena[: offsets[-1] + int(units[rows[-1]])]
-            zero = (vectors == 0).astype(np.float64)
-            dead[rows] = np.add.reduceat(zero, offsets)
+            dead[rows] = np.add.reduceat(vectors == 0, offsets, dtype=np.float64)
             active[rows] = np.add.reduceat(vectors, offsets)
         start = nd * nstats + len(self.scalar_names)
         if self.unit_rows:  # each device unit-row's activity counts follow the scalars, in row order
@@ -251,7 +250,7 @@ class PendingRecord:
             vectors = flat[start : start + int(lengths.sum())]
             start += int(lengths.sum())
             offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-            dead[rows] = np.add.reduceat((vectors == 0).astype(np.float64), offsets)
+            dead[rows] = np.add.reduceat(vectors == 0, offsets, dtype=np.float64)
             active[rows] = np.add.reduceat(vectors, offsets)
         raw = Raw(
             tuple(self.keys),
@@ -301,6 +300,10 @@ def _merged_order(keys: list[Hashable], order: list[int], merged: int) -> tuple[
 
 _NO_DEVICE_DATA = torch.empty(0, dtype=torch.float64)
 """A record's ``data`` when nothing came from a device: shared, never written (the worker copies it)."""
+
+_NO_DEVICE_VALUES = np.empty(0, dtype=np.float64)
+_NO_DEVICE_VALUES.setflags(write=False)
+"""What the worker reads for :data:`_NO_DEVICE_DATA` (nothing to copy)."""
 
 
 class StepBuffer:

@@ -257,28 +257,28 @@ def finalize(raw: Raw) -> tuple[tuple[Hashable, ...], np.ndarray]:
     n = len(raw.keys)
     table = np.empty((n, len(COLUMNS)), dtype=np.float64)
     table[:, 0] = raw.counts
-    table[:, 1] = values[:, 0]
-    table[:, 2] = values[:, 1]
-    table[:, 3] = values[:, 2]
-    table[:, 4] = values[:, 3]
+    table[:, 1:5] = values[:, :4]  # sum, sumsq, min, max
     table[:, 5] = raw.counts - values[:, 4]
+    # One check for the common case, every sum and bound finite: no NaN, no flag (isfinite never warns)
+    finite = bool(np.isfinite(values[:, :4]).all())
     if raw.nonfinite_counted:
         table[:, 6] = values[:, 5]
+    elif finite:
+        table[:, 6] = 0.0
     else:  # presence flag, free: NaN propagates through min/max/sum, ±inf shows in min/max
-        with np.errstate(invalid="ignore"):
-            finite = np.isfinite(values[:, 0]) & np.isfinite(values[:, 2]) & np.isfinite(values[:, 3])
-        table[:, 6] = (~finite).astype(np.float64)
+        table[:, 6] = ~(np.isfinite(values[:, 0]) & np.isfinite(values[:, 2]) & np.isfinite(values[:, 3]))
     taken = raw.units > 0  # no unit activity taken: unknown, not 0
     table[:, 7] = np.where(taken, raw.units, np.nan)
     table[:, 8] = raw.dead
     table[:, 9] = np.where(taken, raw.samples, np.nan) if raw.samples is not None else np.nan
     table[:, 10] = raw.active if raw.active is not None else np.nan
-    # sign(NaN) is 0 on CPU, so the nonzero mask counts NaN elements as zeros (and an all-NaN unit as
-    # dead): with a NaN present (aminmax propagates it) zeros and dead units are unknown, not wrong.
-    has_nan = np.isnan(values[:, 2]) | np.isnan(values[:, 3])
-    table[has_nan, 5] = np.nan
-    table[has_nan, 8] = np.nan
-    table[has_nan, 10] = np.nan
+    if not finite:
+        # sign(NaN) is 0 on CPU, so the nonzero mask counts NaN elements as zeros (and an all-NaN unit as
+        # dead): with a NaN present (aminmax propagates it) zeros and dead units are unknown, not wrong.
+        has_nan = np.isnan(values[:, 2]) | np.isnan(values[:, 3])
+        table[has_nan, 5] = np.nan
+        table[has_nan, 8] = np.nan
+        table[has_nan, 10] = np.nan
     if len(set(raw.keys)) == n:
         return raw.keys, table
     return _merge(raw.keys, table, counted=raw.nonfinite_counted)

@@ -98,12 +98,15 @@ def layer_mean(record: StepRecord) -> list[Sample]:
         return []
     table = record.table[rows]  # grouped: each (phase, kind) group's rows are adjacent
     count, total, sumsq = table[:, 0], table[:, 1], table[:, 2]
+    values = np.empty((len(rows), len(_LAYER_MEAN_STATS)))  # columns in _LAYER_MEAN_STATS order
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        # columns in _LAYER_MEAN_STATS order
-        values = np.stack((total / count, np.sqrt(sumsq), np.sqrt(sumsq / count)), axis=1)
-        known = ~np.isnan(values)
+        np.divide(total, count, out=values[:, 0])
+        np.sqrt(sumsq, out=values[:, 1])
+        np.sqrt(np.divide(sumsq, count, out=values[:, 2]), out=values[:, 2])
+        unknown = np.isnan(values)
+        values[unknown] = 0.0
         # one segmented sum per group (reduceat adds only within a segment: an inf stays in its group)
-        means = np.add.reduceat(np.where(known, values, 0.0), starts) / np.add.reduceat(known, starts)
+        means = np.add.reduceat(values, starts) / np.add.reduceat(~unknown, starts)
     # no known layer (0/0), or +inf and -inf in one group: absent
     return [
         Sample(LAYER_MEAN.name, label, m)
