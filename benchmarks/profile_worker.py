@@ -1,0 +1,129 @@
+"""The worker's cost per record, stage by stage, on one quiet thread.
+
+Run (after ``make env``)::
+
+    .venv/bin/python benchmarks/profile_worker.py             # the demo MLP, every step sampled
+    .venv/bin/python benchmarks/profile_worker.py mlp --steps 500
+
+The model, data and step are ``bench_observe.py``'s, observed with ``every=1`` (everything the default
+cadence samples, on every step). The worker is held back while training runs, so every record waits in
+the channel; then the garbage collector's heap is frozen (the queued records would otherwise make every
+collection slow) and the worker drains them alone while the training thread sleeps. Timers wrap each
+stage:
+
+* **resolve**: ``PendingRecord.resolve`` (the copy off the device, merging rows into the summary table);
+* each **pipeline** the watch runs: the series store (latest values and the worker-side metrics), the
+  non-finite tracker and the detectors.
+
+This is the floor of the worker's cost: concurrently with training (``profile_observe.py``'s "worker
+busy per record") the same work takes longer, because the two threads share caches and cores. Not a
+test and not part of ``make bench``: it prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_observe as bench  # the benchmark's models and step (not a package)
+
+import streamwatch as sw
+from streamwatch import _channel, _pipeline, _record
+
+STAGES = ("SeriesStore", "NonFiniteTracker", "LossSpike", "GradientSpike", "UpdateRatioBand")
+"""Pipelines by what their description names (anything else is reported under its own description)."""
+
+
+def stage_of(pipeline: _pipeline.Pipeline) -> str:
+    text = str(pipeline)
+    return next((name for name in STAGES if name in text), text[:60])
+
+
+def instrument(timers: dict[str, float], gate: threading.Event) -> None:
+    """Hold the worker at its first receive until ``gate`` is set; time resolve and every pipeline."""
+    recv_many = _channel.Receiver.recv_many
+    push = _pipeline.Pipeline.push
+    resolve = _record.PendingRecord.resolve
+    clock = time.perf_counter
+
+    def gated_recv_many(self: Any, limit: int, timeout: float | None = None) -> Any:
+        gate.wait()
+        return recv_many(self, limit, timeout)
+
+    def timed_push(self: _pipeline.Pipeline, item: Any) -> None:
+        start = clock()
+        try:
+            push(self, item)
+        finally:
+            timers[stage_of(self)] += clock() - start
+
+    def timed_resolve(self: _record.PendingRecord) -> Any:
+        start = clock()
+        try:
+            return resolve(self)
+        finally:
+            timers["resolve"] += clock() - start
+
+    _channel.Receiver.recv_many = gated_recv_many  # type: ignore[method-assign]
+    _pipeline.Pipeline.push = timed_push  # type: ignore[method-assign]
+    _record.PendingRecord.resolve = timed_resolve  # type: ignore[method-assign]
+
+
+def profile(name: str, steps: int) -> list[str]:
+    timers: dict[str, float] = defaultdict(float)
+    gate = threading.Event()
+    instrument(timers, gate)
+    spec = bench.SPECS[name]
+    x, y = spec.data()
+    model = bench.build(spec)
+    opt = torch.optim.SGD(model.parameters(), lr=bench.LR)
+    with sw.observe(model, opt, every=1, capacity=steps + 8) as watch:
+        for _ in range(steps):
+            outputs = model(x)
+            loss = F.cross_entropy(outputs, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            watch.step(loss=loss, outputs=outputs, targets=y, batch_size=x.shape[0])
+        gc.collect()
+        gc.freeze()
+        start = time.perf_counter()
+        gate.set()
+        if not watch.flush(timeout=120):
+            raise RuntimeError("the worker did not drain the records within 120 s")
+        drained = time.perf_counter() - start
+        busy = watch._worker.statistics().busy_seconds
+        rows = watch.snapshot() and len(watch.store.table()[1])
+    gc.unfreeze()
+    us = 1e6 / steps
+    lines = [
+        f"{name}: {steps} records of {rows} rows, drained alone (every=1)",
+        f"  {'worker busy per record':<34}{busy * us:>8.1f} µs   (drain wall time {drained * us:.1f} µs)",
+    ]
+    for stage, seconds in sorted(timers.items(), key=lambda kv: -kv[1]):
+        lines.append(f"    {stage:<32}{seconds * us:>8.1f} µs")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", nargs="?", default="demo", choices=sorted(bench.SPECS))
+    parser.add_argument("--steps", type=int, default=2000, help="records to queue and drain")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    print("\n".join(profile(args.model, args.steps)))
+
+
+if __name__ == "__main__":
+    main()
