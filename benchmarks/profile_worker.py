@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_observe as bench  # the benchmark's models and step (not a package)
+from profile_observe import run_steps  # its training loop (importing it instruments nothing)
 
 import streamwatch as sw
 from streamwatch import _channel, _pipeline, _record
@@ -89,13 +89,7 @@ def profile(name: str, steps: int) -> list[str]:
     model = bench.build(spec)
     opt = torch.optim.SGD(model.parameters(), lr=bench.LR)
     with sw.observe(model, opt, every=1, capacity=steps + 8) as watch:
-        for _ in range(steps):
-            outputs = model(x)
-            loss = F.cross_entropy(outputs, y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            watch.step(loss=loss, outputs=outputs, targets=y, batch_size=x.shape[0])
+        run_steps(model, opt, watch, steps, x, y, [])
         gc.collect()
         gc.freeze()
         start = time.perf_counter()
