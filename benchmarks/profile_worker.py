@@ -61,12 +61,18 @@ def instrument(timers: dict[str, float], gate: threading.Event) -> None:
         gate.wait()
         return recv_many(self, limit, timeout)
 
+    stages: dict[int, str] = {}  # by pipeline: describing one per push would be timed with it
+
     def timed_push(self: _pipeline.Pipeline, item: Any) -> None:
         start = clock()
         try:
             push(self, item)
         finally:
-            timers[stage_of(self)] += clock() - start
+            elapsed = clock() - start
+            stage = stages.get(id(self))
+            if stage is None:
+                stage = stages[id(self)] = stage_of(self)
+            timers[stage] += elapsed
 
     def timed_resolve(self: _record.PendingRecord) -> Any:
         start = clock()
