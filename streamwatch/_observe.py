@@ -939,6 +939,7 @@ class Watch:
                 stats.records_received + stats.dropped_oldest + stats.dropped_newest
                 >= stats.sampled + stats.scalar_records
             ):
+                self._store.apply()  # the metrics' values too (and their failures, reported next step)
                 return True
             if time.monotonic() > deadline or self._worker.has_errors:
                 return False
@@ -1106,12 +1107,16 @@ class Watch:
                 _OBSERVED.discard(model)
         self._optimizer = None
         self._tx.close()
+        finished = True
         try:
             self._worker.close(wait)
         except PipelineError as err:
             self._errors.extend(err.errors)
         except TimeoutError:
+            finished = False  # the worker may still be in the store: leave it be
             self._give_up(wait or math.inf)  # a TimeoutError means wait was a number
+        if finished:
+            self._store.apply()  # the final values, and a metric failing on them, before reporting
         for exc in self._state.errors[self._reported_hook_errors :]:
             self._errors.append(("<tap>", exc))
         self._errors.extend(self._store.failures[self._reported_store_failures :])

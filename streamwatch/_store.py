@@ -3,7 +3,14 @@
 A :class:`SeriesStore` is a :class:`streamwatch.Sink` of :class:`streamwatch.StepRecord`\\ s. For each record
 it keeps the latest summary row of every series, the opt-in metrics' values, the step-level scalars and
 the histogram bucket edges the record carries, and it runs the worker-side metrics chosen in
-``observe(metrics=...)`` (``update_ratio``, ``layer_mean``) on the record itself. A live
+``observe(metrics=...)`` (``update_ratio``, ``layer_mean``) on the record itself.
+
+Only the latest values are ever read, so the worker does the least it can per record: it keeps the
+record as the latest of its layout (its tuple of keys) and counts it. The rows and the metrics are
+brought up to date when the store is read (``samples()``, ``table()``, :meth:`SeriesStore.apply`: a
+scrape, the console view, ``watch.snapshot()``, ``watch.flush()``, ``close()``), from the latest record
+of each layout, in the order they arrived: what a reader sees is exactly what running everything on
+every record would have left, at the cost of one pass per read instead of one per record. A live
 :class:`streamwatch.Watch` feeds it from its worker; ``streamwatch replay`` feeds a new one from a run
 file's records; so both serve the same series.
 
@@ -49,6 +56,10 @@ from streamwatch._summary import COLUMNS, derive
 from streamwatch.metrics._derived import DEFAULT_METRICS, DERIVED
 
 __all__ = ["SeriesSource", "SeriesStore", "StatisticsSource", "WatchStatistics"]
+
+_PENDING_LAYOUTS = 8
+"""Layouts whose latest record the store holds unapplied at most; one more applies them all (a run whose
+layout changes every record then pays per record, as before, and holds no more than this)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +238,8 @@ class SeriesStore(Sink):
         self._run: list[tuple[str, Callable[[StepRecord], list[Sample]]]] = [(n, DERIVED[n]) for n in names]
         self.failures: list[tuple[str, BaseException]] = []
         self._lock = threading.Lock()
+        # the latest record of each layout not yet applied, oldest first (see apply())
+        self._pending: dict[tuple[SeriesKey, ...], StepRecord] = {}
         self._rows: dict[SeriesKey, np.ndarray] = {}
         self._extras: dict[tuple[SeriesKey, str], np.ndarray] = {}
         self._put: dict[tuple[str, tuple[tuple[str, str], ...]], Sample] = {}  # derived and served values
@@ -242,27 +255,58 @@ class SeriesStore(Sink):
     # -- the write side (the worker's thread; replay's) ----------------------------------------------
 
     def send(self, item: Any) -> None:
-        """Take one record's values as the latest, then run the worker-side metrics on it."""
+        """Take one record's values as the latest; its rows and metrics are applied when next read."""
         record: StepRecord = item
         with self._lock:
-            for key, row in zip(record.keys, record.table, strict=True):
-                self._rows[key] = row
-            self._extras.update(record.extras)
+            pending = self._pending
+            pending.pop(record.keys, None)  # re-inserted last: the newest layout applies last
+            pending[record.keys] = record
+            if len(pending) > _PENDING_LAYOUTS:  # the layout changes with every record: keep up
+                self._apply()
+            if record.extras:
+                self._extras.update(record.extras)
             self._scalars.update(record.scalars)
             if record.edges:
                 self._edges = record.edges
             self._step = record.step
-        for name, metric in list(self._run):
-            try:
-                samples = metric(record)
-            except Exception as exc:  # stops only this metric: the values and the other metrics go on
-                self._run = [entry for entry in self._run if entry[0] != name]
-                self.failures.append((f"SeriesStore metric {name!r}", exc))
-                continue
-            self.put(samples)
-        with self._lock:  # counted once everything of the record is in: flush() waits for this
-            self.records += 1
+            self.records += 1  # counted once everything of the record is in: flush() waits for this
             self.lag = time.time() - record.time
+
+    def apply(self) -> None:
+        """Bring the rows and the worker-side metrics up to date with the records received (the readers
+        call it; ``watch.flush()`` and ``close()`` too, so a failing metric is reported by then).
+        Thread-safe; cheap when nothing arrived since the last call.
+
+        Example:
+            >>> import numpy as np
+            >>> from streamwatch import SeriesKey, StepRecord
+            >>> store = SeriesStore(metrics=["layer_mean"])
+            >>> keys = (SeriesKey("train", "fc", "activation", ""),)
+            >>> store.send(StepRecord(0, 0.0, 0, keys, np.ones((1, 11))))
+            >>> store.apply()  # (what samples() does first)
+            >>> [s.value for s in store.samples() if s.name == "streamwatch_layer_mean"][:1]
+            [1.0]
+        """
+        with self._lock:
+            self._apply()
+
+    def _apply(self) -> None:  # holds the lock
+        pending = self._pending
+        if not pending:
+            return
+        rows = self._rows
+        for record in pending.values():
+            for key, row in zip(record.keys, record.table, strict=True):
+                rows[key] = row
+            for name, metric in list(self._run):
+                try:
+                    samples = metric(record)
+                except Exception as exc:  # stops only this metric: the values and the other metrics go on
+                    self._run = [entry for entry in self._run if entry[0] != name]
+                    self.failures.append((f"SeriesStore metric {name!r}", exc))
+                    continue
+                self._store(samples)  # a function of records already counted: the version stays
+        pending.clear()
 
     def put(self, samples: Iterable[Sample], replace: bool = False) -> None:
         """Latest values of derived or user-served series, replacing those with the same name and labels;
@@ -273,9 +317,13 @@ class SeriesStore(Sink):
             if replace:
                 names = {sample.name for sample in samples}
                 self._put = {key: s for key, s in self._put.items() if key[0] not in names}
-            for sample in samples:
-                self._put[(sample.name, tuple(sorted(sample.labels.items())))] = sample
+            self._store(samples)
             self._changes += 1
+
+    def _store(self, samples: Iterable[Sample]) -> None:  # holds the lock
+        put = self._put
+        for sample in samples:
+            put[(sample.name, tuple(sorted(sample.labels.items())))] = sample
 
     # -- the read side: SeriesSource -------------------------------------------------------------------
 
@@ -297,6 +345,7 @@ class SeriesStore(Sink):
     def table(self) -> tuple[np.ndarray, list[SeriesKey]]:
         """The latest row of every series as one table (``COLUMNS``), and the series' keys."""
         with self._lock:
+            self._apply()
             keys = list(self._rows)
             table = np.array([self._rows[k] for k in keys]) if keys else np.empty((0, len(COLUMNS)))
         return table, keys
@@ -305,6 +354,7 @@ class SeriesStore(Sink):
         """Every latest value as a Sample; without ``table_rows``, all but the per-tensor statistics of
         the summary table. Values that are unknown (NaN) are absent."""
         with self._lock:
+            self._apply()
             keys = list(self._rows) if table_rows else []
             table = np.array([self._rows[k] for k in keys]) if keys else np.empty((0, len(COLUMNS)))
             scalars = dict(self._scalars)
@@ -334,4 +384,5 @@ class SeriesStore(Sink):
         return out
 
     def __repr__(self) -> str:
+        self.apply()
         return f"<SeriesStore step={self._step} series={len(self._rows)} metrics={list(self.metrics)}>"

@@ -155,6 +155,64 @@ def test_a_failing_metric_stops_only_itself_and_is_reported(monkeypatch: pytest.
             watch.close()
 
 
+def _layout_record(step: int, layers: tuple[str, ...], rng: np.random.Generator) -> StepRecord:
+    """A record whose rows are ``layers``' weights and updates (so both metrics have work), random values."""
+    kinds = ("param", "update")
+    keys = tuple(SeriesKey("train", layer, kind, "weight") for layer in layers for kind in kinds)
+    table = rng.uniform(0.5, 2.0, (len(keys), 11))
+    table[:, 0] = rng.integers(1, 50, len(keys))
+    return StepRecord(step, 0.0, 0, keys, table, {"loss": float(step)})
+
+
+@pytest.mark.parametrize("layouts", [2, 11], ids=["few", "more-than-held"])
+def test_reading_later_sees_what_applying_every_record_at_once_would(layouts: int) -> None:
+    # Layouts that overlap and come back: the latest row of a key wins, whichever layout brought it;
+    # the metrics' values are those of each group's latest record. Reference: plain dicts, each record
+    # applied in turn, the metrics called on it directly.
+    rng = np.random.default_rng(0)
+    layers = [f"l{i}" for i in range(layouts + 1)]
+    shapes = [(layers[i % layouts], layers[(i % layouts) + 1]) for i in range(3 * layouts + 1)]
+    records = [_layout_record(step, shape, rng) for step, shape in enumerate(shapes)]
+    store = SeriesStore()
+    rows: dict[SeriesKey, np.ndarray] = {}
+    derived: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for i, record in enumerate(records):
+        store.send(record)
+        for key, row in zip(record.keys, record.table, strict=True):
+            rows[key] = row
+        for metric in (DERIVED["update_ratio"], DERIVED["layer_mean"]):
+            for sample in metric(record):
+                derived[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        if i % 4 == 3:  # read now and then, as a scrape does
+            table, keys = store.table()
+            assert {k: tuple(r) for k, r in zip(keys, table, strict=True)} == {
+                k: tuple(r) for k, r in rows.items()
+            }
+    table, keys = store.table()
+    assert {k: tuple(r) for k, r in zip(keys, table, strict=True)} == {k: tuple(r) for k, r in rows.items()}
+    served = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for s in store.samples(table_rows=False)
+        if s.name == "streamwatch_layer_mean" or s.labels.get("stat") == "update_ratio"
+    }
+    assert served == derived
+    assert len(derived) > 6  # both metrics, several groups and parameters
+    assert store.records == len(records)
+    assert store.step == len(records) - 1
+
+
+def test_reading_the_store_does_not_change_its_version() -> None:
+    # the exporter re-renders only when the version changes: applying the metrics on a read must not
+    store = SeriesStore()
+    store.send(_layout_record(0, ("a", "b"), np.random.default_rng(1)))
+    version = store.version()
+    assert store.samples()
+    assert store.table()[1]
+    assert store.version() == version
+    store.send(_layout_record(1, ("a", "b"), np.random.default_rng(2)))
+    assert store.version() != version
+
+
 def test_records_and_the_run_file_carry_histogram_edges(tmp_path: Path) -> None:
     model, opt = _model()
     buckets = sw.metrics.Buckets(lo=-3, hi=1, per_decade=1)
