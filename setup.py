@@ -12,8 +12,9 @@ a plain shared library or Python-API bindings:
 - The kernel itself is plain C over raw pointers (``_fused.c``, no ``Python.h``), called with
   ``ctypes.PyDLL`` (``_kernel.py``): the signatures live in one Python file and the C code knows nothing
   of Python. ``_fused_module.c`` adds what an extension module must have, an init function, so the
-  file is also a valid module, and two module functions for the one call per step where a ctypes
-  call costs too much (a CPU loss's finiteness on a quiet step, ``_observe.py``).
+  file is also a valid module, and three module functions for the one call per step where a ctypes
+  call costs too much (a CPU loss's finiteness on a quiet step, ``_observe.py``; the worker's summary
+  table of a CPU step, ``_record.py``).
 
 The extension is ``optional``: without a C compiler the install still succeeds, and streamwatch runs
 its eager-torch summaries with one warning that says how to get the fused kernel.

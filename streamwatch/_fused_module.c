@@ -1,8 +1,10 @@
 /* Makes the fused kernel's shared library a valid CPython extension module, so that setuptools'
  * build_ext builds, names and installs it like any other (see setup.py). The kernel's functions live in
- * _fused.c and are called through ctypes from _kernel.py. The module itself has two functions, for the
+ * _fused.c and are called through ctypes from _kernel.py. The module itself has three functions, for the
  * one call per step where a ctypes call costs too much: whether the float32/float64 at an address is
- * finite (the quiet step's look at a CPU loss, _observe.py). */
+ * finite (the quiet step's look at a CPU loss, _observe.py), and the worker's summary table of a step
+ * whose rows all came from the kernel (assemble, _record.py; numpy's _summary.finalize is the
+ * reference and the fallback). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
@@ -41,12 +43,125 @@ static PyObject *finite_f64(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(isfinite(v));
 }
 
+/* The summary table's columns (_summary.COLUMNS) and the kernel's stats per row (_kernel.NSTATS). */
+#define NCOLUMNS 11
+#define NSTATS 6
+
+/* A list's item i as a double (an int or a float); -1.0 with an exception set on anything else. */
+static double list_double(PyObject *list, Py_ssize_t i) {
+    return PyFloat_AsDouble(PyList_GET_ITEM(list, i));
+}
+
+static int check_list(PyObject *obj, const char *name, Py_ssize_t n) {
+    if (!PyList_Check(obj) || PyList_GET_SIZE(obj) < n) {
+        PyErr_Format(PyExc_TypeError, "expected `%s` to be a list of at least %zd numbers", name, n);
+        return -1;
+    }
+    return 0;
+}
+
+/* assemble(table, host, counts, units, samples, host_units, arena, counted): the unmerged summary table
+ * of a step whose rows all came from the fused kernel, what _summary.finalize computes before merging
+ * equal keys (_record.PendingRecord.resolve, the numpy code being the reference and the fallback). */
+static PyObject *assemble(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "assemble() takes 8 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *counts = args[2], *units = args[3], *samples = args[4], *host_units = args[5];
+    const int counted = PyObject_IsTrue(args[7]);
+    if (counted < 0) return NULL;
+    Py_buffer table, host, arena;
+    if (PyObject_GetBuffer(args[0], &table, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(args[1], &host, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&table);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[6], &arena, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&table);
+        PyBuffer_Release(&host);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    const Py_ssize_t n = table.len / (Py_ssize_t)(NCOLUMNS * sizeof(double));
+    const Py_ssize_t narena = arena.len / (Py_ssize_t)sizeof(double);
+    double *out = table.buf;
+    const double *values = host.buf, *vectors = arena.buf;
+    if (table.len != n * (Py_ssize_t)(NCOLUMNS * sizeof(double)) ||
+        host.len < n * (Py_ssize_t)(NSTATS * sizeof(double))) {
+        PyErr_SetString(PyExc_ValueError, "assemble(): the table must be (rows, 11) and the host (>= rows, 6) float64");
+        goto done;
+    }
+    if (check_list(counts, "counts", n) || check_list(units, "units", n) || check_list(samples, "samples", n) ||
+        check_list(host_units, "host_units", 0))
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const double *v = values + i * NSTATS;
+        double *row = out + i * NCOLUMNS;
+        const double count = list_double(counts, i), unit = list_double(units, i), batch = list_double(samples, i);
+        if (PyErr_Occurred()) goto done;
+        row[0] = count;
+        row[1] = v[0];
+        row[2] = v[1];
+        row[3] = v[2];
+        row[4] = v[3];
+        const int has_nan = isnan(v[2]) || isnan(v[3]); /* aminmax propagates NaN: zeros, dead unknown */
+        row[5] = has_nan ? NAN : count - v[4];
+        row[6] = counted ? v[5] : (double)!(isfinite(v[0]) && isfinite(v[2]) && isfinite(v[3]));
+        row[7] = unit > 0 ? unit : NAN;
+        row[8] = NAN;
+        row[9] = unit > 0 ? batch : NAN;
+        row[10] = NAN;
+    }
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(host_units); k++) {
+        PyObject *pair = PyList_GET_ITEM(host_units, k);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_SetString(PyExc_TypeError, "assemble(): `host_units` holds (row, offset) pairs");
+            goto done;
+        }
+        const Py_ssize_t r = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 0));
+        const Py_ssize_t offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 1));
+        if (PyErr_Occurred()) goto done;
+        if (r < 0 || r >= n) {
+            PyErr_Format(PyExc_ValueError, "assemble(): unit row %zd is outside the table's %zd rows", r, n);
+            goto done;
+        }
+        const double length = list_double(units, r);
+        if (PyErr_Occurred()) goto done;
+        if (offset < 0 || !(length >= 0) || (double)offset + length > (double)narena) {
+            PyErr_Format(PyExc_ValueError, "assemble(): unit row %zd's counts lie outside the arena", r);
+            goto done;
+        }
+        const double *vector = vectors + offset;
+        double dead = 0, active = 0;
+        for (Py_ssize_t j = 0; j < (Py_ssize_t)length; j++) {
+            dead += vector[j] == 0;
+            active += vector[j];
+        }
+        double *row = out + r * NCOLUMNS;
+        const int has_nan = isnan(row[3]) || isnan(row[4]);
+        row[8] = has_nan ? NAN : dead;
+        row[10] = has_nan ? NAN : active;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&host);
+    PyBuffer_Release(&arena);
+    return result;
+}
+
 static PyMethodDef fused_methods[] = {
     {"finite_f32", finite_f32, METH_O,
      "finite_f32(address) -> bool: whether the float32 at ``address`` (a live CPU tensor's data_ptr()) "
      "is finite; False for address 0."},
     {"finite_f64", finite_f64, METH_O,
      "finite_f64(address) -> bool: the same for a float64."},
+    {"assemble", (PyCFunction)(void (*)(void))assemble, METH_FASTCALL,
+     "assemble(table, host, counts, units, samples, host_units, arena, counted) -> None: fill ``table`` "
+     "((rows, 11) float64) with the unmerged summary table of a step whose rows all came from the fused "
+     "kernel (see streamwatch._summary.finalize, the reference)."},
     {NULL, NULL, 0, NULL},
 };
 

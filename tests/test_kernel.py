@@ -438,3 +438,91 @@ def test_statistics_name_the_kernel_in_use(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("STREAMWATCH_KERNEL", "torch")
     with sw.observe(model, every=1) as watch:
         assert watch.statistics().kernel == "torch: STREAMWATCH_KERNEL=torch"
+
+
+# -- the step's table in one call: _fused.assemble against numpy's finalize --------------------------
+
+
+def _pending(rng: np.random.Generator, rows: int, counted: bool, repeats: bool) -> Any:
+    """A CPU step's PendingRecord as the fused kernel leaves it: every row in the host table, some
+    with per-unit counts in the arena; values with NaN, ±inf, zeros; keys repeated when ``repeats``."""
+    from streamwatch._record import _NO_DEVICE_DATA, PendingRecord
+
+    host = rng.normal(size=(rows + 3, _kernel.NSTATS)) * 10.0
+    host[:, 1] = np.abs(host[:, 1])
+    for column in range(4):  # NaN and ±inf where torch would put them: sums and bounds
+        bad = rng.random(rows + 3) < 0.1
+        host[bad, column] = rng.choice([np.nan, np.inf, -np.inf], size=int(bad.sum()))
+    counts = [int(c) for c in rng.integers(1, 1000, rows)]
+    host[:rows, 4] = [rng.integers(0, c + 1) for c in counts]  # nonzero <= count
+    host[:rows, 5] = rng.integers(0, 3, rows)
+    units = [int(u) if rng.random() < 0.6 else 0 for u in rng.integers(1, 20, rows)]
+    samples = [int(rng.integers(1, 64)) if u else 0 for u in units]
+    host_units: list[tuple[int, int]] = []
+    offset = 0
+    for row, unit in enumerate(units):
+        if unit and rng.random() < 0.8:
+            host_units.append((row, offset))
+            offset += unit
+    arena = np.where(rng.random(offset + 5) < 0.3, 0.0, rng.integers(1, 64, offset + 5).astype(float))
+    names = [f"l{i}" for i in range(max(1, rows // 2 if repeats else rows))]
+    keys = [names[i % len(names)] for i in range(rows)] if repeats else names[:rows]
+    return PendingRecord(
+        step=3, time=0.0, rank=0, keys=keys, counts=counts, units=units, samples=samples, host=host,
+        host_units=host_units, arena=arena, device_rows=[], unit_rows=[], extra_layout=[],
+        scalar_names=(), host_scalars={"loss": 0.5}, data=_NO_DEVICE_DATA, nonfinite_counted=counted,
+        order=list(range(rows)),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("counted", [False, True], ids=["flag", "counted"])
+@pytest.mark.parametrize("repeats", [False, True], ids=["unique", "repeated-keys"])
+@pytest.mark.parametrize("seed", range(8))
+def test_the_compiled_table_is_numpys_to_the_bit(
+    seed: int, counted: bool, repeats: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from streamwatch import _record
+
+    assert _record._ASSEMBLE is not None, "the compiled module has no assemble(): rebuild it"
+    rng = np.random.default_rng(seed)
+    pending = _pending(rng, int(rng.integers(1, 40)), counted, repeats)
+    fast = pending.resolve()
+    monkeypatch.setattr(_record, "_ASSEMBLE", None)  # numpy: the reference
+    slow = pending.resolve()
+    assert fast.keys == slow.keys
+    assert fast.table.tobytes() == slow.table.tobytes() or np.array_equal(
+        fast.table, slow.table, equal_nan=True
+    )
+    assert (fast.scalars, fast.order) == (slow.scalars, slow.order)
+    assert not fast.table.flags.writeable
+    if repeats:
+        return
+    # and against plain numpy: each unit-row's dead units and active pairs from its arena segment
+    # (unknown, NaN, where the row's min or max is NaN)
+    for row, offset in pending.host_units:
+        segment = pending.arena[offset : offset + pending.units[row]]
+        if np.isnan(fast.table[row, 3:5]).any():
+            assert np.isnan(fast.table[row, [5, 8, 10]]).all()
+            continue
+        assert fast.table[row, 8] == np.count_nonzero(segment == 0)
+        assert fast.table[row, 10] == segment.sum()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: a.__setitem__(0, np.empty((2, 10))), "table must be"),
+        (lambda a: a.__setitem__(2, [1]), "`counts` to be a list"),
+        (lambda a: a.__setitem__(5, [(5, 0)]), "unit row 5 is outside"),
+        (lambda a: a.__setitem__(5, [(0, 99)]), "outside the arena"),
+        (lambda a: a.__setitem__(5, [0]), r"\(row, offset\) pairs"),
+    ],
+    ids=["table-shape", "short-list", "row", "arena", "pair"],
+)
+def test_assemble_refuses_what_does_not_fit_with_a_clear_error(change: Any, message: str) -> None:
+    assemble = _kernel.assembler()
+    assert assemble is not None
+    args: list[Any] = [np.empty((2, 11)), np.zeros((2, 6)), [1, 1], [2, 2], [1, 1], [], np.zeros(4), False]
+    change(args)
+    with pytest.raises((ValueError, TypeError), match=message):
+        assemble(*args)
