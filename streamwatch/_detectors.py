@@ -251,31 +251,37 @@ class _Smoothed(Detector):
     def fold(self, state: Baseline, values: Values) -> Baseline:
         """Score one record's values against ``state`` and fold them in: the next state."""
         state, xs = state.aligned(values)
-        threshold, alpha, warmup, isfinite = self.threshold, self.alpha, self.warmup, math.isfinite
-        ns, means, devs, scores, fresh, spikes = [], [], [], [], [], []
-        for x, n, m, d, k in zip(xs, state.n, state.mean, state.dev, state.spikes, strict=True):
-            score = math.nan
-            ok = isfinite(x)
-            if ok:
-                entering = x
-                if n >= warmup:
-                    score, low, high = self._score(m, d, x)
-                    if score > threshold:
-                        k += 1
-                    entering = min(max(x, low), high)
-                if n:  # the deviation from the mean before this value
-                    d += max(alpha, 1.0 / n) * (abs(entering - m) - d)
-                m += max(alpha, 1.0 / (n + 1)) * (entering - m)
-                n += 1
-            ns.append(n)
-            means.append(m)
-            devs.append(d)
-            scores.append(score)
-            fresh.append(ok)
-            spikes.append(k)
-        return Baseline(
-            state.names, tuple(ns), tuple(means), tuple(devs), tuple(scores), tuple(fresh), tuple(spikes)
+        if not xs:
+            return state
+        threshold, alpha, warmup, isfinite, score_of = (
+            self.threshold,
+            self.alpha,
+            self.warmup,
+            math.isfinite,
+            self._score,
         )
+        nan = math.nan
+        rows = []  # (n, mean, dev, score, fresh, spikes) per series
+        for x, n, m, d, k in zip(xs, state.n, state.mean, state.dev, state.spikes, strict=True):
+            if not isfinite(x):
+                rows.append((n, m, d, nan, False, k))
+                continue
+            score = nan
+            entering = x
+            if n >= warmup:
+                score, low, high = score_of(m, d, x)
+                if score > threshold:
+                    k += 1
+                entering = low if low > x else x  # clipped into [low, high]: min(max(x, low), high)
+                entering = high if high < entering else entering
+            if n:  # the deviation from the mean before this value; weight max(alpha, 1/n)
+                a = 1.0 / n
+                d += (a if a > alpha else alpha) * (abs(entering - m) - d)
+            a = 1.0 / (n + 1)
+            m += (a if a > alpha else alpha) * (entering - m)
+            rows.append((n + 1, m, d, score, True, k))
+        ns, means, devs, scores, fresh, spikes = zip(*rows, strict=True)
+        return Baseline(state.names, ns, means, devs, scores, fresh, spikes)
 
     def chain(self) -> Operator:
         return (

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -43,7 +44,7 @@ import torch
 from streamwatch._exceptions import NonFiniteError
 from streamwatch._families import FIRST_NONFINITE_INFO, FIRST_NONFINITE_STEP
 from streamwatch._pipeline import Sink
-from streamwatch._record import Sample, StepRecord
+from streamwatch._record import Sample, SeriesKey, StepRecord
 
 if TYPE_CHECKING:
     from streamwatch._store import SeriesStore
@@ -180,6 +181,12 @@ class FirstNonFinite:
         )
 
 
+@functools.lru_cache(maxsize=16)
+def _train_kinds(keys: tuple[SeriesKey, ...]) -> frozenset[str]:
+    """The training kinds of a record layout (cached: layouts repeat)."""
+    return frozenset(key.kind for key in keys if key.phase == "train")
+
+
 def find_first(record: StepRecord) -> FirstNonFinite | None:
     """The first non-finite tensor of ``record`` in its execution order, or None if all are finite.
 
@@ -280,7 +287,7 @@ class NonFiniteTracker(Sink):
     def send(self, item: Any) -> None:
         """Look at one record (the worker thread)."""
         record: StepRecord = item
-        kinds = {key.kind for key in record.keys if key.phase == "train"}
+        kinds = _train_kinds(record.keys)
         self._kinds |= kinds
         full = bool(kinds) and kinds >= self._kinds
         found = find_first(record)
