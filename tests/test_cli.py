@@ -29,7 +29,14 @@ def _streamwatch(*args: str, cwd: Path) -> subprocess.Popen[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C reaches the demo even when this suite runs as a background job (which a shell starts
+        # with SIGINT ignored, and a child would inherit: Python then installs no handler)
+        preexec_fn=_default_sigint,
     )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.mark.timeout(120)
