@@ -1,8 +1,9 @@
 /* Makes the fused kernel's shared library a valid CPython extension module, so that setuptools'
  * build_ext builds, names and installs it like any other (see setup.py). The kernel's functions live in
- * _fused.c and are called through ctypes from _kernel.py. The module itself has three functions, for the
- * one call per step where a ctypes call costs too much: whether the float32/float64 at an address is
- * finite (the quiet step's look at a CPU loss, _observe.py), and the worker's summary table of a step
+ * _fused.c and are called through ctypes from _kernel.py. The module itself has functions for the
+ * calls per step where a ctypes call costs too much: whether the float32/float64 at an address is
+ * finite (the quiet step's look at a CPU loss, _observe.py), the correct predictions of a CPU batch of
+ * class scores (train accuracy on a sampled step, _observe.py), and the worker's summary table of a step
  * whose rows all came from the kernel (assemble, _record.py; numpy's _summary.finalize is the
  * reference and the fallback). */
 #define PY_SSIZE_T_CLEAN
@@ -42,6 +43,45 @@ static PyObject *finite_f64(PyObject *self, PyObject *arg) {
     memcpy(&v, p, sizeof v);
     return PyBool_FromLong(isfinite(v));
 }
+
+/* How many rows of a contiguous [n, c] score matrix have their argmax at the contiguous int64 target:
+ * torch's (outputs.argmax(-1) == targets).sum() for a CPU batch, with argmax's rules: the first
+ * maximum wins, and a NaN is the maximum (the first NaN wins). */
+#define CORRECT(T, NAME)                                                                           \
+    static PyObject *NAME(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {              \
+        (void)self;                                                                                \
+        if (nargs != 4) {                                                                          \
+            PyErr_Format(PyExc_TypeError, #NAME "() takes 4 arguments (%zd given)", nargs);        \
+            return NULL;                                                                           \
+        }                                                                                          \
+        const T *scores = address_of(args[0]);                                                     \
+        if (scores == NULL && PyErr_Occurred()) return NULL;                                       \
+        const int64_t *targets = address_of(args[1]);                                              \
+        if (targets == NULL && PyErr_Occurred()) return NULL;                                      \
+        const Py_ssize_t n = PyLong_AsSsize_t(args[2]), c = PyLong_AsSsize_t(args[3]);             \
+        if (PyErr_Occurred()) return NULL;                                                         \
+        if (n < 0 || c < 1 || ((scores == NULL || targets == NULL) && n > 0)) {                    \
+            PyErr_Format(PyExc_ValueError, #NAME "(): %zd rows of %zd classes at NULL", n, c);     \
+            return NULL;                                                                           \
+        }                                                                                          \
+        double correct = 0;                                                                        \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                       \
+            const T *row = scores + i * c;                                                         \
+            Py_ssize_t best = 0;                                                                   \
+            T top = row[0];                                                                        \
+            if (top == top) {                                                                      \
+                for (Py_ssize_t j = 1; j < c; j++) {                                               \
+                    const T v = row[j];                                                            \
+                    if (v != v) { best = j; break; }                                               \
+                    if (v > top) { top = v; best = j; }                                            \
+                }                                                                                  \
+            }                                                                                      \
+            correct += targets[i] == (int64_t)best;                                                \
+        }                                                                                          \
+        return PyFloat_FromDouble(correct);                                                        \
+    }
+CORRECT(float, correct_f32)
+CORRECT(double, correct_f64)
 
 /* The summary table's columns (_summary.COLUMNS) and the kernel's stats per row (_kernel.NSTATS). */
 #define NCOLUMNS 11
@@ -158,6 +198,11 @@ static PyMethodDef fused_methods[] = {
      "is finite; False for address 0."},
     {"finite_f64", finite_f64, METH_O,
      "finite_f64(address) -> bool: the same for a float64."},
+    {"correct_f32", (PyCFunction)(void (*)(void))correct_f32, METH_FASTCALL,
+     "correct_f32(scores, targets, n, c) -> float: rows of the contiguous float32 [n, c] scores at address "
+     "``scores`` whose argmax (first maximum; a NaN is the maximum) equals the int64 at ``targets``."},
+    {"correct_f64", (PyCFunction)(void (*)(void))correct_f64, METH_FASTCALL,
+     "correct_f64(scores, targets, n, c) -> float: the same for float64 scores."},
     {"assemble", (PyCFunction)(void (*)(void))assemble, METH_FASTCALL,
      "assemble(table, host, counts, units, samples, host_units, arena, counted) -> None: fill ``table`` "
      "((rows, 11) float64) with the unmerged summary table of a step whose rows all came from the fused "

@@ -380,6 +380,31 @@ def finite_checks() -> dict[torch.dtype, Callable[[int], bool]]:
         return {}
 
 
+def correct_counters() -> dict[torch.dtype, Callable[[int, int, int, int], float]]:
+    """The compiled module's count of correct class predictions, by the scores' dtype:
+    ``f(scores address, int64 targets address, rows, classes)`` for contiguous CPU ``[N, C]`` scores and
+    ``[N]`` targets, what ``(scores.argmax(-1) == targets).sum()`` gives (train accuracy on a sampled
+    step, ``_observe.py``: one C call instead of three torch dispatches). Empty when the module is
+    missing, predates them, or ``STREAMWATCH_KERNEL=torch``. Never raises, never warns.
+
+    Example:
+        >>> import torch
+        >>> from streamwatch import _kernel
+        >>> count = _kernel.correct_counters().get(torch.float32)
+        >>> scores, targets = torch.tensor([[0.1, 0.9], [0.8, 0.2]]), torch.tensor([1, 1])
+        >>> count(scores.data_ptr(), targets.data_ptr(), 2, 2) if count else 1.0
+        1.0
+    """
+    if _forced_off():
+        return {}
+    try:
+        from streamwatch import _fused  # type: ignore[attr-defined]  # (the compiled module)
+
+        return {torch.float32: _fused.correct_f32, torch.float64: _fused.correct_f64}
+    except (ImportError, AttributeError):
+        return {}
+
+
 def assembler() -> Callable[..., None] | None:
     """The compiled module's ``assemble``: the summary table of a step whose rows all came from the fused
     kernel, in one C call (``_record.PendingRecord.resolve``; ``_summary.finalize`` is its reference and

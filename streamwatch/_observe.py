@@ -631,7 +631,11 @@ class Watch:
             host["loss"] = loss
         if checked.accuracy is not None:
             count_correct, total = checked.accuracy
-            device["correct"] = count_correct()
+            correct = count_correct()
+            if isinstance(correct, torch.Tensor):
+                device["correct"] = correct
+            else:  # counted on the host already (a CPU batch of class scores)
+                host["correct"] = correct
             host["total"] = float(total)
         if self._optimizer is not None:
             for i, group in enumerate(self._optimizer.param_groups):
@@ -1382,7 +1386,8 @@ class _StepArgs(NamedTuple):
     """``watch.step()``'s arguments, checked: nothing in them can fail later."""
 
     loss: torch.Tensor | float | None
-    accuracy: tuple[Callable[[], torch.Tensor], int] | None  # (count the correct ones, predictions scored)
+    # (count the correct ones: a device scalar, or a host float; predictions scored)
+    accuracy: tuple[Callable[[], torch.Tensor | float], int] | None
     batch_size: int | None
 
 
@@ -1423,7 +1428,7 @@ def _check_step(loss: object, outputs: object, targets: object, batch_size: obje
     return _StepArgs(checked_loss, accuracy, None if batch_size is None else int(batch_size))
 
 
-def _accuracy(outputs: object, targets: object) -> tuple[Callable[[], torch.Tensor], int]:
+def _accuracy(outputs: object, targets: object) -> tuple[Callable[[], torch.Tensor | float], int]:
     """How to count the correct predictions (a device scalar, computed later) and how many are scored,
     for the layouts documented in :meth:`Watch.step`; anything else is refused, naming the shapes. The
     layout is decided once per combination of shapes, dtypes and devices (this runs on every step)."""
@@ -1438,12 +1443,12 @@ def _accuracy(outputs: object, targets: object) -> tuple[Callable[[], torch.Tens
     return functools.partial(_count_correct, score, outputs, targets), n
 
 
-def _count_correct(score: _Score, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _count_correct(score: _Score, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | float:
     """Score detached tensors: called only for a step that sends a record."""
     return score(outputs.detach(), targets.detach())
 
 
-_Score = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_Score = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | float"]
 
 
 def _equal(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -1468,6 +1473,27 @@ def _binary_first(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 def _classes_last(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return (o.argmax(-1) == t).sum(dtype=torch.float32)
+
+
+class _ClassesLastFused:
+    """``_classes_last`` for CPU ``[N, C]`` scores and int64 ``[N]`` targets: one C call (the compiled
+    module's ``correct_f32``/``correct_f64``, torch's argmax rules) returning a host float; a batch that
+    is not contiguous goes through torch."""
+
+    __slots__ = ("count",)
+
+    def __init__(self, count: Callable[[int, int, int, int], float]) -> None:
+        self.count = count
+
+    def __call__(self, o: torch.Tensor, t: torch.Tensor) -> torch.Tensor | float:
+        if o.is_contiguous() and t.is_contiguous() and type(o) is _Tensor and type(t) is _Tensor:
+            rows, classes = o.shape
+            return self.count(o.data_ptr(), t.data_ptr(), rows, classes)
+        return _classes_last(o, t)
+
+
+_CORRECT = _kernel.correct_counters()
+"""The compiled correct-prediction counters by scores' dtype (empty: torch scores every layout)."""
 
 
 def _classes_first(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -1536,6 +1562,9 @@ def _layout(
                 "targets"
             )
         if last:
+            count = _CORRECT.get(o_dtype)
+            if count is not None and o_dim == 2 and o_device.type == "cpu" and t_dtype == torch.int64:
+                return _ClassesLastFused(count), n
             return _classes_last, n
         if first:
             return _classes_first, n

@@ -547,8 +547,14 @@ class StepBuffer:
             else:
                 extra.append(value.detach().reshape(()))
                 names.append(name)
-        parts = [scalar for scalars in self.device_rows.values() for scalar in scalars] + extra
-        vectors = [counts for _, counts in self.unit_counts.values() if isinstance(counts, torch.Tensor)]
+        if self.device_rows or self.device is not None:
+            parts = [scalar for scalars in self.device_rows.values() for scalar in scalars] + extra
+            vectors = [v for _, v in self.unit_counts.values() if isinstance(v, torch.Tensor)]
+            host_units = [(first, v) for first, v in self.unit_counts.values() if isinstance(v, int)]
+            unit_rows = [first for first, v in self.unit_counts.values() if isinstance(v, torch.Tensor)]
+        else:  # every row from the fused kernel (the common CPU step): unit counts are arena offsets
+            parts, vectors, unit_rows = extra, [], []
+            host_units = list(self.unit_counts.values())  # type: ignore[arg-type]
         device = self.device if self.device is not None else (extra[0].device if extra else None)
         if device is None:
             device = next(iter(self.extras.values())).device if self.extras else torch.device("cpu")
@@ -606,10 +612,10 @@ class StepBuffer:
             units=self.units,
             samples=self.samples,
             host=self.host,
-            host_units=[(first, v) for first, v in self.unit_counts.values() if isinstance(v, int)],
+            host_units=host_units,
             arena=self.arena,
             device_rows=list(self.device_rows),
-            unit_rows=[first for first, v in self.unit_counts.values() if isinstance(v, torch.Tensor)],
+            unit_rows=unit_rows,
             extra_layout=extra_layout,
             scalar_names=tuple(names),
             host_scalars=host_scalars,
@@ -625,6 +631,7 @@ class StepBuffer:
         self._host_address = int(self.host.ctypes.data)
         self.arena = np.zeros(max(self._arena_used, 64), dtype=np.float64)
         self._arena_address = int(self.arena.ctypes.data)
+        self._arena_used = 0  # (a fresh arena: nothing for clear() to zero)
         self.clear()
         return record
 

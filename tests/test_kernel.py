@@ -526,3 +526,52 @@ def test_assemble_refuses_what_does_not_fit_with_a_clear_error(change: Any, mess
     change(args)
     with pytest.raises((ValueError, TypeError), match=message):
         assemble(*args)
+
+
+# -- train accuracy of a CPU batch in one call: _fused.correct_f32/_f64 against torch's argmax --------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("seed", range(6))
+def test_the_compiled_correct_count_is_torchs_argmax_count(dtype: torch.dtype, seed: int) -> None:
+    count = _kernel.correct_counters()[dtype]
+    g = torch.Generator().manual_seed(seed)
+    rows, classes = (
+        int(torch.randint(1, 300, (1,), generator=g)),
+        int(torch.randint(1, 12, (1,), generator=g)),
+    )
+    # small integers: many ties (the first maximum wins); NaN and ±inf here and there (a NaN wins)
+    scores = torch.randint(-3, 4, (rows, classes), generator=g).to(dtype)
+    special = torch.rand(rows, classes, generator=g)
+    scores[special < 0.05] = float("nan")
+    scores[(special >= 0.05) & (special < 0.08)] = float("inf")
+    scores[(special >= 0.08) & (special < 0.1)] = -float("inf")
+    targets = torch.randint(-1, classes + 1, (rows,), generator=g)  # some out of range: never correct
+    expected = float((scores.argmax(-1) == targets).sum())
+    assert count(scores.data_ptr(), targets.data_ptr(), rows, classes) == expected
+
+
+def test_train_accuracy_takes_the_compiled_count_only_where_it_is_torchs() -> None:
+    from streamwatch import _observe
+
+    scores, targets = torch.randn(16, 5), torch.randint(0, 5, (16,))
+    expected = float((scores.argmax(-1) == targets).sum())
+    count, total = _observe._accuracy(scores, targets)
+    assert total == 16
+    assert count() == expected
+    assert isinstance(count(), float)  # the C call: a host float, no torch op
+    # a transposed (non-contiguous) batch and int32 targets go through torch, with the same answer
+    strided = scores.t().contiguous().t()
+    count, _ = _observe._accuracy(strided, targets)
+    assert not strided.is_contiguous()
+    assert float(count()) == expected
+    count, _ = _observe._accuracy(scores, targets.int())
+    assert isinstance(count(), torch.Tensor)
+    assert float(count()) == expected
+
+
+def test_the_correct_count_refuses_a_null_batch_clearly() -> None:
+    count = _kernel.correct_counters()[torch.float32]
+    with pytest.raises(ValueError, match="3 rows of 4 classes at NULL"):
+        count(0, 0, 3, 4)
+    assert count(0, 0, 0, 4) == 0.0  # an empty batch: nothing to read
