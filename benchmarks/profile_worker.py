@@ -16,14 +16,18 @@ stage:
   non-finite tracker and the detectors.
 
 This is the floor of the worker's cost: concurrently with training (``profile_observe.py``'s "worker
-busy per record") the same work takes longer, because the two threads share caches and cores. Not a
-test and not part of ``make bench``: it prints a table.
+busy per record") the same work takes longer, because the two threads share caches and cores.
+
+While the worker is held back, each sampled ``watch.step()`` is timed too: its own cost on the training
+thread (median over the steps after the first tenth), with no worker competing for the GIL. Not a test
+and not part of ``make bench``: it prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 import threading
 import time
@@ -86,10 +90,27 @@ def instrument(timers: dict[str, float], gate: threading.Event) -> None:
     _record.PendingRecord.resolve = timed_resolve  # type: ignore[method-assign]
 
 
+def time_steps(durations: list[float]) -> None:
+    """Append each ``watch.step()``'s wall time to ``durations``."""
+    step = sw.Watch.step
+    clock = time.perf_counter
+
+    def timed_step(self: sw.Watch, *args: Any, **kwargs: Any) -> None:
+        start = clock()
+        try:
+            step(self, *args, **kwargs)
+        finally:
+            durations.append(clock() - start)
+
+    sw.Watch.step = timed_step  # type: ignore[method-assign]
+
+
 def profile(name: str, steps: int) -> list[str]:
     timers: dict[str, float] = defaultdict(float)
     gate = threading.Event()
     instrument(timers, gate)
+    durations: list[float] = []
+    time_steps(durations)
     spec = bench.SPECS[name]
     x, y = spec.data()
     model = bench.build(spec)
@@ -107,8 +128,10 @@ def profile(name: str, steps: int) -> list[str]:
         rows = watch.snapshot() and len(watch.store.table()[1])
     gc.unfreeze()
     us = 1e6 / steps
+    sampled = statistics.median(durations[steps // 10 :]) * 1e6
     lines = [
         f"{name}: {steps} records of {rows} rows, drained alone (every=1)",
+        f"  {'sampled watch.step(), median':<34}{sampled:>8.1f} µs   (the worker held back)",
         f"  {'worker busy per record':<34}{busy * us:>8.1f} µs   (drain wall time {drained * us:.1f} µs)",
     ]
     for stage, seconds in sorted(timers.items(), key=lambda kv: -kv[1]):
