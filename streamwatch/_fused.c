@@ -89,4 +89,4 @@ typedef struct {
 #undef LOG2_ABS
 
 /* The version of the signatures above; _kernel.py (_ABI) refuses a library whose version differs. */
-int streamwatch_abi_version(void) { return 4; }
+int streamwatch_abi_version(void) { return 5; }

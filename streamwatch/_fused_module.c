@@ -4,8 +4,7 @@
  * calls per step where a ctypes call costs too much: whether the float32/float64 at an address is
  * finite (the quiet step's look at a CPU loss, _observe.py), the correct predictions of a CPU batch of
  * class scores (train accuracy on a sampled step, _observe.py), and the worker's summary table of a step
- * whose rows all came from the kernel (assemble, _record.py; numpy's _summary.finalize is the
- * reference and the fallback). */
+ * (assemble, _record.py; numpy's _summary.finalize is the reference and the fallback). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
@@ -100,19 +99,55 @@ static int check_list(PyObject *obj, const char *name, Py_ssize_t n) {
     return 0;
 }
 
-/* assemble(table, host, counts, units, samples, host_units, arena, counted): the unmerged summary table
- * of a step whose rows all came from the fused kernel, what _summary.finalize computes before merging
- * equal keys (_record.PendingRecord.resolve, the numpy code being the reference and the fallback). */
+/* One row of the table from a row's stats v (sum, sumsq, min, max, nonzero[, nonfinite]). */
+static void fill_row(double *row, const double *v, double count, double unit, double batch, int counted) {
+    row[0] = count;
+    row[1] = v[0];
+    row[2] = v[1];
+    row[3] = v[2];
+    row[4] = v[3];
+    const int has_nan = isnan(v[2]) || isnan(v[3]); /* aminmax propagates NaN: zeros, dead unknown */
+    row[5] = has_nan ? NAN : count - v[4];
+    row[6] = counted ? v[5] : (double)!(isfinite(v[0]) && isfinite(v[2]) && isfinite(v[3]));
+    row[7] = unit > 0 ? unit : NAN;
+    row[8] = NAN;
+    row[9] = unit > 0 ? batch : NAN;
+    row[10] = NAN;
+}
+
+/* A unit-row's dead units and active (sample, unit) pairs from its vector of per-unit counts (unknown,
+ * NaN, when the row's min or max is NaN). */
+static void fill_units(double *row, const double *vector, Py_ssize_t length) {
+    double dead = 0, active = 0;
+    for (Py_ssize_t j = 0; j < length; j++) {
+        dead += vector[j] == 0;
+        active += vector[j];
+    }
+    const int has_nan = isnan(row[3]) || isnan(row[4]);
+    row[8] = has_nan ? NAN : dead;
+    row[10] = has_nan ? NAN : active;
+}
+
+/* assemble(table, host, counts, units, samples, host_units, arena, counted, flat, device_rows, unit_rows,
+ * start): the unmerged summary table of a step, what _summary.finalize computes before merging equal keys
+ * (_record.PendingRecord.resolve; the numpy code is the reference and the fallback). Rows come from the
+ * host table (the fused kernel's), or for device_rows from flat (nstats values each, in order: 6 when
+ * counted, else 5); per-unit counts from the arena at each host unit-row's offset, or for unit_rows from
+ * flat, one vector after another from index start. */
 static PyObject *assemble(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 8) {
-        PyErr_Format(PyExc_TypeError, "assemble() takes 8 arguments (%zd given)", nargs);
+    if (nargs != 12) {
+        PyErr_Format(PyExc_TypeError, "assemble() takes 12 arguments (%zd given)", nargs);
         return NULL;
     }
     PyObject *counts = args[2], *units = args[3], *samples = args[4], *host_units = args[5];
+    PyObject *device_rows = args[9], *unit_rows = args[10];
     const int counted = PyObject_IsTrue(args[7]);
     if (counted < 0) return NULL;
-    Py_buffer table, host, arena;
+    const Py_ssize_t start = PyLong_AsSsize_t(args[11]);
+    if (start == -1 && PyErr_Occurred()) return NULL;
+    const Py_ssize_t nstats = counted ? NSTATS : NSTATS - 1;
+    Py_buffer table, host, arena, flat;
     if (PyObject_GetBuffer(args[0], &table, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
     if (PyObject_GetBuffer(args[1], &host, PyBUF_C_CONTIGUOUS) < 0) {
         PyBuffer_Release(&table);
@@ -123,36 +158,49 @@ static PyObject *assemble(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyBuffer_Release(&host);
         return NULL;
     }
+    if (PyObject_GetBuffer(args[8], &flat, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&table);
+        PyBuffer_Release(&host);
+        PyBuffer_Release(&arena);
+        return NULL;
+    }
     PyObject *result = NULL;
     const Py_ssize_t n = table.len / (Py_ssize_t)(NCOLUMNS * sizeof(double));
     const Py_ssize_t narena = arena.len / (Py_ssize_t)sizeof(double);
+    const Py_ssize_t nflat = flat.len / (Py_ssize_t)sizeof(double);
     double *out = table.buf;
-    const double *values = host.buf, *vectors = arena.buf;
+    const double *values = host.buf, *vectors = arena.buf, *copied = flat.buf;
     if (table.len != n * (Py_ssize_t)(NCOLUMNS * sizeof(double)) ||
         host.len < n * (Py_ssize_t)(NSTATS * sizeof(double))) {
-        PyErr_SetString(PyExc_ValueError, "assemble(): the table must be (rows, 11) and the host (>= rows, 6) float64");
+        PyErr_SetString(PyExc_ValueError,
+                        "assemble(): the table must be (rows, 11) and the host (>= rows, 6) float64");
         goto done;
     }
     if (check_list(counts, "counts", n) || check_list(units, "units", n) || check_list(samples, "samples", n) ||
-        check_list(host_units, "host_units", 0))
+        check_list(host_units, "host_units", 0) || check_list(device_rows, "device_rows", 0) ||
+        check_list(unit_rows, "unit_rows", 0))
         goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const double *v = values + i * NSTATS;
-        double *row = out + i * NCOLUMNS;
+    const Py_ssize_t nd = PyList_GET_SIZE(device_rows);
+    if (nd * nstats > nflat) {
+        PyErr_Format(PyExc_ValueError, "assemble(): %zd device rows need more than the %zd values copied", nd, nflat);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { /* every row as if from the host; device rows are redone below */
         const double count = list_double(counts, i), unit = list_double(units, i), batch = list_double(samples, i);
         if (PyErr_Occurred()) goto done;
-        row[0] = count;
-        row[1] = v[0];
-        row[2] = v[1];
-        row[3] = v[2];
-        row[4] = v[3];
-        const int has_nan = isnan(v[2]) || isnan(v[3]); /* aminmax propagates NaN: zeros, dead unknown */
-        row[5] = has_nan ? NAN : count - v[4];
-        row[6] = counted ? v[5] : (double)!(isfinite(v[0]) && isfinite(v[2]) && isfinite(v[3]));
-        row[7] = unit > 0 ? unit : NAN;
-        row[8] = NAN;
-        row[9] = unit > 0 ? batch : NAN;
-        row[10] = NAN;
+        fill_row(out + i * NCOLUMNS, values + i * NSTATS, count, unit, batch, counted);
+    }
+    for (Py_ssize_t k = 0; k < nd; k++) {
+        const Py_ssize_t r = PyLong_AsSsize_t(PyList_GET_ITEM(device_rows, k));
+        if (PyErr_Occurred()) goto done;
+        if (r < 0 || r >= n) {
+            PyErr_Format(PyExc_ValueError, "assemble(): device row %zd is outside the table's %zd rows", r, n);
+            goto done;
+        }
+        double v[NSTATS] = {0};
+        memcpy(v, copied + k * nstats, (size_t)nstats * sizeof(double));
+        fill_row(out + r * NCOLUMNS, v, list_double(counts, r), list_double(units, r), list_double(samples, r),
+                 counted);
     }
     for (Py_ssize_t k = 0; k < PyList_GET_SIZE(host_units); k++) {
         PyObject *pair = PyList_GET_ITEM(host_units, k);
@@ -173,22 +221,31 @@ static PyObject *assemble(PyObject *self, PyObject *const *args, Py_ssize_t narg
             PyErr_Format(PyExc_ValueError, "assemble(): unit row %zd's counts lie outside the arena", r);
             goto done;
         }
-        const double *vector = vectors + offset;
-        double dead = 0, active = 0;
-        for (Py_ssize_t j = 0; j < (Py_ssize_t)length; j++) {
-            dead += vector[j] == 0;
-            active += vector[j];
-        }
-        double *row = out + r * NCOLUMNS;
-        const int has_nan = isnan(row[3]) || isnan(row[4]);
-        row[8] = has_nan ? NAN : dead;
-        row[10] = has_nan ? NAN : active;
+        fill_units(out + r * NCOLUMNS, vectors + offset, (Py_ssize_t)length);
     }
-    result = Py_NewRef(Py_None);
+    Py_ssize_t at = start;
+    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(unit_rows); k++) {
+        const Py_ssize_t r = PyLong_AsSsize_t(PyList_GET_ITEM(unit_rows, k));
+        if (PyErr_Occurred()) goto done;
+        if (r < 0 || r >= n) {
+            PyErr_Format(PyExc_ValueError, "assemble(): unit row %zd is outside the table's %zd rows", r, n);
+            goto done;
+        }
+        const double length = list_double(units, r);
+        if (PyErr_Occurred()) goto done;
+        if (at < 0 || !(length >= 0) || (double)at + length > (double)nflat) {
+            PyErr_Format(PyExc_ValueError, "assemble(): unit row %zd's counts lie outside the values copied", r);
+            goto done;
+        }
+        fill_units(out + r * NCOLUMNS, copied + at, (Py_ssize_t)length);
+        at += (Py_ssize_t)length;
+    }
+    result = PyLong_FromSsize_t(at);
 done:
     PyBuffer_Release(&table);
     PyBuffer_Release(&host);
     PyBuffer_Release(&arena);
+    PyBuffer_Release(&flat);
     return result;
 }
 
@@ -204,9 +261,10 @@ static PyMethodDef fused_methods[] = {
     {"correct_f64", (PyCFunction)(void (*)(void))correct_f64, METH_FASTCALL,
      "correct_f64(scores, targets, n, c) -> float: the same for float64 scores."},
     {"assemble", (PyCFunction)(void (*)(void))assemble, METH_FASTCALL,
-     "assemble(table, host, counts, units, samples, host_units, arena, counted) -> None: fill ``table`` "
-     "((rows, 11) float64) with the unmerged summary table of a step whose rows all came from the fused "
-     "kernel (see streamwatch._summary.finalize, the reference)."},
+     "assemble(table, host, counts, units, samples, host_units, arena, counted, flat, device_rows, "
+     "unit_rows, start) -> int: fill ``table`` ((rows, 11) float64) with a step's unmerged summary table "
+     "(see streamwatch._summary.finalize, the reference); returns where the values after the device "
+     "unit-rows' counts start in ``flat``."},
     {NULL, NULL, 0, NULL},
 };
 

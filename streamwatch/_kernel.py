@@ -45,7 +45,7 @@ import torch
 
 __all__ = ["NSTATS", "Activity", "FusedKernel", "load", "status"]
 
-_ABI = 4
+_ABI = 5
 """The version of the C functions' signatures this file calls; ``_fused.c`` returns its own from
 ``streamwatch_abi_version()``, and :func:`_open` refuses a library whose version differs."""
 _LAYOUT_CACHE = 512
@@ -405,10 +405,10 @@ def correct_counters() -> dict[torch.dtype, Callable[[int, int, int, int], float
         return {}
 
 
-def assembler() -> Callable[..., None] | None:
-    """The compiled module's ``assemble``: the summary table of a step whose rows all came from the fused
-    kernel, in one C call (``_record.PendingRecord.resolve``; ``_summary.finalize`` is its reference and
-    the fallback). None when the module is missing or predates it. Never raises, never warns.
+def assembler() -> Callable[..., int] | None:
+    """The compiled module's ``assemble``: a step's summary table in one C call
+    (``_record.PendingRecord.resolve``; ``_summary.finalize`` is its reference and the fallback). None
+    when the module is missing or predates it. Never raises, never warns.
 
     Example:
         >>> import numpy as np
@@ -417,7 +417,7 @@ def assembler() -> Callable[..., None] | None:
         >>> table = np.empty((1, 11))
         >>> host = np.array([[2.0, 2.0, 0.0, 2.0, 1.0, 0.0]])  # sum, sumsq, min, max, nonzero, nonfinite
         >>> if assemble is not None:
-        ...     assemble(table, host, [2], [0], [0], [], np.zeros(1), False)
+        ...     _ = assemble(table, host, [2], [0], [0], [], np.zeros(1), False, np.zeros(0), [], [], 0)
         ...     print(table[0, :7].tolist())
         ... else:
         ...     print([2.0, 2.0, 2.0, 0.0, 2.0, 1.0, 0.0])

@@ -226,10 +226,10 @@ class PendingRecord:
         if self.release is not None:
             self.release()
         n = len(self.keys)
-        if _ASSEMBLE is not None and not self.device_rows and not self.unit_rows and len(self.host) >= n:
-            # every row from the fused kernel (CPU): the table in one C call, numpy's result exactly
+        if _ASSEMBLE is not None and len(self.host) >= n:  # the table in one C call, numpy's result exactly
             table = np.empty((n, len(COLUMNS)))
-            _ASSEMBLE(
+            nstats = NSTATS if self.nonfinite_counted else NSTATS - 1
+            start = _ASSEMBLE(
                 table,
                 self.host,
                 self.counts,
@@ -238,9 +238,12 @@ class PendingRecord:
                 self.host_units,
                 self.arena,
                 self.nonfinite_counted,
+                flat,
+                self.device_rows,
+                self.unit_rows,
+                len(self.device_rows) * nstats + len(self.scalar_names),
             )
             keys, table = merged(tuple(self.keys), table, self.nonfinite_counted)
-            start = len(self.scalar_names)
         else:
             keys, table, start = self._finalize(flat)
         table.setflags(write=False)
@@ -323,7 +326,7 @@ def _merged_order(keys: list[Hashable], order: list[int], merged: int) -> tuple[
 
 
 _ASSEMBLE = assembler()
-"""The compiled table assembly for records whose rows all came from the fused kernel (None: numpy)."""
+"""The compiled assembly of a step's summary table (None: numpy, ``PendingRecord._finalize``)."""
 
 _CPU = torch.device("cpu")
 

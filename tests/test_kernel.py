@@ -411,7 +411,7 @@ def test_a_library_of_another_abi_is_refused(
     tmp_path: Path, fresh_loader: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_kernel, "_ABI", 999)
-    with pytest.warns(RuntimeWarning, match=r"implements kernel ABI 4, this streamwatch calls ABI 999"):
+    with pytest.warns(RuntimeWarning, match=r"implements kernel ABI \d+, this streamwatch calls ABI 999"):
         assert _kernel.load() is None
 
 
@@ -443,64 +443,97 @@ def test_statistics_name_the_kernel_in_use(monkeypatch: pytest.MonkeyPatch) -> N
 # -- the step's table in one call: _fused.assemble against numpy's finalize --------------------------
 
 
-def _pending(rng: np.random.Generator, rows: int, counted: bool, repeats: bool) -> Any:
-    """A CPU step's PendingRecord as the fused kernel leaves it: every row in the host table, some
-    with per-unit counts in the arena; values with NaN, ±inf, zeros; keys repeated when ``repeats``."""
+def _pending(rng: np.random.Generator, rows: int, counted: bool, repeats: bool, device: bool) -> Any:
+    """A step's PendingRecord as the taps leave it: rows in the host table (the fused kernel's), some
+    with per-unit counts in the arena; with ``device``, some rows and their unit counts in the copied
+    values instead (torch-path summaries), then device step scalars and an extra. Values with NaN,
+    ±inf, zeros; keys repeated when ``repeats``."""
     from streamwatch._record import _NO_DEVICE_DATA, PendingRecord
 
-    host = rng.normal(size=(rows + 3, _kernel.NSTATS)) * 10.0
-    host[:, 1] = np.abs(host[:, 1])
-    for column in range(4):  # NaN and ±inf where torch would put them: sums and bounds
-        bad = rng.random(rows + 3) < 0.1
-        host[bad, column] = rng.choice([np.nan, np.inf, -np.inf], size=int(bad.sum()))
+    nstats = _kernel.NSTATS if counted else _kernel.NSTATS - 1
+
+    def stats(k: int) -> np.ndarray:
+        values = rng.normal(size=(k, _kernel.NSTATS)) * 10.0
+        values[:, 1] = np.abs(values[:, 1])
+        for column in range(4):  # NaN and ±inf where torch would put them: sums and bounds
+            bad = rng.random(k) < 0.1
+            values[bad, column] = rng.choice([np.nan, np.inf, -np.inf], size=int(bad.sum()))
+        values[:, 5] = rng.integers(0, 3, k)
+        return values
+
+    host = stats(rows + 3)
     counts = [int(c) for c in rng.integers(1, 1000, rows)]
     host[:rows, 4] = [rng.integers(0, c + 1) for c in counts]  # nonzero <= count
-    host[:rows, 5] = rng.integers(0, 3, rows)
     units = [int(u) if rng.random() < 0.6 else 0 for u in rng.integers(1, 20, rows)]
     samples = [int(rng.integers(1, 64)) if u else 0 for u in units]
+    device_rows = sorted(int(r) for r in rng.choice(rows, size=rows // 3, replace=False)) if device else []
+    unit_rows = [r for r in device_rows if units[r] and rng.random() < 0.8]
     host_units: list[tuple[int, int]] = []
     offset = 0
     for row, unit in enumerate(units):
-        if unit and rng.random() < 0.8:
+        if unit and row not in device_rows and rng.random() < 0.8:
             host_units.append((row, offset))
             offset += unit
     arena = np.where(rng.random(offset + 5) < 0.3, 0.0, rng.integers(1, 64, offset + 5).astype(float))
     names = [f"l{i}" for i in range(max(1, rows // 2 if repeats else rows))]
     keys = [names[i % len(names)] for i in range(rows)] if repeats else names[:rows]
+    data, scalar_names, extra_layout = _NO_DEVICE_DATA, (), []
+    if device:  # device rows' stats, the device step scalars, the unit-rows' counts, an extra
+        copied = stats(len(device_rows))[:, :nstats].ravel()
+        vectors = [
+            np.where(rng.random(units[r]) < 0.3, 0.0, rng.integers(1, 64, units[r]).astype(float))
+            for r in unit_rows
+        ]
+        data = torch.from_numpy(np.concatenate([copied, [0.25, 7.0], *vectors, [1.0, 2.0, 3.0]]))
+        scalar_names = ("loss", "correct")
+        extra_layout = [(("l0", "histogram"), 3)]
     return PendingRecord(
         step=3, time=0.0, rank=0, keys=keys, counts=counts, units=units, samples=samples, host=host,
-        host_units=host_units, arena=arena, device_rows=[], unit_rows=[], extra_layout=[],
-        scalar_names=(), host_scalars={"loss": 0.5}, data=_NO_DEVICE_DATA, nonfinite_counted=counted,
-        order=list(range(rows)),
+        host_units=host_units, arena=arena, device_rows=device_rows, unit_rows=unit_rows,
+        extra_layout=extra_layout, scalar_names=scalar_names, host_scalars={"total": 16.0}, data=data,
+        nonfinite_counted=counted, order=list(range(rows)),
     )  # fmt: skip
 
 
 @pytest.mark.parametrize("counted", [False, True], ids=["flag", "counted"])
 @pytest.mark.parametrize("repeats", [False, True], ids=["unique", "repeated-keys"])
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("device", [False, True], ids=["host", "host+device"])
+@pytest.mark.parametrize("seed", range(6))
 def test_the_compiled_table_is_numpys_to_the_bit(
-    seed: int, counted: bool, repeats: bool, monkeypatch: pytest.MonkeyPatch
+    seed: int, device: bool, counted: bool, repeats: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from streamwatch import _record
 
     assert _record._ASSEMBLE is not None, "the compiled module has no assemble(): rebuild it"
     rng = np.random.default_rng(seed)
-    pending = _pending(rng, int(rng.integers(1, 40)), counted, repeats)
+    pending = _pending(rng, int(rng.integers(1, 40)), counted, repeats, device)
     fast = pending.resolve()
     monkeypatch.setattr(_record, "_ASSEMBLE", None)  # numpy: the reference
     slow = pending.resolve()
     assert fast.keys == slow.keys
-    assert fast.table.tobytes() == slow.table.tobytes() or np.array_equal(
-        fast.table, slow.table, equal_nan=True
-    )
+    assert np.array_equal(fast.table, slow.table, equal_nan=True)
     assert (fast.scalars, fast.order) == (slow.scalars, slow.order)
+    assert fast.extras.keys() == slow.extras.keys()
+    for key, value in fast.extras.items():
+        np.testing.assert_array_equal(value, slow.extras[key])
+    if device:
+        assert fast.scalars["loss"] == 0.25
+        assert fast.scalars["accuracy"] == 7.0 / 16.0
+        assert fast.extras[("l0", "histogram")].tolist() == [1.0, 2.0, 3.0]
     assert not fast.table.flags.writeable
     if repeats:
         return
-    # and against plain numpy: each unit-row's dead units and active pairs from its arena segment
+    # and against plain numpy: each unit-row's dead units and active pairs from its vector of counts
     # (unknown, NaN, where the row's min or max is NaN)
-    for row, offset in pending.host_units:
-        segment = pending.arena[offset : offset + pending.units[row]]
+    flat = pending.data.numpy()
+    at = len(pending.device_rows) * (6 if counted else 5) + len(pending.scalar_names)
+    segments = [
+        (row, pending.arena[offset : offset + pending.units[row]]) for row, offset in pending.host_units
+    ]
+    for row in pending.unit_rows:
+        segments.append((row, flat[at : at + pending.units[row]]))
+        at += pending.units[row]
+    for row, segment in segments:
         if np.isnan(fast.table[row, 3:5]).any():
             assert np.isnan(fast.table[row, [5, 8, 10]]).all()
             continue
@@ -516,13 +549,17 @@ def test_the_compiled_table_is_numpys_to_the_bit(
         (lambda a: a.__setitem__(5, [(5, 0)]), "unit row 5 is outside"),
         (lambda a: a.__setitem__(5, [(0, 99)]), "outside the arena"),
         (lambda a: a.__setitem__(5, [0]), r"\(row, offset\) pairs"),
+        (lambda a: a.__setitem__(9, [0, 1]), "2 device rows need more than the 5 values copied"),
+        (lambda a: a.__setitem__(9, [7]), "device row 7 is outside"),
+        (lambda a: (a.__setitem__(10, [1]), a.__setitem__(11, 4)), "outside the values copied"),
     ],
-    ids=["table-shape", "short-list", "row", "arena", "pair"],
+    ids=["table-shape", "short-list", "row", "arena", "pair", "device-values", "device-row", "device-units"],
 )
 def test_assemble_refuses_what_does_not_fit_with_a_clear_error(change: Any, message: str) -> None:
     assemble = _kernel.assembler()
     assert assemble is not None
     args: list[Any] = [np.empty((2, 11)), np.zeros((2, 6)), [1, 1], [2, 2], [1, 1], [], np.zeros(4), False]
+    args += [np.zeros(5), [], [], 0]  # nothing from a device
     change(args)
     with pytest.raises((ValueError, TypeError), match=message):
         assemble(*args)
