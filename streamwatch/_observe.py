@@ -1029,7 +1029,7 @@ class Watch:
         worker_stats = self._worker.statistics()
         governor = self._governor.statistics() if self._governor is not None else None
         return WatchStatistics(
-            steps=self._step,
+            steps=self._step + len(self._stashed),  # (a dark pair's first call, its boundary still to run)
             sampled=self._sampled,
             scalar_records=self._scalar_records,
             records_received=self._store.records,

@@ -362,6 +362,20 @@ def test_closing_in_a_dark_pair_runs_its_first_boundary(monkeypatch: pytest.Monk
     assert not model._forward_pre_hooks
 
 
+def test_a_dark_pairs_first_call_is_counted_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # statistics().steps counts watch.step() calls, also while a dark pair's first boundary waits for its
+    # second (a run that stops there, or a reader in between, sees every call)
+    model, opt, watch, clock = _governed(monkeypatch)
+    with watch:
+        steps = _until_dark(watch, model, opt, clock)
+        watch.step(loss=1.0)
+        assert watch._dark == 1  # (in the pair: the first boundary has not run)
+        assert watch.statistics().steps == steps + 1
+        watch.step(loss=1.0)
+        assert not watch._dark
+        assert watch.statistics().steps == steps + 2
+
+
 def test_training_is_bit_identical_through_dark_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
     def train(watched: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)
