@@ -128,6 +128,23 @@ static void fill_units(double *row, const double *vector, Py_ssize_t length) {
     row[10] = has_nan ? NAN : active;
 }
 
+/* The number of per-unit counts of unit-row r (units[r]), checked to lie within the n rows and, from
+ * offset, within the limit values of where they are read; -1 with an exception set if not. */
+static Py_ssize_t unit_length(PyObject *units, Py_ssize_t r, Py_ssize_t n, Py_ssize_t offset,
+                              Py_ssize_t limit, const char *where) {
+    if (r < 0 || r >= n) {
+        PyErr_Format(PyExc_ValueError, "assemble(): unit row %zd is outside the table's %zd rows", r, n);
+        return -1;
+    }
+    const double length = list_double(units, r);
+    if (PyErr_Occurred()) return -1;
+    if (offset < 0 || !(length >= 0) || (double)offset + length > (double)limit) {
+        PyErr_Format(PyExc_ValueError, "assemble(): unit row %zd's counts lie outside %s", r, where);
+        return -1;
+    }
+    return (Py_ssize_t)length;
+}
+
 /* assemble(table, host, counts, units, samples, host_units, arena, counted, flat, device_rows, unit_rows,
  * start): the unmerged summary table of a step, what _summary.finalize computes before merging equal keys
  * (_record.PendingRecord.resolve; the numpy code is the reference and the fallback). Rows come from the
@@ -211,34 +228,18 @@ static PyObject *assemble(PyObject *self, PyObject *const *args, Py_ssize_t narg
         const Py_ssize_t r = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 0));
         const Py_ssize_t offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 1));
         if (PyErr_Occurred()) goto done;
-        if (r < 0 || r >= n) {
-            PyErr_Format(PyExc_ValueError, "assemble(): unit row %zd is outside the table's %zd rows", r, n);
-            goto done;
-        }
-        const double length = list_double(units, r);
-        if (PyErr_Occurred()) goto done;
-        if (offset < 0 || !(length >= 0) || (double)offset + length > (double)narena) {
-            PyErr_Format(PyExc_ValueError, "assemble(): unit row %zd's counts lie outside the arena", r);
-            goto done;
-        }
-        fill_units(out + r * NCOLUMNS, vectors + offset, (Py_ssize_t)length);
+        const Py_ssize_t length = unit_length(units, r, n, offset, narena, "the arena");
+        if (length < 0) goto done;
+        fill_units(out + r * NCOLUMNS, vectors + offset, length);
     }
     Py_ssize_t at = start;
     for (Py_ssize_t k = 0; k < PyList_GET_SIZE(unit_rows); k++) {
         const Py_ssize_t r = PyLong_AsSsize_t(PyList_GET_ITEM(unit_rows, k));
         if (PyErr_Occurred()) goto done;
-        if (r < 0 || r >= n) {
-            PyErr_Format(PyExc_ValueError, "assemble(): unit row %zd is outside the table's %zd rows", r, n);
-            goto done;
-        }
-        const double length = list_double(units, r);
-        if (PyErr_Occurred()) goto done;
-        if (at < 0 || !(length >= 0) || (double)at + length > (double)nflat) {
-            PyErr_Format(PyExc_ValueError, "assemble(): unit row %zd's counts lie outside the values copied", r);
-            goto done;
-        }
-        fill_units(out + r * NCOLUMNS, copied + at, (Py_ssize_t)length);
-        at += (Py_ssize_t)length;
+        const Py_ssize_t length = unit_length(units, r, n, at, nflat, "the values copied");
+        if (length < 0) goto done;
+        fill_units(out + r * NCOLUMNS, copied + at, length);
+        at += length;
     }
     result = PyLong_FromSsize_t(at);
 done:

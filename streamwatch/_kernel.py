@@ -370,14 +370,7 @@ def finite_checks() -> dict[torch.dtype, Callable[[int], bool]]:
         >>> checks[torch.float32](loss.data_ptr()) if checks else True
         True
     """
-    if _forced_off():
-        return {}
-    try:
-        from streamwatch import _fused  # type: ignore[attr-defined]  # (the compiled module)
-
-        return {torch.float32: _fused.finite_f32, torch.float64: _fused.finite_f64}
-    except (ImportError, AttributeError):
-        return {}
+    return _by_dtype("finite_f32", "finite_f64")
 
 
 def correct_counters() -> dict[torch.dtype, Callable[[int, int, int, int], float]]:
@@ -395,12 +388,18 @@ def correct_counters() -> dict[torch.dtype, Callable[[int, int, int, int], float
         >>> count(scores.data_ptr(), targets.data_ptr(), 2, 2) if count else 1.0
         1.0
     """
+    return _by_dtype("correct_f32", "correct_f64")
+
+
+def _by_dtype(f32: str, f64: str) -> dict[torch.dtype, Any]:
+    """The compiled module's functions ``f32`` and ``f64`` by the dtype they read; empty when the module
+    is missing, predates them, or ``STREAMWATCH_KERNEL=torch``."""
     if _forced_off():
         return {}
     try:
         from streamwatch import _fused  # type: ignore[attr-defined]  # (the compiled module)
 
-        return {torch.float32: _fused.correct_f32, torch.float64: _fused.correct_f64}
+        return {torch.float32: getattr(_fused, f32), torch.float64: getattr(_fused, f64)}
     except (ImportError, AttributeError):
         return {}
 
