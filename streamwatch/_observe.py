@@ -479,7 +479,7 @@ class Watch:
     ) -> None:
         """One end of a dark pair (the governor's measurement of what its own time misses,
         docs/governor.md): the first only reads the clock and keeps the arguments; the second reads it,
-        puts the root module's pre-hook back and runs both boundaries as they would have run, ticking
+        sees the root module's calls again and runs both boundaries as they would have run, ticking
         the governor with their readings. An error of the first is raised after both ran. A first end
         at or past the governor's deadline ends the pair there: its boundary runs at once, and the
         time ceiling samples the next step."""

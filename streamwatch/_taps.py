@@ -26,8 +26,9 @@ Hooks never raise into the training step: an exception inside one is caught, cou
 ``Watch.close()``. The per-module and per-parameter hooks are *armed* only for the steps that sample
 their kinds (:meth:`TapSet.arm`, at each step boundary), and so are the root module's forward hook and
 the optimizer's pre/post hooks (they time the step's parts, take weights and updates): an unsampled step
-runs the model with one hook only, the root module's pre-hook. Forward passes under
-``eval()`` or ``torch.no_grad()`` arm the module hooks for that pass from the root module's pre-hook and
+runs the model without any hook: only the root module's calls are seen, through its call slot (one
+Python call; :meth:`TapSet._root_in`, a forward pre-hook where the slot is taken). Forward passes under
+``eval()`` or ``torch.no_grad()`` arm the module hooks for that pass as the root module is called and
 are summarised under ``phase="eval"`` on every step they happen, so evaluation loops are never lost and
 never mix into training series. Once a hook runs inside ``torch.compile`` every hook stays armed (no
 recompilation per sampled step).
@@ -443,6 +444,21 @@ def _steps_forward(module: nn.Module) -> bool:
     return not _recomputing()
 
 
+def _call_slot_free(model: nn.Module) -> bool:
+    """Whether the root module's calls can be seen through its call slot (:meth:`TapSet._root_in`): its
+    class calls as ``nn.Module`` does (``__call__`` reads the slot) and nothing holds the slot (not
+    ``model.compile()``-d)."""
+    cls = type(model)
+    module_call = getattr(nn.Module, "_wrapped_call_impl", None)
+    return (
+        module_call is not None
+        and cls.__call__ is module_call
+        and getattr(cls, "_wrapped_call_impl", None) is module_call
+        and getattr(cls, "_compiled_call_impl", False) is None
+        and model.__dict__.get("_compiled_call_impl") is None
+    )
+
+
 def _guarded(state: TapState, fn: Callable[..., Any]) -> Callable[..., Any]:
     """Run a hook body so that nothing it raises reaches the training step (counted, kept)."""
 
@@ -472,7 +488,10 @@ class TapSet:
     ) -> None:
         self.state = state
         self.params = params
-        self.handles: list[RemovableHandle] = []  # installed for the Watch's life
+        # The root module's calls are seen for the Watch's life (:meth:`_root_in`): through its call slot
+        # (``_entry``) or, where the slot is taken, a forward pre-hook (``_root_handle``).
+        self._entry: Callable[..., Any] | None = None
+        self._root_handle: RemovableHandle | None = None
         # Hooks installed only while a step (or an evaluation pass) needs them, by group: "forward" (the
         # selected modules' forward and pre-forward hooks) and "param_grad" (post-accumulate hooks). An
         # unsampled step then runs the model with none of them: no Python call per module or parameter.
@@ -519,12 +538,11 @@ class TapSet:
             if taps & {"input", "input_grad"}:
                 hook = self._forward_pre_hook(name)
                 forward.append(functools.partial(module.register_forward_pre_hook, hook, with_kwargs=True))
-        # The root module's pre-hook is in for the Watch's life: it sees evaluation passes coming (their
-        # hooks go in for the pass) and starts the clock of a sampled step's forward. Its forward hook
-        # ends that clock: with the optimizer's hooks, only on steps that sample something.
+        # The root module's calls are seen for the Watch's life: evaluation passes coming (their hooks go
+        # in for the pass), a sampled step's forward starting (its clock). Its forward hook ends that
+        # clock: with the optimizer's hooks, only on steps that sample something.
         self._model = weakref.ref(model)  # (for go_light; the Watch releases the model at close)
-        self._root_handle: RemovableHandle | None = model.register_forward_pre_hook(self._root_forward_start)
-        self.handles.append(self._root_handle)
+        self._root_in(model)
         step = self._registrations["step"]
         step.append(functools.partial(model.register_forward_hook, self._root_forward_end))
         if "param_grad" in taps:
@@ -547,24 +565,57 @@ class TapSet:
 
     # -- arming -----------------------------------------------------------------------------------------
 
+    def _root_in(self, model: nn.Module) -> None:
+        """See the root module's calls: through torch's per-instance call slot where the model leaves it
+        free (:func:`_call_slot_free`), else with a forward pre-hook. The slot costs the step a Python
+        call; a pre-hook, torch's dispatch of a module with a hook (~6 µs on a CPU, docs/performance.md).
+        The slot is the attribute ``Module.compile()`` sets, ``_compiled_call_impl``: ``__call__`` calls
+        it instead of ``_call_impl``, and pickling, ``copy`` and ``deepcopy`` leave it out (a copy of an
+        observed model is not observed). If something takes the slot later (``model.compile()``), the
+        next step boundary sees it and a pre-hook takes over (:meth:`arm`)."""
+        if not _call_slot_free(model):
+            self._root_handle = model.register_forward_pre_hook(self._root_forward_start)
+            return
+        start = self._root_forward_start
+        call: Callable[..., Any] = (
+            model._call_impl
+        )  # (what __call__ runs with the slot empty: every hook of the root's own)
+        state = self.state
+
+        def entry(*args: Any, **kwargs: Any) -> Any:
+            try:
+                start(model, args)
+            except Exception as exc:  # never into the user's forward
+                state.fail(exc)
+            return call(*args, **kwargs)
+
+        model.__dict__["_compiled_call_impl"] = entry  # (a cycle through the model's own dict, until out)
+        self._entry = entry
+
+    def _root_out(self) -> None:
+        """Stop seeing the root module's calls (the slot emptied only if it still holds ours)."""
+        entry, self._entry = self._entry, None
+        model = self._model()
+        if entry is not None and model is not None and model.__dict__.get("_compiled_call_impl") is entry:
+            del model.__dict__["_compiled_call_impl"]
+        handle, self._root_handle = self._root_handle, None
+        if handle is not None:
+            handle.remove()
+
     def go_dark(self) -> bool:
-        """Take the root module's pre-hook out for a dark pair (the governor's measurement of what no
-        own time shows: torch's dispatch of a module with a hook, among others); False if it is not
-        in (under torch.compile every hook stays)."""
-        handle = self._root_handle
-        if handle is None or self.static or self.state.compiled:
+        """Stop seeing the root module's calls for a dark pair (the governor's measurement of what no
+        own time shows: cold caches, torch's dispatch of a module with a hook where the slot was taken,
+        among others); False if they are not seen (under torch.compile everything stays)."""
+        if (self._entry is None and self._root_handle is None) or self.static or self.state.compiled:
             return False
-        handle.remove()
-        self.handles.remove(handle)
-        self._root_handle = None
+        self._root_out()
         return True
 
     def go_light(self) -> None:
-        """Put the root module's pre-hook back after a dark pair (after any hook registered since)."""
+        """See the root module's calls again after a dark pair."""
         model = self._model()
-        if self._root_handle is None and model is not None:
-            self._root_handle = model.register_forward_pre_hook(self._root_forward_start)
-            self.handles.append(self._root_handle)
+        if self._entry is None and self._root_handle is None and model is not None:
+            self._root_in(model)
 
     def _set_group(self, group: str, on: bool) -> None:
         handles = self._armed[group]
@@ -580,6 +631,15 @@ class TapSet:
         """Install or remove the per-module and per-parameter hooks for the step that begins: only the
         groups the step samples (every group while ``static``). Called at each step boundary."""
         state = self.state
+        entry = self._entry
+        if entry is not None:
+            model = self._model()
+            if model is not None and model.__dict__.get("_compiled_call_impl") is not entry:
+                # The slot was taken: by Module.compile(), the one thing in torch that sets it. A pre-hook
+                # sees the calls from now on, and every hook stays in, as under torch.compile.
+                self._entry = None
+                self._root_handle = model.register_forward_pre_hook(self._root_forward_start)
+                state.compiled = True
         static = self.static or state.compiled
         self.static = static
         self._eval_armed = False
@@ -790,9 +850,7 @@ class TapSet:
 
     def remove(self) -> None:
         """Remove every hook. Idempotent."""
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
+        self._root_out()
         for group in self._armed:
             self._set_group(group, False)
         self._registrations = {group: [] for group in self._registrations}

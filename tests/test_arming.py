@@ -4,6 +4,8 @@ parameter. Under ``torch.compile`` they stay in for good (no recompilation per s
 
 from __future__ import annotations
 
+import copy
+import pickle
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -12,7 +14,9 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import streamwatch as sw
+import streamwatch._taps
 from tests.test_observe_compile import batch, make_model
+from tests.training import root_seen
 
 
 def module_hooks(model: nn.Module) -> int:
@@ -71,7 +75,7 @@ def test_without_an_optimizer_gradient_hooks_are_in_only_on_sampled_steps() -> N
     assert [len(r.rows("param_grad")) for r in records.items] == [4, 4]
 
 
-def test_an_unsampled_step_keeps_only_the_root_pre_hook() -> None:
+def test_an_unsampled_step_keeps_only_the_root_module_seen() -> None:
     """The root module's forward hook and the optimizer's pre/post hooks time a sampled step's parts and
     take weights and updates: they are out on unsampled steps, with the per-layer hooks."""
     model = make_model()
@@ -82,6 +86,7 @@ def test_an_unsampled_step_keeps_only_the_root_pre_hook() -> None:
         for _ in range(6):
             seen.append(
                 (
+                    int(root_seen(model)),
                     len(model._forward_pre_hooks),
                     len(model._forward_hooks),
                     len(opt._optimizer_step_pre_hooks),
@@ -90,7 +95,7 @@ def test_an_unsampled_step_keeps_only_the_root_pre_hook() -> None:
             )
             train_step(model, opt, watch)
         watch.flush()
-    assert seen == [(1, 1, 1, 1), (1, 0, 0, 0), (1, 0, 0, 0)] * 2
+    assert seen == [(1, 0, 1, 1, 1), (1, 0, 0, 0, 0), (1, 0, 0, 0, 0)] * 2  # (seen through its call slot)
     assert (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks)) == (0, 0)
     # the sampled steps still time every part of the step
     assert [r.step for r in records.items] == [0, 3]
@@ -143,7 +148,7 @@ def test_an_evaluation_pass_on_an_unsampled_step_is_summarised_and_disarmed_afte
             expected = model[0](x)
             model(x)
         model.train()
-        assert module_hooks(model) == 3  # the next training forward's root pre-hook takes them out
+        assert module_hooks(model) == 3  # the next training forward's root call takes them out
         train_step(model, opt, watch)
         assert module_hooks(model) == 0
         watch.flush()
@@ -189,3 +194,106 @@ def test_a_compiled_model_keeps_every_hook_and_compiles_no_more_than_with_fixed_
     _, fixed = compiled_run(static_from_start=True)
     # the sampled and unsampled flags are guarded on either way (one graph each, plus the first step's)
     assert graphs == fixed <= 3
+
+
+class _OwnCall(nn.Sequential):
+    """A model whose class defines ``__call__``: torch's call slot is never read."""
+
+    def __call__(self, *args: object, **kwargs: object) -> torch.Tensor:
+        return super().__call__(*args, **kwargs)
+
+
+def _own_call_model() -> nn.Module:
+    model = make_model()
+    return _OwnCall(*model)
+
+
+@pytest.mark.parametrize(
+    ("variant", "slot"),
+    [("plain", True), ("own __call__", False), ("compiled before", False), ("compiled after", False)],
+)
+def test_the_root_module_is_seen_through_its_call_slot_or_a_pre_hook(
+    fresh_dynamo: None, variant: str, slot: bool
+) -> None:
+    """An evaluation pass on an unsampled step is summarised however the root's calls are seen: its call
+    slot where free, else a forward pre-hook (a class with its own ``__call__``, ``model.compile()``
+    before ``observe()``, or after it: the next boundary sees the slot taken)."""
+    model = _own_call_model() if variant == "own __call__" else make_model()
+    if variant == "compiled before":
+        model.compile(backend="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = sw.sinks.collect()
+    x, _ = batch()
+    with sw.observe(model, opt, every=100, sinks=[records]) as watch:
+        if variant == "compiled after":
+            assert "_compiled_call_impl" in model.__dict__
+            assert not model._forward_pre_hooks
+            model.compile(backend="eager")
+        train_step(model, opt, watch)
+        train_step(model, opt, watch)  # (step 1, unsampled)
+        assert ("_compiled_call_impl" in model.__dict__ and not model._forward_pre_hooks) == slot
+        assert len(model._forward_pre_hooks) == (0 if slot else 1)
+        model.eval()
+        with torch.no_grad():
+            expected = model[0](x)
+            model(x)
+        model.train()
+        train_step(model, opt, watch)
+        watch.flush()
+        assert watch.statistics().hook_errors == 0
+    assert ("_compiled_call_impl" in model.__dict__) == variant.startswith("compiled")  # (ours out)
+    assert not model._forward_pre_hooks
+    eval_record = records.items[-1]
+    assert eval_record.step == 2
+    rows = eval_record.rows(kind="activation", phase="eval")
+    assert [eval_record.keys[i].layer for i in rows] == ["0", "1", "2"]
+    torch.testing.assert_close(eval_record.stat("mean")[rows[0]], expected.double().mean().item())
+
+
+def test_a_copy_of_an_observed_model_pickles_and_is_not_observed() -> None:
+    """The call slot stays out of ``pickle``, ``copy`` and ``deepcopy`` (torch leaves it out of a module's
+    state): an EMA copy or a saved model carries nothing of the Watch."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = sw.sinks.collect()
+    x, _ = batch()
+    with sw.observe(model, opt, every=100, sinks=[records]) as watch:
+        train_step(model, opt, watch)
+        twins = [copy.deepcopy(model), copy.copy(model), pickle.loads(pickle.dumps(model))]
+        for twin in twins:
+            assert "_compiled_call_impl" not in twin.__dict__
+            assert not twin._forward_pre_hooks
+            for mine, theirs in zip(model.parameters(), twin.parameters(), strict=True):
+                assert torch.equal(mine, theirs)
+            twin.eval()
+            with torch.no_grad():
+                twin(x)  # an evaluation pass of a copy: not the observed model's
+        model.eval()
+        with torch.no_grad():
+            expected = model[0](x)
+            model(x)  # one of the observed model's
+        model.train()
+        train_step(model, opt, watch)
+        watch.flush()
+    assert [r.step for r in records.items] == [0, 1]
+    rows = records.items[1].rows(kind="activation", phase="eval")
+    assert [records.items[1].keys[i].layer for i in rows] == ["0", "1", "2"]
+    assert records.items[1].table[rows[0], 0] == expected.numel()  # (one pass counted, not four)
+    torch.testing.assert_close(records.items[1].stat("mean")[rows[0]], expected.double().mean().item())
+
+
+def test_a_failure_where_the_root_call_is_seen_is_counted_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("broke")
+
+    monkeypatch.setattr(streamwatch._taps.TapSet, "_root_forward_start", broken)
+    watch = sw.observe(model, opt, every=1)
+    x, _ = batch()
+    out = model(x)  # (the root's call is seen as its forward starts)
+    torch.testing.assert_close(out, model[2](model[1](model[0](x))))  # the forward ran in full
+    assert watch.statistics().hook_errors == 1
+    with pytest.raises(sw.PipelineError, match="1 hook call failed on the training thread"):
+        watch.close()

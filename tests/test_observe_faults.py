@@ -37,6 +37,7 @@ def _hooks(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> dict[s
     for name, module in model.named_modules():
         counts[f"module {name!r} forward"] = len(module._forward_hooks)
         counts[f"module {name!r} forward_pre"] = len(module._forward_pre_hooks)
+        counts[f"module {name!r} call slot"] = int("_compiled_call_impl" in module.__dict__)
         counts[f"module {name!r} backward"] = len(module._backward_hooks)
         counts[f"module {name!r} backward_pre"] = len(module._backward_pre_hooks)
     for name, param in model.named_parameters():

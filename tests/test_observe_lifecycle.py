@@ -34,6 +34,7 @@ def _hooks(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
     for name, module in model.named_modules():
         counts[f"module {name!r} forward"] = len(module._forward_hooks)
         counts[f"module {name!r} forward_pre"] = len(module._forward_pre_hooks)
+        counts[f"module {name!r} call slot"] = int("_compiled_call_impl" in module.__dict__)
         counts[f"module {name!r} backward"] = len(module._backward_hooks)
     for name, param in model.named_parameters():
         counts[f"param {name} post_accumulate_grad"] = len(param._post_accumulate_grad_hooks or {})

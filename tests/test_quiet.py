@@ -27,6 +27,7 @@ from streamwatch._governor import DARK_PAIRS, Governor
 from streamwatch.testing import FakeClock
 from tests.test_governor_observe import _batches
 from tests.test_governor_observe import _train_step as _train
+from tests.training import root_seen
 
 PLAIN, COST, BUDGET = 0.010, 0.5, 0.05  # the governor settles at ceil(COST / BUDGET) = 10
 
@@ -287,7 +288,7 @@ def test_dark_pairs_run_without_any_streamwatch_hook_and_end_with_both_boundarie
     hookless = 0
     with watch:
         for x, y in _batches(1500):
-            if not model._forward_pre_hooks:
+            if not root_seen(model):
                 hookless += 1
                 assert watch._dark  # (no hook only in a dark pair)
             clock.advance(PLAIN * (1 + COST) if governor.sampling else PLAIN)
@@ -298,7 +299,7 @@ def test_dark_pairs_run_without_any_streamwatch_hook_and_end_with_both_boundarie
     assert stats.dark_steps == hookless == 2 * DARK_PAIRS
     assert stats.steps == 1500
     assert stats.failed_steps == 0
-    assert len(model._forward_pre_hooks) == 0  # (closed: every hook out)
+    assert not root_seen(model)  # (closed: every hook out)
     assert governor.unseen_ratio == 0.0  # (the fake clock gave dark steps the lit steps' time)
     assert all(r.keys for r in records.items if r.step > 0)  # sampled records only (no scalar: < 1 s)
 
@@ -311,7 +312,7 @@ def test_a_bad_argument_in_a_dark_step_is_raised_one_boundary_later(monkeypatch:
         watch.step(loss=loss, batch_size=0)  # the first dark step only keeps its arguments
         with pytest.raises(ValueError, match="batch_size"):
             watch.step(loss=loss)  # the second runs both boundaries
-        assert model._forward_pre_hooks  # the root pre-hook is back
+        assert root_seen(model)  # the root module is seen again
         stats = watch.statistics()
     assert stats.failed_steps == 1
     assert stats.steps == steps + 2
@@ -342,7 +343,7 @@ def test_the_time_ceiling_crossed_in_a_dark_pair_samples_the_next_step(
             loss, _ = _train(model, opt, *next(batches))
             watch.step(loss=loss)
         assert not watch._dark  # the pair is over: at the crossing, not a step later
-        assert model._forward_pre_hooks  # (the root pre-hook is back)
+        assert root_seen(model)  # (the root module is seen again)
         assert governor.sampling  # the time ceiling samples the step that begins now
         clock.advance(PLAIN * (1 + COST))
         loss, _ = _train(model, opt, *next(batches))
@@ -359,7 +360,7 @@ def test_closing_in_a_dark_pair_runs_its_first_boundary(monkeypatch: pytest.Monk
     watch.step(loss=1.0)
     watch.close()
     assert watch.statistics().steps == steps + 1
-    assert not model._forward_pre_hooks
+    assert not root_seen(model)
 
 
 def test_a_dark_pairs_first_call_is_counted_at_once(monkeypatch: pytest.MonkeyPatch) -> None:

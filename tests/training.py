@@ -151,3 +151,8 @@ def train(
         assert watch is not None, "flush=True needs a watch"
         assert watch.flush()
     return losses
+
+
+def root_seen(model: nn.Module) -> bool:
+    """Whether a Watch sees ``model``'s calls: through its call slot or a forward pre-hook."""
+    return "_compiled_call_impl" in model.__dict__ or bool(model._forward_pre_hooks)
