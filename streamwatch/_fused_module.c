@@ -2,7 +2,7 @@
  * build_ext builds, names and installs it like any other (see setup.py). The kernel's functions live in
  * _fused.c and are called through ctypes from _kernel.py. The module itself has functions for the
  * calls per step where a ctypes call costs too much: whether the float32/float64 at an address is
- * finite (the quiet step's look at a CPU loss, _observe.py), the correct predictions of a CPU batch of
+ * finite (the quiet step's look at a CPU loss, _observe.py) and its value (a sampled step's loss), the correct predictions of a CPU batch of
  * class scores (train accuracy on a sampled step, _observe.py), and the worker's summary table of a step
  * (assemble, _record.py; numpy's _summary.finalize is the reference and the fallback). */
 #define PY_SSIZE_T_CLEAN
@@ -41,6 +41,17 @@ static PyObject *finite_f64(PyObject *self, PyObject *arg) {
     double v;
     memcpy(&v, p, sizeof v);
     return PyBool_FromLong(isfinite(v));
+}
+
+/* The float32 at an address as a Python float (a sampled step's CPU loss, _observe.py). NaN for
+ * address 0. */
+static PyObject *scalar_f32(PyObject *self, PyObject *arg) {
+    (void)self;
+    void *p = address_of(arg);
+    if (p == NULL) return PyErr_Occurred() ? NULL : PyFloat_FromDouble(NAN);
+    float v;
+    memcpy(&v, p, sizeof v);
+    return PyFloat_FromDouble((double)v);
 }
 
 /* How many rows of a contiguous [n, c] score matrix have their argmax at the contiguous int64 target:
@@ -256,6 +267,9 @@ static PyMethodDef fused_methods[] = {
      "is finite; False for address 0."},
     {"finite_f64", finite_f64, METH_O,
      "finite_f64(address) -> bool: the same for a float64."},
+    {"scalar_f32", scalar_f32, METH_O,
+     "scalar_f32(address) -> float: the float32 at ``address`` (a live CPU tensor's data_ptr()); NaN for "
+     "address 0."},
     {"correct_f32", (PyCFunction)(void (*)(void))correct_f32, METH_FASTCALL,
      "correct_f32(scores, targets, n, c) -> float: rows of the contiguous float32 [n, c] scores at address "
      "``scores`` whose argmax (first maximum; a NaN is the maximum) equals the int64 at ``targets``."},

@@ -373,6 +373,24 @@ def finite_checks() -> dict[torch.dtype, Callable[[int], bool]]:
     return _by_dtype("finite_f32", "finite_f64")
 
 
+def scalar_reader() -> Callable[[int], float] | None:
+    """The compiled module's one-call read of the float32 at an address: a sampled step's CPU loss
+    without ``Tensor.item()``'s dispatch through torch, which costs microseconds on a step that evicted
+    the interpreter's caches (and the boundary read the loss twice: for the record and the sentinel).
+    None (callers use torch) when the module is missing, predates it, or ``STREAMWATCH_KERNEL=torch``.
+    Never raises, never warns.
+
+    Example:
+        >>> import torch
+        >>> from streamwatch import _kernel
+        >>> read = _kernel.scalar_reader()
+        >>> loss = torch.tensor(0.1)
+        >>> read(loss.data_ptr()) if read else loss.item()
+        0.10000000149011612
+    """
+    return None if _forced_off() else _module_function("scalar_f32")
+
+
 def correct_counters() -> dict[torch.dtype, Callable[[int, int, int, int], float]]:
     """The compiled module's count of correct class predictions, by the scores' dtype:
     ``f(scores address, int64 targets address, rows, classes)`` for contiguous CPU ``[N, C]`` scores and
@@ -396,12 +414,18 @@ def _by_dtype(f32: str, f64: str) -> dict[torch.dtype, Any]:
     is missing, predates them, or ``STREAMWATCH_KERNEL=torch``."""
     if _forced_off():
         return {}
+    by_dtype = {torch.float32: _module_function(f32), torch.float64: _module_function(f64)}
+    return {} if None in by_dtype.values() else by_dtype
+
+
+def _module_function(name: str) -> Any:
+    """The compiled module's function ``name``; None when the module is missing or predates it."""
     try:
         from streamwatch import _fused  # type: ignore[attr-defined]  # (the compiled module)
 
-        return {torch.float32: getattr(_fused, f32), torch.float64: getattr(_fused, f64)}
+        return getattr(_fused, name)
     except (ImportError, AttributeError):
-        return {}
+        return None
 
 
 def assembler() -> Callable[..., int] | None:
@@ -422,12 +446,7 @@ def assembler() -> Callable[..., int] | None:
         ...     print([2.0, 2.0, 2.0, 0.0, 2.0, 1.0, 0.0])
         [2.0, 2.0, 2.0, 0.0, 2.0, 1.0, 0.0]
     """
-    try:
-        from streamwatch import _fused  # type: ignore[attr-defined]  # (the compiled module)
-
-        return _fused.assemble  # type: ignore[no-any-return]
-    except (ImportError, AttributeError):
-        return None
+    return _module_function("assemble")  # type: ignore[no-any-return]
 
 
 def _reset() -> None:

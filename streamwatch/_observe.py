@@ -95,6 +95,7 @@ DEFAULT_OVERHEAD = 0.02
 """``observe()``'s default: the overhead governor holds monitoring to 2 % of the run's time."""
 _governor_clock: Clock = time.perf_counter
 _Tensor = torch.Tensor  # (read on every quiet step: one global lookup, not two)
+_F32 = torch.float32
 """The clock a Watch's overhead governor times steps with (``observe(overhead=...)``): a seam for tests,
 which monkeypatch it with a :class:`streamwatch.testing.FakeClock` before ``observe()``."""
 _OBSERVED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -239,6 +240,7 @@ class Watch:
             self._last_record = time.perf_counter()
             self._quiet_until = 0.0  # a quiet step must begin before (see _quiet_step)
             self._finite_at = _kernel.finite_checks()  # a CPU loss's finiteness in one C call, by dtype
+            self._read_f32 = _kernel.scalar_reader()  # a float32 CPU loss's value in one C call
             self._failed_steps = 0
             self._last = time.perf_counter()
             self._errors: list[tuple[str, BaseException]] = []
@@ -582,14 +584,18 @@ class Watch:
                     taps.summarize_grads()  # the optimizer step did not run (a GradScaler skipped it)
                 if state.on.get("param") and not taps.has_optimizer:
                     taps.summarize_params()
-                self._send(seconds, checked, device, full=True, now=now)
+                value = self._loss_value(checked.loss)
+                self._send(seconds, checked, device, full=True, now=now, loss_value=value)
             elif now - self._last_record >= SCALAR_SECONDS:
                 # Between sampled steps, the cheap values (loss, lr, step time, throughput) still go out
                 # at least once a second: a scalar record, no layer rows.
-                self._send(seconds, checked, device, full=False, now=now)
+                value = self._loss_value(checked.loss)
+                self._send(seconds, checked, device, full=False, now=now, loss_value=value)
+            else:
+                value = None
             failed = False
             if self._sentinel is not None:
-                self._run_sentinel(checked, seconds)
+                self._run_sentinel(checked, seconds, value)
         except (Full, SendTimeout):
             raise  # overflow="error" / a blocking send that timed out: the policy the user chose
         except Exception as exc:  # streamwatch's own failure: training goes on; warned, raised at close
@@ -605,10 +611,12 @@ class Watch:
         device: dict[str, torch.Tensor],
         full: bool,
         now: float | None = None,
+        loss_value: float | None = None,
     ) -> None:
         """Seal this step's record and offer it to the worker: ``full`` for a sampled step (or one with
         rows: an evaluation pass, a metric), else a scalar record between sampled steps. ``seconds``
-        None: not a step's end (evaluation rows handed over at close), so no step time and no parts."""
+        None: not a step's end (evaluation rows handed over at close), so no step time and no parts.
+        ``loss_value``: the loss's value if :meth:`_loss_value` read it."""
         host: dict[str, float] = {}
         if seconds is not None:
             host["step_seconds"] = seconds
@@ -623,8 +631,13 @@ class Watch:
         loss = checked.loss
         if isinstance(loss, torch.Tensor):
             if loss.is_cpu:  # read at once, nothing to wait for (as float32, like a device loss)
-                scalar = loss.detach()
-                host["loss"] = float(scalar if scalar.dtype == torch.float32 else scalar.to(torch.float32))
+                if loss_value is not None:  # (read already: _loss_value)
+                    host["loss"] = loss_value
+                else:
+                    scalar = loss.detach()
+                    host["loss"] = float(
+                        scalar if scalar.dtype == torch.float32 else scalar.to(torch.float32)
+                    )
             else:
                 device["loss"] = loss.detach().reshape(()).to(torch.float32)
         elif loss is not None:
@@ -671,9 +684,25 @@ class Watch:
             self._scalar_records += not full
             self._sent_steps.append(self._step)  # its loss is there for the worker's non-finite verdict
 
-    def _run_sentinel(self, checked: _StepArgs, seconds: float) -> None:
+    def _loss_value(self, loss: object) -> float | None:
+        """A plain 0-d float32 CPU loss's value, read once for the record and the sentinel in one C call
+        (two ``item()`` dispatches through torch cost tens of microseconds on a step that evicted the
+        interpreter's caches); None for any other loss (torch reads it where needed)."""
+        read = self._read_f32
+        if (
+            read is None
+            or type(loss) is not _Tensor
+            or loss.dtype is not _F32
+            or not loss.is_cpu
+            or loss.ndim
+        ):
+            return None
+        return read(loss.data_ptr())
+
+    def _run_sentinel(self, checked: _StepArgs, seconds: float, value: float | None = None) -> None:
         """The per-step finite check (every step, sampled or not); a trip may escalate the sampling.
-        Never raises into the step: a failure is counted like a hook's."""
+        Never raises into the step: a failure is counted like a hook's. ``value``: the loss's value if
+        :meth:`_loss_value` read it."""
         sentinel = self._sentinel
         assert sentinel is not None
         if self._tripped:
@@ -684,7 +713,8 @@ class Watch:
             grads = (
                 [p.grad for _, _, p in self._taps.params if p.grad is not None] if sentinel.grad_norm else ()
             )
-            tripped = sentinel.check(self._step, checked.loss if self._sentinel_loss else None, grads)
+            loss = (checked.loss if value is None else value) if self._sentinel_loss else None
+            tripped = sentinel.check(self._step, loss, grads)
         except Exception as exc:
             self._state.fail(exc)
             return
@@ -1440,6 +1470,8 @@ def _accuracy(outputs: object, targets: object) -> tuple[Callable[[], torch.Tens
     score, n = _layout(
         outputs.shape, targets.shape, outputs.dtype, targets.dtype, outputs.device, targets.device
     )
+    if type(score) is _ClassesLastFused:  # (reads addresses: nothing to detach)
+        return functools.partial(score, outputs, targets), n
     return functools.partial(_count_correct, score, outputs, targets), n
 
 
@@ -1478,7 +1510,8 @@ def _classes_last(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 class _ClassesLastFused:
     """``_classes_last`` for CPU ``[N, C]`` scores and int64 ``[N]`` targets: one C call (the compiled
     module's ``correct_f32``/``correct_f64``, torch's argmax rules) returning a host float; a batch that
-    is not contiguous goes through torch."""
+    is not contiguous goes through torch. Takes the tensors as passed (reading their addresses needs no
+    ``detach()``, a dispatch through torch)."""
 
     __slots__ = ("count",)
 
@@ -1489,7 +1522,7 @@ class _ClassesLastFused:
         if o.is_contiguous() and t.is_contiguous() and type(o) is _Tensor and type(t) is _Tensor:
             rows, classes = o.shape
             return self.count(o.data_ptr(), t.data_ptr(), rows, classes)
-        return _classes_last(o, t)
+        return _classes_last(o.detach(), t.detach())
 
 
 _CORRECT = _kernel.correct_counters()

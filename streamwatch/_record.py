@@ -339,38 +339,47 @@ _NO_DEVICE_VALUES.setflags(write=False)
 
 
 class _Slab:
-    """Fresh float64 arrays cut from larger blocks: each step's host table and arena, with their addresses
-    for the kernel. One allocation and one address lookup per block (~64 steps) instead of two per step:
-    on a small model's step, which evicts the interpreter's caches, those cost ~30 µs.
+    """Fresh float64 arrays of one shape, cut from larger blocks: each step's host table and arena, with
+    their addresses for the kernel. A block of ``PIECES`` is allocated and cut into views at once, so a
+    step takes a ready view and its address from a list: on a step that evicts the interpreter's caches,
+    a fresh numpy array or view and its address cost microseconds each (~30 µs a step, allocated per step).
 
-    A piece is never handed out twice; a block lives as long as a record holds a piece of it.
+    A piece is never handed out twice; a block lives as long as a record holds a piece of it. Asking for
+    another shape starts a new block (callers round their sizes up and keep the largest: rarely).
 
     Example:
         >>> slab = _Slab(zeroed=True)
-        >>> a, address_a = slab.take(3)
-        >>> b, address_b = slab.take(2)
+        >>> a, address_a = slab.take((2, 3))
+        >>> b, address_b = slab.take((2, 3))
         >>> a.tolist(), address_b - address_a
-        ([0.0, 0.0, 0.0], 24)
+        ([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]], 48)
     """
 
-    __slots__ = ("_base", "_block", "_used", "_zeroed")
+    PIECES = 64
+    __slots__ = ("_pieces", "_shape", "_zeroed")
 
     def __init__(self, zeroed: bool) -> None:
         self._zeroed = zeroed
-        self._block = np.empty(0)
-        self._base = 0
-        self._used = 0
+        self._shape: tuple[int, ...] = ()
+        self._pieces: list[tuple[np.ndarray, int]] = []
 
-    def take(self, n: int) -> tuple[np.ndarray, int]:
-        """``n`` fresh values (zeros if ``zeroed``) and the address of the first."""
-        start = self._used
-        if start + n > len(self._block):
-            size = max(64 * n, 4096)
-            self._block = np.zeros(size) if self._zeroed else np.empty(size)
-            self._base = int(self._block.ctypes.data)
-            start = 0
-        self._used = start + n
-        return self._block[start : start + n], self._base + 8 * start
+    def take(self, shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
+        """A fresh array of ``shape`` (zeros if ``zeroed``) and the address of its first value."""
+        pieces = self._pieces
+        if not pieces or shape != self._shape:
+            n = self.PIECES
+            block = np.zeros((n, *shape)) if self._zeroed else np.empty((n, *shape))
+            base, stride = int(block.ctypes.data), block.strides[0]
+            self._pieces = pieces = list(
+                zip(block[::-1], range(base + (n - 1) * stride, base - 1, -stride), strict=True)
+            )
+            self._shape = shape
+        return pieces.pop()
+
+
+def _capacity(n: int, least: int) -> int:
+    """``n`` rounded up to a power of two, at least ``least`` (table rows, arena values)."""
+    return max(least, 1 << (n - 1).bit_length()) if n > 1 else least
 
 
 class StepBuffer:
@@ -388,7 +397,9 @@ class StepBuffer:
         "_arena_used",
         "_arenas",
         "_host_address",
+        "_rows",
         "_tables",
+        "_units",
         "arena",
         "counts",
         "device",
@@ -419,9 +430,12 @@ class StepBuffer:
     def __init__(self, rows: int = 64, units: int = 4096) -> None:
         self._tables = _Slab(zeroed=False)  # each step's host table and arena are cut from these
         self._arenas = _Slab(zeroed=True)
-        self.host, self._host_address = self._tables.take(rows * NSTATS)
-        self.host = self.host.reshape(rows, NSTATS)
-        self.arena, self._arena_address = self._arenas.take(units)  # per-unit active samples of unit-rows
+        # Sizes of the next table and arena: the largest a step needed so far, rounded up (a scalar
+        # record's empty step does not shrink them, so the next sampled step does not grow them).
+        self._rows = _capacity(rows, 16)
+        self._units = _capacity(units, 64)
+        self.host, self._host_address = self._tables.take((self._rows, NSTATS))
+        self.arena, self._arena_address = self._arenas.take((self._units,))  # per-unit active samples
         self._arena_used = 0
         self.clear()
 
@@ -669,11 +683,13 @@ class StepBuffer:
             release=release,
             order=self.order,
         )
-        # The next step's table and arena, fresh (the record keeps these), at this step's sizes
-        rows = max(len(self.keys), 16)
-        table, self._host_address = self._tables.take(rows * NSTATS)
-        self.host = table.reshape(rows, NSTATS)
-        self.arena, self._arena_address = self._arenas.take(max(self._arena_used, 64))
+        # The next step's table and arena, fresh (the record keeps these)
+        if len(self.keys) > self._rows:
+            self._rows = _capacity(len(self.keys), 16)
+        if self._arena_used > self._units:
+            self._units = _capacity(self._arena_used, 64)
+        self.host, self._host_address = self._tables.take((self._rows, NSTATS))
+        self.arena, self._arena_address = self._arenas.take((self._units,))
         self._arena_used = 0  # (a fresh arena: nothing for clear() to zero)
         self.clear()
         return record

@@ -7,6 +7,7 @@ multiple of the vector lanes or of the float64 flush chunk, saturation bounds, N
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -17,7 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
+import streamwatch as sw
 from streamwatch import _kernel
 from streamwatch._summary import saturation_bounds, summarize
 
@@ -597,6 +600,8 @@ def test_train_accuracy_takes_the_compiled_count_only_where_it_is_torchs() -> No
     assert total == 16
     assert count() == expected
     assert isinstance(count(), float)  # the C call: a host float, no torch op
+    count, _ = _observe._accuracy(scores.clone().requires_grad_(), targets)  # (read in place: no detach)
+    assert count() == expected
     # a transposed (non-contiguous) batch and int32 targets go through torch, with the same answer
     strided = scores.t().contiguous().t()
     count, _ = _observe._accuracy(strided, targets)
@@ -612,3 +617,39 @@ def test_the_correct_count_refuses_a_null_batch_clearly() -> None:
     with pytest.raises(ValueError, match="3 rows of 4 classes at NULL"):
         count(0, 0, 3, 4)
     assert count(0, 0, 0, 4) == 0.0  # an empty batch: nothing to read
+
+
+# -- a sampled step's CPU loss in one call: _fused.scalar_f32 against Tensor.item() -----------------------
+
+
+def test_the_compiled_scalar_read_is_torchs_item() -> None:
+    read = _kernel.scalar_reader()
+    assert read is not None
+    values = torch.tensor([0.1, -0.0, 1e-45, 3.4e38, float("inf"), -float("inf"), float("nan"), 7.0])
+    for i in range(len(values)):
+        scalar = values[i]  # a 0-d view at an offset into its storage: data_ptr() points at the element
+        got, expected = read(scalar.data_ptr()), scalar.item()
+        assert got == expected or (math.isnan(got) and math.isnan(expected))
+        assert math.copysign(1.0, got) == math.copysign(1.0, expected)  # (-0.0 stays -0.0)
+    assert math.isnan(read(0))  # no storage: not a value
+    with pytest.raises(TypeError, match="expected an address"):
+        read(1.5)
+
+
+def test_a_sampled_steps_cpu_loss_is_read_where_it_lies(summary_kernel: str) -> None:
+    """The record's loss is the value of the tensor passed, a 0-d view into a larger one and a loss that
+    requires grad included; a float64 loss goes through torch (rounded to float32 like a device loss)."""
+    model = nn.Linear(3, 2)
+    records = sw.sinks.collect()
+    x = torch.randn(4, 3)
+    with sw.observe(model, every=1, sinks=[records]) as watch:
+        losses = torch.stack([model(x).pow(2).mean(), model(x).abs().mean()])
+        watch.step(losses[1])  # a view at offset 1, requiring grad
+        watch.step(torch.tensor(0.1, dtype=torch.float64))
+        watch.step(torch.tensor([2.5]))  # one element, 1-d: through torch
+        watch.flush()
+    assert [r.scalars["loss"] for r in records.items] == [
+        losses[1].item(),
+        torch.tensor(0.1).item(),
+        2.5,
+    ]
