@@ -9,7 +9,8 @@ Identical copies of the demo MLP (20-128³-10, batch 64, SGD, one torch thread) 
 interleaved rounds, each as its own variant:
 
 * ``plain``, ``plain2``: unmonitored (``plain2`` shows the noise between two identical loops);
-* ``pre-hook``: unmonitored with a no-op forward pre-hook on the root module (torch's hook dispatch);
+* ``pre-hook``: unmonitored with a no-op forward pre-hook on the root module (torch's hook dispatch:
+  what seeing the root module's calls through its call slot instead saves);
 * ``default``: ``observe(model, opt)`` (the governor at 2 %), ``watch.step(loss, outputs, targets,
   batch_size)``;
 * ``never``: ``observe(model, opt, every=10**9)``, the same ``watch.step()``: unsampled steps only;
