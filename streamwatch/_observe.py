@@ -94,10 +94,10 @@ staler than this on ``/metrics``."""
 DEFAULT_OVERHEAD = 0.02
 """``observe()``'s default: the overhead governor holds monitoring to 2 % of the run's time."""
 _governor_clock: Clock = time.perf_counter
-_Tensor = torch.Tensor  # (read on every quiet step: one global lookup, not two)
-_F32 = torch.float32
 """The clock a Watch's overhead governor times steps with (``observe(overhead=...)``): a seam for tests,
 which monkeypatch it with a :class:`streamwatch.testing.FakeClock` before ``observe()``."""
+_Tensor = torch.Tensor  # (read on every quiet step: one global lookup, not two)
+_F32 = torch.float32
 _OBSERVED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _OBSERVED_LOCK = threading.Lock()
 
@@ -575,6 +575,7 @@ class Watch:
         failed = True
         try:
             device: dict[str, torch.Tensor] = {}
+            value = None  # the loss's value, once read (_loss_value)
             if self._step_metrics:
                 self._run_step_metrics(device)
             buffer = state.buffer
@@ -591,8 +592,6 @@ class Watch:
                 # at least once a second: a scalar record, no layer rows.
                 value = self._loss_value(checked.loss)
                 self._send(seconds, checked, device, full=False, now=now, loss_value=value)
-            else:
-                value = None
             failed = False
             if self._sentinel is not None:
                 self._run_sentinel(checked, seconds, value)
@@ -713,7 +712,10 @@ class Watch:
             grads = (
                 [p.grad for _, _, p in self._taps.params if p.grad is not None] if sentinel.grad_norm else ()
             )
-            loss = (checked.loss if value is None else value) if self._sentinel_loss else None
+            loss = checked.loss if self._sentinel_loss else None
+            if loss is not None:  # (a record's read it already, else one C call now where it can)
+                value = self._loss_value(loss) if value is None else value
+                loss = loss if value is None else value
             tripped = sentinel.check(self._step, loss, grads)
         except Exception as exc:
             self._state.fail(exc)
