@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -31,7 +31,7 @@ from streamwatch._summary import COLUMNS, Raw, Row, derive, finalize, merged
 
 _ROW_BYTES = NSTATS * 8  # one float64 row of the host table
 
-__all__ = ["PendingRecord", "Sample", "SeriesKey", "SlotPool", "StepBuffer", "StepRecord"]
+__all__ = ["Layout", "PendingRecord", "Sample", "SeriesKey", "SlotPool", "StepBuffer", "StepRecord"]
 
 
 class SeriesKey(NamedTuple):
@@ -226,6 +226,7 @@ class PendingRecord:
         if self.release is not None:
             self.release()
         n = len(self.keys)
+        layout = layout_of(self.keys)
         if _ASSEMBLE is not None and len(self.host) >= n:  # the table in one C call, numpy's result exactly
             table = np.empty((n, len(COLUMNS)))
             nstats = NSTATS if self.nonfinite_counted else NSTATS - 1
@@ -243,11 +244,11 @@ class PendingRecord:
                 self.unit_rows,
                 len(self.device_rows) * nstats + len(self.scalar_names),
             )
-            keys, table = merged(tuple(self.keys), table, self.nonfinite_counted)
+            keys, table = merged(layout, table, self.nonfinite_counted)
         else:
-            keys, table, start = self._finalize(flat)
+            keys, table, start = self._finalize(flat, layout)
         table.setflags(write=False)
-        order = _merged_order(self.keys, self.order, len(keys))
+        order = layout.ordered(self.order, len(keys))
         scalars = dict(self.host_scalars)
         nd = len(self.device_rows) * (NSTATS if self.nonfinite_counted else NSTATS - 1)
         for i, name in enumerate(self.scalar_names):
@@ -262,7 +263,7 @@ class PendingRecord:
             start += length
         return StepRecord(self.step, self.time, self.rank, keys, table, scalars, extras, self.edges, order)  # type: ignore[arg-type]
 
-    def _finalize(self, flat: np.ndarray) -> tuple[tuple[Hashable, ...], np.ndarray, int]:
+    def _finalize(self, flat: np.ndarray, layout: Layout) -> tuple[tuple[Hashable, ...], np.ndarray, int]:
         """The table with numpy (device rows; the reference for the C path): ``(keys, table, where the
         extras start in flat)``."""
         n = len(self.keys)
@@ -293,7 +294,7 @@ class PendingRecord:
             dead[rows] = np.add.reduceat(vectors == 0, offsets, dtype=np.float64)
             active[rows] = np.add.reduceat(vectors, offsets)
         raw = Raw(
-            tuple(self.keys),
+            layout,
             np.asarray(self.counts, dtype=np.float64),
             units,
             values,
@@ -306,7 +307,79 @@ class PendingRecord:
         return keys, table, start
 
 
-def _merged_order(keys: list[Hashable], order: list[int], merged: int) -> tuple[int, ...]:
+class Layout(tuple):  # type: ignore[type-arg]
+    """A record's keys, as the worker receives them step after step: a tuple that hashes once.
+
+    Every stage after the channel keys a cache or a dict by the record's keys (the series store's
+    latest record per layout, the detectors' and the non-finite tracker's row selections); hashing a
+    tuple of a few hundred keys each time costs microseconds per stage. A layout remembers its hash,
+    whether its keys are unique, and the last execution order it was resolved with. It equals (and
+    hashes like) the plain tuple of its keys.
+
+    Example:
+        >>> keys = (SeriesKey("train", "fc", "activation", ""),)
+        >>> layout = Layout(keys)
+        >>> layout == keys, hash(layout) == hash(keys), layout.unique
+        (True, True, True)
+    """
+
+    _hash: int
+    unique: bool
+    """No two keys are equal (nothing to merge)."""
+    _order: tuple[list[int], tuple[int, ...]]
+    """The last execution order resolved with this layout, and :func:`_merged_order` of it."""
+
+    def __new__(cls, keys: Any) -> Layout:
+        self = super().__new__(cls, keys)
+        self._hash = tuple.__hash__(self)
+        self.unique = len(set(self)) == len(self)
+        self._order = ([], ())
+        return self
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def ordered(self, order: list[int], merged: int) -> tuple[int, ...]:
+        """:func:`_merged_order` of these keys, remembered for the last ``order`` (a step's order repeats
+        with its layout; ``order`` is a handed-over list, never changed after)."""
+        seen, result = self._order
+        if order != seen:
+            result = _merged_order(self, order, merged)
+            self._order = (order, result)
+        return result
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (tuple, (tuple(self),))  # copies and pickles are plain tuples
+
+
+_LAYOUTS: list[tuple[list[Hashable], Layout]] = []
+"""The keys of the last few distinct steps resolved (a training thread's lists) and their layouts, the
+latest first: a run's layouts repeat (a step with weights and updates every 10th sampled step, the other
+steps without); several watches at once only make more of them."""
+
+_LAYOUTS_KEPT = 4
+
+
+def layout_of(keys: list[Hashable]) -> Layout:
+    """The :class:`Layout` of a step's keys: a recent step's when they are the same keys (a comparison
+    of the same key objects, one by one), else a new one.
+
+    Example:
+        >>> keys = [SeriesKey("train", "fc", "activation", "")]
+        >>> layout_of(keys) is layout_of(list(keys))
+        True
+    """
+    global _LAYOUTS
+    layouts = _LAYOUTS
+    for entry in layouts:
+        if keys == entry[0]:  # a list of another length differs at once
+            return entry[1]
+    layout = Layout(keys)
+    _LAYOUTS = [(keys, layout), *layouts[: _LAYOUTS_KEPT - 1]]  # one assignment: safe across threads
+    return layout
+
+
+def _merged_order(keys: Sequence[Hashable], order: list[int], merged: int) -> tuple[int, ...]:
     """The execution position of each row after :func:`finalize` merged equal keys (each key keeps its
     first row's place and position; keys are merged in order of first appearance, as ``finalize`` does);
     ``()`` when the rows are in execution order already (the common case, and what a run file holds)."""

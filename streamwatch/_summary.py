@@ -259,8 +259,10 @@ def finalize(raw: Raw) -> tuple[tuple[Hashable, ...], np.ndarray]:
 def merged(
     keys: tuple[Hashable, ...], table: np.ndarray, counted: bool
 ) -> tuple[tuple[Hashable, ...], np.ndarray]:
-    """``(keys, table)`` with rows of equal keys merged (see :func:`finalize`); as they are if all differ."""
-    if len(set(keys)) == len(keys):
+    """``(keys, table)`` with rows of equal keys merged (see :func:`finalize`); as they are if all differ
+    (known once per layout for a ``_record.Layout``)."""
+    unique = getattr(keys, "unique", None)
+    if unique if unique is not None else len(set(keys)) == len(keys):
         return keys, table
     return _merge(keys, table, counted=counted)
 

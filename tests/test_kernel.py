@@ -7,7 +7,9 @@ multiple of the vector lanes or of the float64 flush chunk, saturation bounds, N
 
 from __future__ import annotations
 
+import copy
 import math
+import pickle
 import re
 import subprocess
 import sys
@@ -467,7 +469,7 @@ def _pending(rng: np.random.Generator, rows: int, counted: bool, repeats: bool, 
     host = stats(rows + 3)
     counts = [int(c) for c in rng.integers(1, 1000, rows)]
     host[:rows, 4] = [rng.integers(0, c + 1) for c in counts]  # nonzero <= count
-    units = [int(u) if rng.random() < 0.6 else 0 for u in rng.integers(1, 20, rows)]
+    units = [int(u) if rng.random() < 0.6 else 0 for u in rng.integers(1, 70, rows)]  # (4-wide sums)
     samples = [int(rng.integers(1, 64)) if u else 0 for u in units]
     device_rows = sorted(int(r) for r in rng.choice(rows, size=rows // 3, replace=False)) if device else []
     unit_rows = [r for r in device_rows if units[r] and rng.random() < 0.8]
@@ -542,6 +544,40 @@ def test_the_compiled_table_is_numpys_to_the_bit(
             continue
         assert fast.table[row, 8] == np.count_nonzero(segment == 0)
         assert fast.table[row, 10] == segment.sum()
+
+
+def test_a_steps_keys_resolve_to_one_layout_per_distinct_list_of_keys() -> None:
+    from streamwatch._record import Layout, layout_of
+
+    keys = [sw.SeriesKey("train", f"l{i}", "activation", "") for i in range(40)]
+    other = [*keys[:-1], sw.SeriesKey("train", "l39", "param_grad", "weight")]
+    layout = layout_of(keys)
+    assert layout_of(list(keys)) is layout  # the same keys, another step's list
+    assert layout_of(other) is not layout
+    assert layout_of(other) == tuple(other)
+    assert layout_of(keys) is layout  # recent layouts are kept: steps alternate between a few
+    assert layout == tuple(keys)
+    assert hash(layout) == hash(tuple(keys))
+    assert layout.unique
+    assert {tuple(keys): 1}[layout] == 1
+    assert {layout: 2}[tuple(keys)] == 2
+    assert not Layout([*keys, keys[0]]).unique
+    assert type(pickle.loads(pickle.dumps(layout))) is tuple  # copies are plain tuples
+    assert type(copy.deepcopy(layout)) is tuple
+
+
+def test_a_layouts_remembered_order_follows_each_steps_order() -> None:
+    rng = np.random.default_rng(3)
+    pending = _pending(rng, 30, counted=True, repeats=False, device=False)
+    shuffled = [int(i) for i in rng.permutation(30)]
+    for order, expected in (
+        (list(range(30)), ()),
+        (shuffled, tuple(shuffled)),
+        (list(range(30)), ()),
+        ([*range(1, 30), 30], ()),  # increasing, but not 0..n-1: still execution order
+    ):
+        pending.order = order
+        assert pending.resolve().order == expected
 
 
 @pytest.mark.parametrize(
