@@ -25,8 +25,9 @@ from __future__ import annotations
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-# -fno-math-errno lets the compiler vectorise; -ffast-math is never used (it breaks NaN/inf handling).
-_GCC_FLAGS = ["-O3", "-funroll-loops", "-std=gnu11", "-fno-math-errno"]
+# -fno-math-errno lets the compiler vectorise; -ffast-math is never used (it breaks NaN/inf handling);
+# -ffp-contract=off keeps a*b+c two roundings, as in Python (the detectors' fold must give its bits).
+_GCC_FLAGS = ["-O3", "-funroll-loops", "-std=gnu11", "-fno-math-errno", "-ffp-contract=off"]
 
 
 class BuildFused(build_ext):

@@ -1,11 +1,17 @@
 """The detectors' implementation; the public face and the overview are in :mod:`streamwatch.detectors`.
 
-Every smoothed detector is ``map(extract) | filter(present) | scan(fold, Baseline.empty()) | map(samples)``:
-:meth:`_Smoothed.fold` is the one place the baseline and the scores are computed, one series of a record
-(the loss; the global and per-layer gradient norms) at a time in plain float arithmetic. A record brings
-one to a few hundred series, and numpy's per-call cost on arrays that small is larger than the arithmetic:
-the float loop holds the worker's GIL a fraction as long. The state is an immutable :class:`Baseline`
-(``ops.scan`` starts every pipeline from the same initial state).
+Every smoothed detector's chain is ``map(extract) | filter(present) | scan(fold, Baseline.empty()) |
+map(samples)``: :meth:`_Smoothed.fold` is the one place the baseline and the scores are computed, one
+series of a record (the loss; the global and per-layer gradient norms) at a time in float arithmetic —
+one C call (``_fused.ewm_fold``) when the compiled module is there, else the plain-Python loop
+(:meth:`_Smoothed.fold_reference`) that is its reference, bit for bit. A record brings one to a few
+hundred series, and numpy's per-call cost on arrays that small is larger than the arithmetic. The state
+is an immutable :class:`Baseline` (``ops.scan`` starts every pipeline from the same initial state).
+
+The pipeline a detector runs on the worker (:meth:`Detector.pipeline`) ends in the scan instead: each
+state goes to the store as the latest (``SeriesStore.later``), which makes the samples from it when it
+is read — once per scrape or snapshot rather than once per record, serving exactly what publishing
+every record's samples would have left.
 
 Example:
     >>> import numpy as np
@@ -37,6 +43,7 @@ from streamwatch._families import (
     UPDATE_RATIO_OUT_OF_BAND,
     Family,
 )
+from streamwatch._kernel import _module_function
 from streamwatch._pipeline import Operator, Pipeline, Sink, describe, source
 from streamwatch._record import Sample, SeriesKey, StepRecord
 from streamwatch._store import SeriesStore
@@ -79,10 +86,10 @@ class Values(NamedTuple):
     values: tuple[float, ...]
 
 
-@dataclass(frozen=True, slots=True, repr=False)
-class Baseline:
+class Baseline(NamedTuple):
     """A smoothed detector's state after a record, one entry per series (an immutable value: ``ops.scan``
-    starts every pipeline from the same initial state, and each fold returns a new one).
+    starts every pipeline from the same initial state, and each fold returns a new one; a named tuple,
+    built once per record and series-set, costs a fraction of a frozen dataclass).
 
     Attributes:
         names: the series (``""`` for the loss; ``"__all__"`` and the layers for gradients).
@@ -92,6 +99,7 @@ class Baseline:
         score: each series' score for the last record (z-score or ratio); NaN where none was reported.
         fresh: the series that had a finite value in the last record.
         spikes: sampled steps whose score exceeded the threshold, per series.
+        last: each series' latest finite score (NaN before its first): what the store serves.
     """
 
     names: tuple[str, ...]
@@ -101,11 +109,12 @@ class Baseline:
     score: tuple[float, ...]
     fresh: tuple[bool, ...]
     spikes: tuple[int, ...]
+    last: tuple[float, ...]
 
     @classmethod
     def empty(cls) -> Baseline:
         """The state before the first record: no series."""
-        return cls((), (), (), (), (), (), ())
+        return cls((), (), (), (), (), (), (), ())
 
     def aligned(self, values: Values) -> tuple[Baseline, tuple[float, ...]]:
         """This state grown by the series ``values`` brings for the first time, and ``values`` laid out
@@ -125,6 +134,7 @@ class Baseline:
                 self.score + (math.nan,) * k,
                 self.fresh + (False,) * k,
                 self.spikes + (0,) * k,
+                self.last + (math.nan,) * k,
             )
             index.update({name: len(self.names) + i for i, name in enumerate(new)})
         laid = [math.nan] * len(state.names)
@@ -136,12 +146,17 @@ class Baseline:
         return f"<baseline series={len(self.names)}>"
 
 
+_EWM_FOLD = _module_function("ewm_fold")
+"""The compiled fold of a smoothed detector (None: :meth:`_Smoothed.fold_reference`'s Python)."""
+
+
 def _present(item: object) -> bool:
     return item is not None
 
 
 class _Publish(Sink):
-    """The end of a detector's pipeline: its samples become the store's latest values."""
+    """The end of a detector's pipeline (its :meth:`Detector.chain`): its samples become the store's
+    latest values."""
 
     __slots__ = ("detector", "store")
 
@@ -152,6 +167,26 @@ class _Publish(Sink):
     def send(self, item: Any) -> None:
         if item:
             self.store.put(item)
+
+    def __repr__(self) -> str:
+        return f"<publish {describe(self.detector)}>"
+
+
+class _PublishLatest(Sink):
+    """The end of a built-in detector's pipeline: each state is handed to the store as the latest
+    (``store.later``), which makes the detector's samples from it when it is read — once per scrape or
+    snapshot, not once per record. What the store then serves is what publishing every record's samples
+    would have left (:meth:`_Smoothed.published`, :meth:`UpdateRatioBand.published`)."""
+
+    __slots__ = ("detector", "later", "publish")
+
+    def __init__(self, store: SeriesStore, detector: Any) -> None:
+        self.later = store.later
+        self.detector = detector
+        self.publish = detector.published
+
+    def send(self, item: Any) -> None:
+        self.later(self, self.publish, item)
 
     def __repr__(self) -> str:
         return f"<publish {describe(self.detector)}>"
@@ -248,11 +283,56 @@ class _Smoothed(Detector):
                 out.append(Sample(scores, labels, score))
         return out
 
+    def published(self, state: Baseline) -> list[Sample]:
+        """Every value the store serves after ``state``: for each series with a finite value so far, its
+        spike count and its latest score (once it has one) — what :meth:`samples` of every record up to
+        ``state`` leaves in a store, made once per read."""
+        scores, counts, label = self.scores.name, self.counts.name, self.label
+        out: list[Sample] = []
+        for name, n, last, spikes in zip(state.names, state.n, state.last, state.spikes, strict=True):
+            if not n:
+                continue
+            labels = {label: name} if label else {}
+            out.append(Sample(counts, labels, float(spikes)))
+            if last == last:
+                out.append(Sample(scores, labels, last))
+        return out
+
     def fold(self, state: Baseline, values: Values) -> Baseline:
-        """Score one record's values against ``state`` and fold them in: the next state."""
+        """Score one record's values against ``state`` and fold them in: the next state.
+
+        In one C call when the compiled module has it and the score is a built-in one (the same bits as
+        :meth:`fold_reference`, the plain-Python fold it falls back to)."""
         state, xs = state.aligned(values)
         if not xs:
             return state
+        kind = _C_SCORES.get(type(self)._score)
+        if kind is None or _EWM_FOLD is None:
+            return self._fold(state, xs)
+        n, mean, dev, score, fresh, spikes, last = _EWM_FOLD(
+            xs,
+            state.n,
+            state.mean,
+            state.dev,
+            state.spikes,
+            state.last,
+            float(self.threshold),
+            float(self.alpha),
+            self.warmup,
+            kind,
+            MAD_TO_SIGMA,
+            SCALE_FLOOR,
+        )
+        return Baseline(state.names, n, mean, dev, score, fresh, spikes, last)
+
+    def fold_reference(self, state: Baseline, values: Values) -> Baseline:
+        """:meth:`fold` in plain Python: the reference (and the fallback without the compiled module)."""
+        state, xs = state.aligned(values)
+        if not xs:
+            return state
+        return self._fold(state, xs)
+
+    def _fold(self, state: Baseline, xs: tuple[float, ...]) -> Baseline:
         threshold, alpha, warmup, isfinite, score_of = (
             self.threshold,
             self.alpha,
@@ -261,10 +341,12 @@ class _Smoothed(Detector):
             self._score,
         )
         nan = math.nan
-        rows = []  # (n, mean, dev, score, fresh, spikes) per series
-        for x, n, m, d, k in zip(xs, state.n, state.mean, state.dev, state.spikes, strict=True):
+        rows = []  # (n, mean, dev, score, fresh, spikes, last) per series
+        for x, n, m, d, k, last in zip(
+            xs, state.n, state.mean, state.dev, state.spikes, state.last, strict=True
+        ):
             if not isfinite(x):
-                rows.append((n, m, d, nan, False, k))
+                rows.append((n, m, d, nan, False, k, last))
                 continue
             score = nan
             entering = x
@@ -272,6 +354,8 @@ class _Smoothed(Detector):
                 score, low, high = score_of(m, d, x)
                 if score > threshold:
                     k += 1
+                if score == score:
+                    last = score
                 entering = low if low > x else x  # clipped into [low, high]: min(max(x, low), high)
                 entering = high if high < entering else entering
             if n:  # the deviation from the mean before this value; weight max(alpha, 1/n)
@@ -279,9 +363,9 @@ class _Smoothed(Detector):
                 d += (a if a > alpha else alpha) * (abs(entering - m) - d)
             a = 1.0 / (n + 1)
             m += (a if a > alpha else alpha) * (entering - m)
-            rows.append((n + 1, m, d, score, True, k))
-        ns, means, devs, scores, fresh, spikes = zip(*rows, strict=True)
-        return Baseline(state.names, ns, means, devs, scores, fresh, spikes)
+            rows.append((n + 1, m, d, score, True, k, last))
+        ns, means, devs, scores, fresh, spikes, lasts = zip(*rows, strict=True)
+        return Baseline(state.names, ns, means, devs, scores, fresh, spikes, lasts)
 
     def chain(self) -> Operator:
         return (
@@ -289,6 +373,17 @@ class _Smoothed(Detector):
             | ops.filter(_present)
             | ops.scan(self.fold, Baseline.empty())
             | ops.map(self.samples)
+        )
+
+    def pipeline(self, store: SeriesStore) -> Pipeline:
+        """``chain()`` into ``store``, with the samples made from the latest baseline when the store is
+        read (the same values as publishing each record's, once per read)."""
+        return (
+            source()
+            | ops.map(self.extract)
+            | ops.filter(_present)
+            | ops.scan(self.fold, Baseline.empty())
+            | _PublishLatest(store, self)
         )
 
 
@@ -516,9 +611,39 @@ class UpdateRatioBand(Detector):
             out.append(Sample(UPDATE_RATIO_OUT_OF_BAND.name, labels, excess + 0.0))  # no -0.0
         return out
 
+    def published(self, latest: Values) -> list[Sample]:
+        """Every value the store serves after ``latest`` (each layer's latest finite ratio)."""
+        return self.samples(latest)
+
     def chain(self) -> Operator:
         return ops.map(self.extract) | ops.filter(_present) | ops.map(self.samples)
 
+    def pipeline(self, store: SeriesStore) -> Pipeline:
+        """``chain()`` into ``store``, with the samples made from each layer's latest finite ratio when the
+        store is read (the same values as publishing each record's, once per read)."""
+        return (
+            source()
+            | ops.map(self.extract)
+            | ops.filter(_present)
+            | ops.scan(_latest_finite, _NO_VALUES)
+            | _PublishLatest(store, self)
+        )
+
+
+_NO_VALUES = Values((), ())
+
+
+def _latest_finite(latest: Values, values: Values) -> Values:
+    """``latest`` with the finite values of ``values`` in place of (or after) those of the same names."""
+    merged = dict(zip(latest.names, latest.values, strict=True))
+    isfinite = math.isfinite
+    merged.update((name, x) for name, x in zip(values.names, values.values, strict=True) if isfinite(x))
+    return Values(tuple(merged), tuple(merged.values()))
+
+
+_C_SCORES: dict[Any, int] = {LossSpike._score: 0, GradientSpike._score: 1}
+"""The scores the compiled fold computes, by the method that is its reference (a subclass that overrides
+``_score`` folds in Python)."""
 
 DEFAULT_DETECTORS: tuple[Detector, ...] = (LossSpike(), GradientSpike(), UpdateRatioBand())
 """The detectors with their documented defaults (docs/detectors.md)."""

@@ -243,6 +243,9 @@ class SeriesStore(Sink):
         self._rows: dict[SeriesKey, np.ndarray] = {}
         self._extras: dict[tuple[SeriesKey, str], np.ndarray] = {}
         self._put: dict[tuple[str, tuple[tuple[str, str], ...]], Sample] = {}  # derived and served values
+        # the latest state of each deferred publisher, not yet turned into samples (see later())
+        self._later: dict[object, tuple[Callable[[Any], Iterable[Sample]], Any]] = {}
+        self._stopped: set[object] = set()  # publishers whose samples raised (in failures)
         self._scalars: dict[str, float] = {}
         self._edges: Mapping[str, tuple[float, ...]] = {}
         self._step: int | None = None
@@ -292,21 +295,34 @@ class SeriesStore(Sink):
 
     def _apply(self) -> None:  # holds the lock
         pending = self._pending
-        if not pending:
-            return
-        rows = self._rows
-        for record in pending.values():
-            for key, row in zip(record.keys, record.table, strict=True):
-                rows[key] = row
-            for name, metric in list(self._run):
-                try:
-                    samples = metric(record)
-                except Exception as exc:  # stops only this metric: the values and the other metrics go on
-                    self._run = [entry for entry in self._run if entry[0] != name]
-                    self.failures.append((f"SeriesStore metric {name!r}", exc))
-                    continue
-                self._store(samples)  # a function of records already counted: the version stays
-        pending.clear()
+        if pending:
+            rows = self._rows
+            for record in pending.values():
+                for key, row in zip(record.keys, record.table, strict=True):
+                    rows[key] = row
+                for name, metric in list(self._run):
+                    try:
+                        samples = metric(record)
+                    except Exception as exc:  # stops only this metric: the values and the others go on
+                        self._run = [entry for entry in self._run if entry[0] != name]
+                        self.failures.append((f"SeriesStore metric {name!r}", exc))
+                        continue
+                    self._store(samples)  # a function of records already counted: the version stays
+            pending.clear()
+        if self._later:
+            self._publish_later()
+
+    def _publish_later(self) -> None:  # holds the lock
+        later = self._later
+        for key, (publish, state) in later.items():
+            try:
+                samples = list(publish(state))
+            except Exception as exc:  # stops only this publisher: the values and the others go on
+                self._stopped.add(key)
+                self.failures.append((f"SeriesStore publishing {key!r}", exc))
+                continue
+            self._store(samples)
+        later.clear()
 
     def put(self, samples: Iterable[Sample], replace: bool = False) -> None:
         """Latest values of derived or user-served series, replacing those with the same name and labels;
@@ -319,6 +335,31 @@ class SeriesStore(Sink):
                 self._put = {key: s for key, s in self._put.items() if key[0] not in names}
             self._store(samples)
             self._changes += 1
+
+    def later(self, key: object, publish: Callable[[Any], Iterable[Sample]], state: Any) -> bool:
+        """Publish ``publish(state)``'s samples (as :meth:`put` would) when the store is next read, in
+        place of any state ``key`` left unread: a pipeline whose samples are a function of its latest
+        state (the detectors') hands over that state per record and the samples are made once per read.
+
+        ``state`` must not change after it is handed over (the read may happen on another thread). A
+        ``publish`` that raises is stopped — listed in :attr:`failures`, its key refused from then on
+        (False) — and everything else goes on.
+
+        Example:
+            >>> from streamwatch import Sample
+            >>> store = SeriesStore(metrics=())
+            >>> total = lambda n: [Sample("streamwatch_seen", {}, float(n))]
+            >>> store.later("seen", total, 1), store.later("seen", total, 2)
+            (True, True)
+            >>> [s.value for s in store.samples() if s.name == "streamwatch_seen"]
+            [2.0]
+        """
+        with self._lock:
+            if key in self._stopped:
+                return False
+            self._later[key] = (publish, state)
+            self._changes += 1
+        return True
 
     def _store(self, samples: Iterable[Sample]) -> None:  # holds the lock
         put = self._put

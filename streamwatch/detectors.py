@@ -2,8 +2,9 @@
 
 Each detector is a frozen description (like an operator) that opens into its own pipeline over the
 :class:`streamwatch.StepRecord`\\ s the worker receives — ``source | map(extract) | filter | scan(fold) |
-map(samples) | publish`` — and publishes its values into a :class:`streamwatch.SeriesStore`, so
-``watch.snapshot()`` and ``/metrics`` serve them with everything else. They run on the worker thread, read
+publish`` — and publishes its values into a :class:`streamwatch.SeriesStore` (the store makes them from
+the latest state when it is read), so ``watch.snapshot()`` and ``/metrics`` serve them with everything
+else. They run on the worker thread, read
 records only (numpy, no torch), and never touch the model, the optimizer or the training thread.
 
 * :class:`LossSpike` — the loss's robust z-score against an exponentially weighted baseline of its recent

@@ -425,6 +425,124 @@ def test_update_ratio_of_rows_that_total_every_layer() -> None:
     ]
 
 
+# -- the compiled fold and the store's publication of the latest state ------------------------------------
+
+
+def random_values(rng: np.random.Generator, n: int) -> list[Values]:
+    """Records' values over series that come and go: lognormal norms, now and then 100x spikes, NaN,
+    ±inf, zeros and negative values."""
+    out = []
+    for _ in range(n):
+        names = tuple(f"l{i}" for i in sorted(rng.choice(12, size=int(rng.integers(1, 12)), replace=False)))
+        xs = np.exp(rng.normal(size=len(names))) * np.where(rng.random(len(names)) < 0.03, 100.0, 1.0)
+        odd = rng.random(len(names))
+        xs = np.where(odd < 0.03, np.nan, xs)
+        xs = np.where((odd >= 0.03) & (odd < 0.05), np.inf, xs)
+        xs = np.where((odd >= 0.05) & (odd < 0.07), 0.0, xs)
+        xs = np.where((odd >= 0.07) & (odd < 0.09), -xs, xs)
+        out.append(Values(names, tuple(xs.tolist())))
+    return out
+
+
+def identical(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Two baselines field by field: the same types and the same bits (NaN where NaN)."""
+    return all(
+        type(x) is type(y) and (x == y or (x != x and y != y))
+        for p, q in zip(a, b, strict=True)
+        for x, y in zip(p, q, strict=True)
+    )
+
+
+@pytest.mark.parametrize(
+    "detector",
+    [
+        detectors.LossSpike(warmup=3),
+        detectors.LossSpike(),
+        detectors.LossSpike(threshold=0.5, alpha=1.0, warmup=2),
+        detectors.GradientSpike(warmup=3),
+        detectors.GradientSpike(threshold=2.0, alpha=0.3),
+    ],
+    ids=repr,
+)
+def test_the_compiled_fold_is_the_python_reference_to_the_bit(detector: Any) -> None:
+    from streamwatch import _detectors
+
+    assert _detectors._EWM_FOLD is not None, "the compiled module has no ewm_fold(): rebuild it"
+    fast = slow = _detectors.Baseline.empty()
+    for values in random_values(np.random.default_rng(7), 1500):
+        fast, slow = detector.fold(fast, values), detector.fold_reference(slow, values)
+        assert identical(fast, slow), (values, fast, slow)
+    assert sum(slow.spikes) > 0
+    assert slow.names
+
+
+def test_a_detector_with_its_own_score_folds_in_python() -> None:
+    @dataclass(frozen=True)
+    class Doubled(detectors.GradientSpike):
+        def _score(self, mean: float, dev: float, x: float) -> tuple[float, float, float]:
+            ratio, low, high = super()._score(mean, dev, x)
+            return 2 * ratio, low, high
+
+    norms = [1.0] * 5 + [4.0]
+    items = run(Doubled(warmup=5, layers=False), grad_records({"x": norms}))
+    assert series(items, "streamwatch_grad_norm_ratio", layer="__all__")[-1] == 8.0  # 2 * 4 / 1
+
+
+def published(store: sw.SeriesStore) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for s in store.samples()
+        if s.name != "streamwatch_step"
+    }
+
+
+@pytest.mark.parametrize("make", [detectors.LossSpike, detectors.GradientSpike, detectors.UpdateRatioBand])
+def test_the_store_serves_what_publishing_every_records_samples_would_leave(make: Any) -> None:
+    """``pipeline(store)`` hands the store its latest state; read after any record, the store serves
+    exactly what putting each record's samples (``chain()``) would have left."""
+    detector = make(warmup=3) if make is not detectors.UpdateRatioBand else make()
+    rng = np.random.default_rng(11)
+    lazy, eager = sw.SeriesStore(metrics=()), sw.SeriesStore(metrics=())
+    pipeline = detector.pipeline(lazy)
+    chained = sw.source() | detector.chain() | sw.sinks.callback(eager.put)
+    for step, values in enumerate(random_values(rng, 300)):
+        rows: dict[SeriesKey, float] = {}
+        for name, x in zip(values.names, values.values, strict=True):
+            rows[grad(name)] = x * x if math.isfinite(x) else x
+            rows[SeriesKey("train", name, "param", "weight")] = abs(x) * 1e3
+            rows[SeriesKey("train", name, "update", "weight")] = x * 1e-3 if step % 3 else math.nan
+        loss = {"loss": values.values[0]} if step % 5 else {}
+        r = record(step, rows, **loss)
+        pipeline.push(r)
+        chained.push(r)
+        if step % 7 == 0 or step > 290:
+            assert published(lazy) == published(eager), step
+    assert published(lazy)  # something was served
+
+
+def test_a_failure_to_publish_stops_that_detector_only_and_is_reported() -> None:
+    class Unpublishable(detectors.LossSpike):
+        def published(self, state: Any) -> list[Sample]:
+            raise RuntimeError("publishing bug")
+
+    store = sw.SeriesStore(metrics=())
+    broken = Unpublishable(warmup=2).pipeline(store)
+    going = detectors.GradientSpike(warmup=2).pipeline(store)
+    for step in range(6):
+        r = record(step, {grad("a"): 1.0 + step}, loss=1.0 + step)
+        broken.push(r)
+        going.push(r)
+    served = published(store)  # the read publishes: the failure is kept, the other values served
+    assert ("streamwatch_grad_norm_ratio", (("layer", "a"),)) in served
+    assert not [name for name, _ in served if name.startswith("streamwatch_loss_")]
+    assert [(where, str(exc)) for where, exc in store.failures] == [
+        (f"SeriesStore publishing {broken.sink!r}", "publishing bug")
+    ]
+    broken.push(record(6, loss=9.0))  # refused from now on: listed once
+    store.samples()
+    assert len(store.failures) == 1
+
+
 # -- arguments --------------------------------------------------------------------------------------------
 
 

@@ -213,6 +213,42 @@ def test_reading_the_store_does_not_change_its_version() -> None:
     assert store.version() != version
 
 
+def test_a_state_handed_over_is_published_once_when_the_store_is_read() -> None:
+    made: list[int] = []
+
+    def publish(n: int) -> list[Sample]:
+        made.append(n)
+        return [Sample("streamwatch_seen", {"by": "count"}, float(n))]
+
+    store = SeriesStore(metrics=())
+    before = store.version()
+    for n in range(1, 6):
+        assert store.later("seen", publish, n)
+    assert store.version() != before  # readers see a change ...
+    assert made == []  # ... but nothing was made yet: only the latest state is kept
+    assert [s.value for s in store.samples() if s.name == "streamwatch_seen"] == [5.0]
+    assert made == [5]
+    store.samples()
+    assert made == [5]  # nothing new: nothing made again, the value stays
+    assert [s.value for s in store.samples() if s.name == "streamwatch_seen"] == [5.0]
+
+
+def test_a_publisher_that_raises_is_stopped_listed_once_and_the_rest_go_on() -> None:
+    def broken(state: int) -> list[Sample]:
+        raise ValueError(f"bad state {state}")
+
+    store = SeriesStore(metrics=())
+    assert store.later("broken", broken, 1)
+    assert store.later("fine", lambda n: [Sample("streamwatch_fine", {}, float(n))], 2)
+    assert [s.value for s in store.samples() if s.name == "streamwatch_fine"] == [2.0]
+    assert [(where, str(exc)) for where, exc in store.failures] == [
+        ("SeriesStore publishing 'broken'", "bad state 1")
+    ]
+    assert not store.later("broken", broken, 2)  # refused from now on
+    store.samples()
+    assert len(store.failures) == 1
+
+
 def test_records_and_the_run_file_carry_histogram_edges(tmp_path: Path) -> None:
     model, opt = _model()
     buckets = sw.metrics.Buckets(lo=-3, hi=1, per_decade=1)
