@@ -21,6 +21,14 @@ busy per record") the same work takes longer, because the two threads share cach
 While the worker is held back, each sampled ``watch.step()`` is timed too: its own cost on the training
 thread (median over the steps after the first tenth), with no worker competing for the GIL. Not a test
 and not part of ``make bench``: it prints a table.
+
+``--main-thread`` measures the work without the thread: the worker never starts, the queued records are
+taken from the channel and resolved and pushed through the watch's pipelines on the main thread, several
+passes over the same records, each stage's best pass reported. On a shared VM, where the worker thread's
+time swings by 2× between runs, this is the steadier number for comparing two versions of the code (run
+both in the same hour, alternating)::
+
+    .venv/bin/python benchmarks/profile_worker.py transformer --steps 200 --main-thread
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ import bench_observe as bench  # the benchmark's models and step (not a package)
 from profile_observe import run_steps  # its training loop (importing it instruments nothing)
 
 import streamwatch as sw
-from streamwatch import _channel, _pipeline, _record
+from streamwatch import _channel, _pipeline, _record, _worker
 
 STAGES = ("SeriesStore", "NonFiniteTracker", "LossSpike", "GradientSpike", "UpdateRatioBand")
 """Pipelines by what their description names (anything else is reported under its own description)."""
@@ -139,13 +147,69 @@ def profile(name: str, steps: int) -> list[str]:
     return lines
 
 
+def profile_main_thread(name: str, steps: int, passes: int) -> list[str]:
+    """The worker's work per record on the main thread: each stage's best of ``passes`` passes."""
+    start_worker = _worker.Worker.start
+    _worker.Worker.start = lambda self: self  # type: ignore[method-assign]  # records stay queued
+    try:
+        spec = bench.SPECS[name]
+        x, y = spec.data()
+        model = bench.build(spec)
+        opt = torch.optim.SGD(model.parameters(), lr=bench.LR)
+        watch = sw.observe(model, opt, every=1, capacity=steps + 8)
+    finally:
+        _worker.Worker.start = start_worker  # type: ignore[method-assign]
+    run_steps(model, opt, watch, steps, x, y, [])
+    worker = watch._worker
+    items = worker._receiver.recv_many(steps + 8, timeout=0)
+    prepare, pipelines = worker._prepare, worker.pipelines
+    assert prepare is not None
+    stages = [stage_of(p) for p in pipelines]
+    gc.collect()
+    gc.freeze()
+    clock = time.perf_counter
+    best: dict[str, float] = defaultdict(lambda: float("inf"))
+    totals = []
+    for _ in range(passes):
+        timers: dict[str, float] = defaultdict(float)
+        for item in items:
+            start = clock()
+            record = prepare(item)
+            timers["resolve"] += clock() - start
+            for stage, pipeline in zip(stages, pipelines, strict=True):
+                start = clock()
+                pipeline.push(record)
+                timers[stage] += clock() - start
+        totals.append(sum(timers.values()))
+        for stage, seconds in timers.items():
+            best[stage] = min(best[stage], seconds)
+    gc.unfreeze()
+    watch.close()
+    us = 1e6 / len(items)
+    lines = [
+        f"{name}: {len(items)} records, resolved and pushed on the main thread, best of {passes} passes",
+        f"  {'work per record':<34}{min(totals) * us:>8.1f} µs   "
+        f"(median pass {statistics.median(totals) * us:.1f} µs)",
+    ]
+    for stage, seconds in sorted(best.items(), key=lambda kv: -kv[1]):
+        lines.append(f"    {stage:<32}{seconds * us:>8.1f} µs")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", default="demo", choices=sorted(bench.SPECS))
     parser.add_argument("--steps", type=int, default=2000, help="records to queue and drain")
+    parser.add_argument(
+        "--main-thread", action="store_true", help="the work alone: resolve and push on the main thread"
+    )
+    parser.add_argument("--passes", type=int, default=5, help="passes over the records (--main-thread)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
-    print("\n".join(profile(args.model, args.steps)))
+    if args.main_thread:
+        print("\n".join(profile_main_thread(args.model, args.steps, args.passes)))
+    else:
+        print("\n".join(profile(args.model, args.steps)))
 
 
 if __name__ == "__main__":
