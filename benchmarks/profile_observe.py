@@ -11,7 +11,7 @@ the training thread:
 
 * **hook bodies**: every hook streamwatch installs, measured inside torch's call (``_taps._guarded``);
   inside them, the **fused kernel** (the C call, ``FusedKernel.run``), **torch-path summaries**
-  (``_taps.summarize``: CUDA, half precision, strided views) and the rest (Python around the calls,
+  (``_taps.summarize``: CUDA, half precision, tensor subclasses) and the rest (Python around the calls,
   update Δ's copy and subtraction, ``register_hook`` on outputs);
 * **watch.step()**: sealing the record and handing it over;
 * **unattributed**: the observed step's median minus the baseline's minus the two above — torch's own

@@ -3,7 +3,7 @@
 The training thread appends summary rows to a :class:`StepBuffer` while hooks fire. CPU tensors go
 through the fused kernel (``_kernel.py``), which writes each row straight into the step's preallocated
 float64 host table: at the step boundary there is nothing left to copy. Rows computed with torch ops
-(CUDA, half precision, strided views, compiled code) are 0-d device tensors; :meth:`StepBuffer.seal`
+(CUDA, half precision, tensor subclasses, compiled code) are 0-d device tensors; :meth:`StepBuffer.seal`
 stacks them into one tensor and makes their only copy: on CPU a plain host tensor; on CUDA an
 asynchronous copy on a side stream into a pinned host slot, with an event recorded after it, so the
 training thread never waits for the device. The result is a :class:`PendingRecord` — sent through the
@@ -191,7 +191,7 @@ class PendingRecord:
     """A sealed step in flight to the worker: host rows, device rows (copied or being copied), metadata.
 
     Rows summarised by the fused CPU kernel are already in ``host`` (float64, one line per row, the
-    kernel wrote them in place); rows summarised with torch ops (CUDA, half precision, strided views,
+    kernel wrote them in place); rows summarised with torch ops (CUDA, half precision, tensor subclasses,
     compiled code) are in ``data``, stacked once at the step boundary.
     """
 

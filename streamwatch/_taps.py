@@ -395,7 +395,10 @@ def summarize_into(
             channel_last = False  # NCHW / NCDHW: a ReLU after a Conv2d has channels in dim 1 too
         unit_dim = unit_dim_for(prepared, channel_last)
     kernel = state.kernel
-    if kernel is not None and kernel.accepts(prepared) and not torch.compiler.is_compiling():
+    readable = kernel.readable(prepared) if kernel is not None else None
+    if readable is not None and not torch.compiler.is_compiling():
+        assert kernel is not None
+        prepared = readable  # (a strided view: copied once, contiguous)
         state.buffer.add_host(kernel, key, prepared, unit_dim=unit_dim, bounds=bounds, replace=replace)
     else:
         row = summarize(prepared, unit_dim=unit_dim, count_nonfinite=state.count_nonfinite, bounds=bounds)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import streamwatch as sw
+from streamwatch import _taps
 from streamwatch._summary import COLUMNS, DERIVED
 from streamwatch._taps import KINDS
 from tests.training import Step, Train
@@ -661,11 +662,12 @@ def test_exact_nonfinite_counts_add_up_when_a_module_runs_twice_in_a_step() -> N
 
 
 class Transposed(nn.Module):
-    """Returns a strided (transposed) view on its first call in a forward and a contiguous tensor on
-    the second: on CPU one row takes the fused kernel, the other the torch path, under one key."""
+    """Returns a transposed float16 tensor on its first call in a forward and a float32 one on the
+    second: on CPU one row takes the torch path (half precision), the other the fused kernel, under one
+    key."""
 
     def forward(self, x: torch.Tensor, strided: bool) -> torch.Tensor:
-        return (x * 2).t() if strided else x * 2
+        return (x * 2).t().half() if strided else x * 2
 
 
 def test_fused_and_torch_rows_of_one_step_and_one_key_merge_exactly() -> None:
@@ -674,7 +676,7 @@ def test_fused_and_torch_rows_of_one_step_and_one_key_merge_exactly() -> None:
     recs = sw.sinks.collect()
     with sw.observe(model, stats=("dead", "nonfinite"), sinks=[recs], every=1) as watch:
         h = model["lin"](torch.randn(4, 5))
-        a, b = model["tr"](h, True), model["tr"](h, False)  # a: 6x4 strided view, b: 4x6 contiguous
+        a, b = model["tr"](h, True), model["tr"](h, False)  # a: 6x4 float16, b: 4x6 float32
         out = model["low"](b.detach().half())
         watch.step()
     (record,) = recs.items
@@ -689,6 +691,51 @@ def test_fused_and_torch_rows_of_one_step_and_one_key_merge_exactly() -> None:
     i = record.keys.index(sw.SeriesKey("train", "low", "activation", ""))  # float16: the torch path
     np.testing.assert_allclose(record.column("sum")[i], out.double().sum().item(), rtol=1e-3)
     assert record.column("count")[i] == out.numel()
+
+
+class BatchFirst(nn.Module):
+    """A ``batch_first`` block's output: ``[N, S, E]`` laid out in memory as ``[S, N, E]`` (a strided
+    view, as ``nn.MultiheadAttention`` hands to the next module), with unit 2 dead everywhere."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = torch.relu(x.transpose(0, 1).contiguous())
+        z[..., 2] = 0.0
+        self.made = z.transpose(0, 1).clone()  # (before any forward hook sees the output)
+        return z.transpose(0, 1)
+
+
+def test_a_strided_cpu_view_is_summarised_exactly_and_left_as_it_was(
+    summary_kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the fused path a strided CPU view is read from one contiguous copy (never through the torch
+    path's reductions); its row, per-unit activity included, matches the reference on both paths, and
+    the view the model computes with is untouched."""
+    torch.manual_seed(5)
+    model = nn.Sequential(BatchFirst())
+    torch_rows: list[tuple[int, ...]] = []
+    summarize = _taps.summarize
+
+    def counted(x: torch.Tensor, **kwargs: Any) -> Any:
+        torch_rows.append(tuple(x.shape))
+        return summarize(x, **kwargs)
+
+    monkeypatch.setattr(_taps, "summarize", counted)
+    recs = sw.sinks.collect()
+    seen: list[torch.Tensor] = []
+    with sw.observe(model, stats=("dead", "nonfinite"), sinks=[recs], every=1, channel_last=True) as watch:
+        model[0].register_forward_hook(lambda m, a, out: seen.append(out))
+        out = model(torch.randn(3, 4, 5))
+        watch.step()
+    (record,) = recs.items
+    assert seen[0] is out
+    assert not out.is_contiguous()
+    assert out.stride() == (5, 15, 1)
+    assert torch.equal(out, model[0].made)
+    ref = reference([out], 2, True)
+    assert ref["dead"] == 1.0
+    assert ref["units"] == 5.0
+    assert_row(record, sw.SeriesKey("train", "0", "activation", ""), ref)
+    assert torch_rows == ([] if summary_kernel == "fused" else [(3, 4, 5)])
 
 
 # -- phases, accumulation, sampling -------------------------------------------------------------------
