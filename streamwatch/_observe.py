@@ -98,6 +98,8 @@ _governor_clock: Clock = time.perf_counter
 which monkeypatch it with a :class:`streamwatch.testing.FakeClock` before ``observe()``."""
 _Tensor = torch.Tensor  # (read on every quiet step: one global lookup, not two)
 _F32 = torch.float32
+_LR_NAMES = tuple(f"lr/{i}" for i in range(64))  # (param groups' scalar names, made once)
+_CYCLE_MAX = 4096  # cadences whose lcm is longer: each sampled step's flags are looked up by pattern
 _OBSERVED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _OBSERVED_LOCK = threading.Lock()
 
@@ -212,6 +214,9 @@ class Watch:
             self._all_off = dict.fromkeys(KINDS, False)
             # a sampled step's flags (never mutated: shared), by which kinds its cadences turn on
             self._patterns: dict[tuple[bool, ...], tuple[dict[str, bool], bool]] = {}
+            period = math.lcm(*(cadence for _, cadence in self._periods)) if self._periods else 1
+            # (a sampled step looks its flags up by phase: building the pattern cost ~9 µs a cold step)
+            self._cycle = [self._flags_for(k) for k in range(period)] if period <= _CYCLE_MAX else []
             self._step_metrics: tuple[Any, ...] = ()
             self._exporters: list[Exporter] = []
             self._overhead = 0.0  # streamwatch's own seconds on the training thread, last step
@@ -621,8 +626,7 @@ class Watch:
             host["step_seconds"] = seconds
             if full:
                 times = self._state.times
-                for part, value in times.parts(times.clock()).items():
-                    host[f"part/{part}"] = value
+                times.parts(times.clock(), host, "part/")
         if checked.batch_size is not None and seconds is not None:
             host["batch_size"] = float(checked.batch_size)
             if seconds > 0:
@@ -650,12 +654,16 @@ class Watch:
                 host["correct"] = correct
             host["total"] = float(total)
         if self._optimizer is not None:
+            names = _LR_NAMES
             for i, group in enumerate(self._optimizer.param_groups):
                 lr = group.get("lr")
-                if isinstance(lr, torch.Tensor):
-                    device[f"lr/{i}"] = lr.detach().reshape(()).to(torch.float32)
+                name = names[i] if i < len(names) else f"lr/{i}"
+                if type(lr) is float:
+                    host[name] = lr
+                elif isinstance(lr, torch.Tensor):
+                    device[name] = lr.detach().reshape(()).to(torch.float32)
                 elif lr is not None:
-                    host[f"lr/{i}"] = float(lr)
+                    host[name] = float(lr)
         buffer = self._state.buffer
         if buffer.device is not None and buffer.device.type == "cuda" and self._stream is None:
             self._stream = torch.cuda.Stream(buffer.device)
@@ -816,16 +824,23 @@ class Watch:
                 return  # as the step before: nothing to change (the unsampled step's fast path)
             state.on, state.forward = self._all_off, False
         else:
-            pattern = tuple(k % cadence == 0 for _, cadence in self._periods)
-            flags = self._patterns.get(pattern)
-            if flags is None:  # a few patterns per run (one per cadence phase): built once each, shared
-                kinds = [kind for kind, _ in self._periods]
-                on = dict.fromkeys(KINDS, False) | dict(zip(kinds, pattern, strict=True))
-                flags = self._patterns[pattern] = (on, any(on[kind] for kind in _FORWARD_KINDS))
+            cycle = self._cycle  # the flags of each phase of the cadences (k mod their lcm), if short
+            flags = cycle[k % len(cycle)] if cycle else self._flags_for(k)
             state.on, state.forward = flags
         self._sampling_now = sampled
         state.timed = sampled or bool(state.step_metrics)
         self._taps.arm()  # only the hooks this step needs are installed
+
+    def _flags_for(self, k: int) -> tuple[dict[str, bool], bool]:
+        """The kinds the ``k``-th sampled step samples (kind on where ``k % cadence == 0``) and whether
+        any is forward-side; one shared dict per pattern (a few per run, one per cadence phase)."""
+        pattern = tuple(k % cadence == 0 for _, cadence in self._periods)
+        flags = self._patterns.get(pattern)
+        if flags is None:
+            kinds = [kind for kind, _ in self._periods]
+            on = dict.fromkeys(KINDS, False) | dict(zip(kinds, pattern, strict=True))
+            flags = self._patterns[pattern] = (on, any(on[kind] for kind in _FORWARD_KINDS))
+        return flags
 
     def _set_metrics(self, step: int, k: int | None) -> None:
         """Which opt-in metrics run on ``step`` (``k``: its index among the sampled steps, None if it is

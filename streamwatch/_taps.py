@@ -235,6 +235,13 @@ def resolve_select(select: object) -> Select:
     )
 
 
+def _part_names(prefix: str) -> tuple[str, str, str, str]:
+    return tuple(prefix + part for part in ("data_wait", "forward", "backward", "optimizer"))  # type: ignore[return-value]
+
+
+_PART_NAMES = _part_names("part/")
+
+
 @dataclass(slots=True)
 class StepTimes:
     """Host wall-clock boundaries of the current training step (``perf_counter`` seconds; 0: not seen).
@@ -248,6 +255,9 @@ class StepTimes:
         >>> t.optimizer_start, t.optimizer_end = 3.0, 3.25
         >>> t.parts(now=3.5)
         {'data_wait': 0.5, 'forward': 0.5, 'backward': 1.0, 'optimizer': 0.25}
+        >>> host = {"loss": 2.0}
+        >>> t.parts(3.5, host, "part/") is host, sorted(host)[:2]
+        (True, ['loss', 'part/backward'])
     """
 
     step_end: float = 0.0
@@ -256,18 +266,24 @@ class StepTimes:
     optimizer_start: float = 0.0
     optimizer_end: float = 0.0
 
-    def parts(self, now: float) -> dict[str, float]:
+    def parts(self, now: float, out: dict[str, float] | None = None, prefix: str = "") -> dict[str, float]:
         """Seconds in each part of the step seen so far: data wait (previous step's end → first training
-        forward), forward, backward (forward end → optimizer step, or → now without one), optimizer."""
-        out: dict[str, float] = {}
-        if self.step_end and self.forward_start:
-            out["data_wait"] = self.forward_start - self.step_end
-        if self.forward_start and self.forward_end:
-            out["forward"] = self.forward_end - self.forward_start
-        if self.forward_end:
-            out["backward"] = (self.optimizer_start or now) - self.forward_end
-        if self.optimizer_start and self.optimizer_end:
-            out["optimizer"] = self.optimizer_end - self.optimizer_start
+        forward), forward, backward (forward end → optimizer step, or → now without one), optimizer.
+        Written into ``out`` (a new dict by default) under ``prefix`` + the part's name (``"part/"``:
+        the record's host scalars, filled in place at the step boundary)."""
+        if out is None:
+            out = {}
+        step_end, forward_start, forward_end = self.step_end, self.forward_start, self.forward_end
+        optimizer_start, optimizer_end = self.optimizer_start, self.optimizer_end
+        names = _PART_NAMES if prefix == "part/" else _part_names(prefix)
+        if step_end and forward_start:
+            out[names[0]] = forward_start - step_end
+        if forward_start and forward_end:
+            out[names[1]] = forward_end - forward_start
+        if forward_end:
+            out[names[2]] = (optimizer_start or now) - forward_end
+        if optimizer_start and optimizer_end:
+            out[names[3]] = optimizer_end - optimizer_start
         return out
 
     @staticmethod
@@ -647,9 +663,18 @@ class TapSet:
         self.static = static
         self._eval_armed = False
         self.grads_taken = False
-        self._set_group("forward", static or state.forward)
-        self._set_group("param_grad", static or state.on.get("param_grad", False))
-        self._set_group("step", static or state.timed)
+        armed = self._armed  # (a group already as wanted is left alone: the every-step case)
+        forward, grads, step = (
+            static or state.forward,
+            static or state.on.get("param_grad", False),
+            static or state.timed,
+        )
+        if forward != bool(armed["forward"]):
+            self._set_group("forward", forward)
+        if grads != bool(armed["param_grad"]):
+            self._set_group("param_grad", grads)
+        if step != bool(armed["step"]):
+            self._set_group("step", step)
 
     @property
     def pending(self) -> bool:

@@ -14,6 +14,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import streamwatch as sw
+import streamwatch._observe
 import streamwatch._taps
 from tests.test_observe_compile import batch, make_model
 from tests.training import root_seen
@@ -133,6 +134,26 @@ def test_a_cadence_arms_only_the_groups_its_step_samples() -> None:
         (3, 4),
         (0, 4),
     ]
+
+
+@pytest.mark.parametrize("cycle_max", [4096, 1], ids=["flags-by-phase", "flags-by-pattern"])
+def test_each_kind_is_sampled_on_its_cadence_whether_the_phases_are_tabled_or_not(
+    cycle_max: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sampled step's flags come from a table of the cadences' phases (their lcm is short) or are
+    built from the pattern (lcm over ``_CYCLE_MAX``): the same kinds either way."""
+    monkeypatch.setattr(streamwatch._observe, "_CYCLE_MAX", cycle_max)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cadence = {"activation": 2, "output_grad": 3, "param_grad": 1}
+    records = sw.sinks.collect()
+    with sw.observe(model, opt, taps=tuple(cadence), cadence=cadence, every=1, sinks=[records]) as watch:
+        assert len(watch._cycle) == (6 if cycle_max == 4096 else 0)
+        for _ in range(8):
+            train_step(model, opt, watch)
+        watch.flush()
+    got = [tuple(bool(r.rows(kind)) for kind in cadence) for r in records.items]
+    assert got == [tuple(k % n == 0 for n in cadence.values()) for k in range(8)]
 
 
 def test_an_evaluation_pass_on_an_unsampled_step_is_summarised_and_disarmed_after() -> None:
