@@ -14,7 +14,11 @@ What it measures:
     its shadow's, relative to the baseline, ``(t_sampled + t_shadow) / b - 2`` (or
     ``t_sampled / b - 1`` when the next step is sampled too, whose own sample then carries the
     spill). The cost ratio ``r`` is the median of the last ``cost_window`` cost samples, floored at
-    0: sampling one step costs ``r`` plain steps.
+    0: sampling one step costs ``r`` plain steps. It is never below the median of their lower bounds
+    from own time: the monitor's own seconds in each sampled step (passed to :meth:`Governor.tick`)
+    over the baseline, less a clean step's own share. Where a step's noise is many times what
+    sampling costs (a long step on a busy node), the time samples alone can read 0, and sample every
+    step; own time is exact.
 
 How it sets the interval:
     Sampling one step in ``N`` costs ``r / N`` of the run's time on top of the floor ``f`` (what the
@@ -266,8 +270,10 @@ class Governor:
         "_lights",
         "_max_interval",
         "_max_seconds",
+        "_own_costs",
         "_own_floor",
         "_pending",
+        "_pending_own",
         "_phase",
         "_prev_sampled",
         "_probe",
@@ -310,6 +316,8 @@ class Governor:
         self._warmup = _check_int("warmup", warmup, 0)
         self._baseline: deque[float] = deque(maxlen=_check_int("baseline_window", baseline_window, 1))
         self._costs: deque[float] = deque(maxlen=_check_int("cost_window", cost_window, 1))
+        # each cost sample's lower bound from the sampled step's own time (exact: no step-time noise)
+        self._own_costs: deque[float] = deque(maxlen=cost_window)
         self._floors: deque[float] = deque(maxlen=FLOOR_WINDOW)
         self._floor = 0.0  # what an unsampled step costs: the mean of the clean steps' own-time ratios
         self._probe = _check_int("probe", probe, 1)
@@ -323,6 +331,7 @@ class Governor:
         self._growth_limit = 2 * CALIBRATION_INTERVAL
         self._cap = self._max_interval  # the interval's ceiling in steps, from both ceilings
         self._pending: float | None = None  # a sampled step's time, waiting for its shadow
+        self._pending_own = 0.0  # that step's own time (the monitor's, measured exactly)
         self._phase = 0.0
         self._sampling = True  # the first step is sampled
         self._prev_sampled = False  # whether the step before the running one was sampled
@@ -533,6 +542,7 @@ class Governor:
             if waiting is not None:
                 self._add_cost(waiting / self._baseline_or_nan() - 1)
             self._pending = seconds
+            self._pending_own = own if math.isfinite(own) and 0 <= own < seconds else 0.0
         elif waiting is not None:
             self._add_cost((waiting + seconds) / self._baseline_or_nan() - 2)
         elif not self._prev_sampled:
@@ -602,6 +612,11 @@ class Governor:
     def _add_cost(self, cost: float) -> None:
         if not math.isfinite(cost):  # NaN without a baseline yet; inf from a vanishing baseline
             return
+        # Its lower bound: the sampled step's own time over the baseline, less a clean step's own share.
+        # Where the step time's noise is many times what sampling costs (a long step on a busy node),
+        # the median of the cost samples can sit at 0 and the interval at 1; the monitor's own time
+        # cannot (the cost no own time shows, the worker's GIL time among it, is left to the samples).
+        self._own_costs.append(max(0.0, self._pending_own / self._baseline_or_nan() - self._own_floor))
         if self._cost_ratio is not None:  # a sample counts at most double: see *Outliers*
             cost = min(cost, 2 * max(self._cost_ratio, self._budget))
         self._costs.append(cost)
@@ -621,7 +636,7 @@ class Governor:
         if len(self._costs) < min(_CALIBRATION_COUNT, self._costs.maxlen or 1):
             self._interval = min(CALIBRATION_INTERVAL, cap)
             return
-        ratio = max(0.0, _median(self._costs))
+        ratio = max(0.0, _median(self._costs), _median(self._own_costs) if self._own_costs else 0.0)
         self._cost_ratio = ratio
         left = self._budget - self._floor  # what sampling may cost on top of the floor
         need = ratio / left if left > 0 else math.inf

@@ -565,13 +565,15 @@ def test_statistics_is_a_frozen_snapshot_of_the_properties() -> None:
 # -- the floor: what unsampled steps cost ------------------------------------------------------------
 
 
-def drive_with_floor(gov: Governor, clock: FakeClock, steps: int, ratio: float, own: float) -> None:
+def drive_with_floor(
+    gov: Governor, clock: FakeClock, steps: int, ratio: float, own: float, sampled_own: bool = True
+) -> None:
     """Plain steps of ``PLAIN`` seconds of which ``own`` are the monitor's own; sampled steps cost
-    ``ratio`` plain steps more."""
+    ``ratio`` plain steps more (their own time ``own`` too, or 0 without ``sampled_own``)."""
     for _ in range(steps):
-        seconds = PLAIN * (1 + ratio) if gov.sampling else PLAIN
-        clock.advance(seconds)
-        gov.tick(own)
+        sampled = gov.sampling
+        clock.advance(PLAIN * (1 + ratio) if sampled else PLAIN)
+        gov.tick(own if sampled_own or not sampled else 0.0)
 
 
 @pytest.mark.parametrize(
@@ -601,11 +603,35 @@ def test_a_floor_over_the_budget_samples_at_the_ceiling_and_says_so() -> None:
     assert gov.statistics().floor_ratio == pytest.approx(0.03)
 
 
+@pytest.mark.parametrize(("noise", "own", "interval"), [(0.0, 0.0, 1), (0.0, 0.1, 5), (0.3, 0.1, None)])
+def test_a_sampled_steps_own_time_bounds_its_cost_where_step_times_hide_it(
+    noise: float, own: float, interval: int | None
+) -> None:
+    """By the clock a sampled step costs nothing (no slower than a plain one, or lost in noise of
+    ±30 % of a step); the monitor's own time in it (10 % of a step, measured exactly) still holds
+    the interval where that cost fits the budget: ``ceil(0.1 / 0.02) = 5``, not 1."""
+    clock = FakeClock()
+    gov = Governor(0.02, clock=clock)
+    rng = random.Random(3)
+    for _ in range(3_000):
+        sampled = gov.sampling
+        clock.advance(PLAIN * (1 + noise * (2 * rng.random() - 1)))
+        gov.tick(own=own * PLAIN if sampled else 0.0)
+    assert gov.cost_ratio is not None
+    if interval is not None:  # (no noise: exactly)
+        assert gov.interval == interval
+        assert gov.cost_ratio == pytest.approx(own)
+    else:
+        assert gov.cost_ratio >= 0.09
+        assert gov.interval >= 5
+
+
 @pytest.mark.parametrize("own", [-1.0, math.nan, math.inf, 1.5 * PLAIN, 2 * PLAIN])
 def test_odd_own_times_never_become_a_floor(own: float) -> None:
     clock = FakeClock()
     gov = Governor(0.05, clock=clock)
-    drive_with_floor(gov, clock, 2_000, 1.0, own)
+    # (on unsampled steps only: 1.5 plain steps of own time in a sampled step of 2 would be a cost)
+    drive_with_floor(gov, clock, 2_000, 1.0, own, sampled_own=False)
     assert gov.floor_ratio == 0.0
     assert gov.interval == 20
 
