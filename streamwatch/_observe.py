@@ -982,17 +982,21 @@ class Watch:
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until the worker has handled every record sent so far (for tests and scripts that read
         :meth:`snapshot` right after a step); True if it did within ``timeout`` seconds (>= 0; ``math.inf``
-        waits as long as it takes)."""
+        waits as long as it takes).
+
+        A failed pipeline stops only itself, so flush still waits for the others; it returns False at once
+        only when the worker thread has stopped (the watch is closed)."""
         deadline = time.monotonic() + _seconds(timeout, "timeout")
         while True:
             stats = self.statistics()
             if (
                 stats.records_received + stats.dropped_oldest + stats.dropped_newest
                 >= stats.sampled + stats.scalar_records
+                and not self._worker.statistics().in_flight  # the last one is through every pipeline too
             ):
                 self._store.apply()  # the metrics' values too (and their failures, reported next step)
                 return True
-            if time.monotonic() > deadline or self._worker.has_errors:
+            if time.monotonic() > deadline or self._worker.stopped:
                 return False
             time.sleep(0.001)
 

@@ -229,6 +229,13 @@ class Worker:
             self._errors.append((name, exc))
 
     @property
+    def stopped(self) -> bool:
+        """Whether the thread was started and has ended (closed, or a bug in the worker itself): nothing
+        sent from now on will be handled. A failed pipeline does not stop it."""
+        thread = self._thread
+        return thread is not None and not thread.is_alive()
+
+    @property
     def has_errors(self) -> bool:
         """Whether failures await :meth:`check` (a lock-free read, for hot paths)."""
         return bool(self._errors)

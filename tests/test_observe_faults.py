@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 import streamwatch as sw
 import streamwatch._record
+from streamwatch import ops
 from streamwatch._taps import KINDS
 from tests.training import Train
 
@@ -576,6 +578,45 @@ def test_flush_refuses_a_timeout_it_could_not_honour(timeout: Any) -> None:
     # before: a NaN deadline never passes, so flush(nan) with a stuck worker waited forever
     with sw.observe(nn.Linear(2, 2), every=1) as watch, pytest.raises(ValueError, match=r"`timeout`"):
         watch.flush(timeout)
+
+
+def test_flush_waits_for_the_other_pipelines_after_one_fails() -> None:
+    # before: flush returned False as soon as any pipeline had failed, with records still queued for the
+    # healthy ones (CI saw it as a flaky `assert watch.flush()` in a detector test); and it returned True
+    # once the last record was taken, before the pipelines had it (here: 9 of 10 items)
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gate, entered = threading.Event(), threading.Event()
+
+    def breaks(record: sw.StepRecord) -> None:
+        entered.set()
+        assert gate.wait(10)
+        raise Boom("sink bug")
+
+    def slow(record: sw.StepRecord) -> int:
+        time.sleep(0.005)  # the rest drains well after the failure is recorded
+        return record.step
+
+    watch = sw.observe(model, opt, every=1)
+    broken = watch.pipe(sw.source() | sw.sinks.callback(breaks))
+    healthy = sw.sinks.collect()
+    watch.pipe(sw.source() | ops.map(slow) | healthy)
+    for _ in range(10):
+        out = model(torch.randn(16, 4))
+        opt.zero_grad()
+        out.pow(2).mean().backward()
+        opt.step()
+        watch.step()
+    assert entered.wait(10)
+    gate.set()
+    assert watch.flush()
+    assert healthy.items == list(range(10))
+    assert broken.closed
+    assert isinstance(broken.error, Boom)
+    with pytest.raises(sw.PipelineError, match="sink bug"):
+        watch.close()
+    assert watch.flush()  # closed and drained: nothing left to wait for
 
 
 def test_overflow_error_raises_full_and_the_step_is_counted_not_reused() -> None:
