@@ -289,18 +289,12 @@ class Variant:
 
 
 def wait_for_worker(watch: sw.Watch, timeout: float = 60.0) -> float:
-    """Block until the worker handled (or the channel dropped) every record sent; seconds waited."""
+    """Block until the worker handled (or the channel dropped) every record sent, each through every
+    pipeline (``watch.flush``); seconds waited."""
     start = time.perf_counter()
-    while True:
-        stats = watch.statistics()
-        if (
-            stats.records_received + stats.dropped_oldest + stats.dropped_newest
-            >= stats.sampled + stats.scalar_records
-        ):
-            return time.perf_counter() - start
-        if time.perf_counter() - start > timeout:
-            raise AssertionError(f"the worker is stuck: {stats}")
-        time.sleep(0.0005)
+    if not watch.flush(timeout):
+        raise AssertionError(f"the worker is stuck: {watch.statistics()}")
+    return time.perf_counter() - start
 
 
 @contextmanager
