@@ -90,7 +90,10 @@ def main() -> None:
         x, y = torch.randn(32, 16, generator=g), torch.randint(0, 5, (32,), generator=g)
         last = step == args.steps - 1
         if rank == args.slow_rank:
-            time.sleep(0.05)  # the injected straggler: slow compute on this rank only
+            # The injected straggler: slow compute on this rank only. 0.25 s, so that the alert's margin
+            # (5 % of the median step, which the sleep sets) is ~12 ms: four ranks sharing two cores stall
+            # a healthy rank's last sampled step by a few ms now and then (0.05 s fired a second rank once).
+            time.sleep(0.25)
         loss = F.cross_entropy(net(x), y)
         opt.zero_grad()
         loss.backward()
