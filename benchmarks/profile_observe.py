@@ -94,7 +94,11 @@ def run_steps(
     x: torch.Tensor,
     y: torch.Tensor,
     times: list[float],
+    step_args: str = "full",
 ) -> None:
+    """``k`` training steps, each one's wall time appended to ``times``. ``step_args``: what
+    ``watch.step()`` is given: ``full`` (loss, outputs and targets for train accuracy, batch size),
+    ``loss`` (the loss alone) or ``none`` (no argument)."""
     for _ in range(k):
         start = time.perf_counter()
         outputs = model(x)
@@ -102,8 +106,14 @@ def run_steps(
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if watch is not None:
+        if watch is None:
+            pass
+        elif step_args == "full":
             watch.step(loss=loss, outputs=outputs, targets=y, batch_size=x.shape[0])
+        elif step_args == "loss":
+            watch.step(loss=loss)
+        else:
+            watch.step()
         times.append(time.perf_counter() - start)
 
 

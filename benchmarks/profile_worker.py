@@ -19,8 +19,9 @@ This is the floor of the worker's cost: concurrently with training (``profile_ob
 busy per record") the same work takes longer, because the two threads share caches and cores.
 
 While the worker is held back, each sampled ``watch.step()`` is timed too: its own cost on the training
-thread (median over the steps after the first tenth), with no worker competing for the GIL. Not a test
-and not part of ``make bench``: it prints a table.
+thread (median over the steps after the first tenth), with no worker competing for the GIL;
+``--step-args loss`` or ``none`` passes it the loss alone or nothing (no train accuracy, no batch size),
+to show what the arguments cost. Not a test and not part of ``make bench``: it prints a table.
 
 ``--main-thread`` measures the work without the thread: the worker never starts, the queued records are
 taken from the channel and resolved and pushed through the watch's pipelines on the main thread, several
@@ -113,7 +114,7 @@ def time_steps(durations: list[float]) -> None:
     sw.Watch.step = timed_step  # type: ignore[method-assign]
 
 
-def profile(name: str, steps: int) -> list[str]:
+def profile(name: str, steps: int, step_args: str = "full") -> list[str]:
     timers: dict[str, float] = defaultdict(float)
     gate = threading.Event()
     instrument(timers, gate)
@@ -124,7 +125,7 @@ def profile(name: str, steps: int) -> list[str]:
     model = bench.build(spec)
     opt = torch.optim.SGD(model.parameters(), lr=bench.LR)
     with sw.observe(model, opt, every=1, capacity=steps + 8) as watch:
-        run_steps(model, opt, watch, steps, x, y, [])
+        run_steps(model, opt, watch, steps, x, y, [], step_args)
         gc.collect()
         gc.freeze()
         start = time.perf_counter()
@@ -139,7 +140,7 @@ def profile(name: str, steps: int) -> list[str]:
     sampled = statistics.median(durations[steps // 10 :]) * 1e6
     lines = [
         f"{name}: {steps} records of {rows} rows, drained alone (every=1)",
-        f"  {'sampled watch.step(), median':<34}{sampled:>8.1f} µs   (the worker held back)",
+        f"  {f'sampled watch.step({step_args}), median':<34}{sampled:>8.1f} µs   (the worker held back)",
         f"  {'worker busy per record':<34}{busy * us:>8.1f} µs   (drain wall time {drained * us:.1f} µs)",
     ]
     for stage, seconds in sorted(timers.items(), key=lambda kv: -kv[1]):
@@ -204,12 +205,18 @@ def main(argv: list[str] | None = None) -> None:
         "--main-thread", action="store_true", help="the work alone: resolve and push on the main thread"
     )
     parser.add_argument("--passes", type=int, default=5, help="passes over the records (--main-thread)")
+    parser.add_argument(
+        "--step-args",
+        choices=("full", "loss", "none"),
+        default="full",
+        help="what watch.step() is given: loss, outputs, targets, batch size (full); the loss alone; nothing",
+    )
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     if args.main_thread:
         print("\n".join(profile_main_thread(args.model, args.steps, args.passes)))
     else:
-        print("\n".join(profile(args.model, args.steps)))
+        print("\n".join(profile(args.model, args.steps, args.step_args)))
 
 
 if __name__ == "__main__":
