@@ -433,11 +433,19 @@ def _log(watch: object, step: int) -> None:
     loss = latest.get(("streamwatch_loss", "train"), float("nan"))
     accuracy = latest.get(("streamwatch_accuracy", "train"), float("nan"))
     dropped = stats.dropped_oldest + stats.dropped_newest
-    print(
+    # streamwatch's own time per step, the mean over the run (as the live view shows it: the last step's
+    # alone is mostly an unsampled one's under the governor), then the interval and what it measured
+    own = stats.overhead_seconds_total / stats.steps if stats.steps else 0.0
+    line = (
         f"step {step + 1:>6}  loss {loss:8.4f}  accuracy {accuracy:6.3f}  dropped {dropped}  "
-        f"lag {stats.worker_lag_seconds * 1e3:6.1f} ms  overhead {stats.overhead_seconds * 1e3:6.2f} ms/step",
-        flush=True,
+        f"lag {stats.worker_lag_seconds * 1e3:6.1f} ms  overhead {own * 1e3:6.3f} ms/step  "
+        f"sampled 1 in {stats.sampling_interval}"
     )
+    if stats.overhead_budget is not None:  # the governor: what it measured against its budget
+        ratio = stats.overhead_ratio
+        measured = "—" if ratio is None or math.isnan(ratio) else f"{100 * ratio:.1f}%"
+        line += f" (measured overhead {measured}, budget {100 * stats.overhead_budget:.1f}%)"
+    print(line, flush=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

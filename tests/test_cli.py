@@ -88,6 +88,10 @@ def test_demo_serves_metrics_while_it_trains_and_writes_a_run_file(tmp_path: Pat
     assert done, text
     assert "synthetic data" in text
     assert re.search(r"step +120 +loss", text), text
+    # the log line: the governor's interval and what it measured against the default 2 % budget
+    logged = re.findall(r"sampled 1 in (\d+) \(measured overhead (—|\d+\.\d%), budget 2\.0%\)", text)
+    assert len(logged) == 3, text  # steps 50, 100 and 120
+    assert all(int(interval) >= 1 for interval, _ in logged)
     run = read_run(run_dir / "run.jsonl")
     steps = [r.step for r in run.records]
     # the governor samples step 0 and then one step in N; every record reached the run file
@@ -116,6 +120,7 @@ def test_report_summarises_a_recorded_run(tmp_path: Path) -> None:
     out, err = demo.communicate(timeout=100)
     assert demo.returncode == 0, err
     assert "done: 30 steps, 30 records, 0 dropped" in out
+    assert re.search(r"step +30 +loss .* ms/step  sampled 1 in 1\n", out), out  # a fixed interval: no budget
     report = _streamwatch("report", str(run_dir), cwd=tmp_path)
     out, err = report.communicate(timeout=60)
     assert report.returncode == 0, err
