@@ -363,9 +363,12 @@ class Governor:
         step end filed at or after it must be a :meth:`tick` instead."""
         self.quiet = 0
         """How many of the coming step ends may be filed instead of ticked: :meth:`tick` would leave the
-        step after each unsampled whatever it measured (the interval, the step-count ceiling; never more
-        than :data:`QUIET_MAX`). The time ceiling is the filer's to check: a reading at or past
-        :attr:`deadline` ticks."""
+        step after each unsampled (the interval, the step-count ceiling; never more than
+        :data:`QUIET_MAX`). 0 at a sampled step's shadow, whose end takes the cost sample that may
+        shrink the interval at once. What the filed ends refresh (the baseline and floor medians, every
+        :data:`REFRESH` clean steps) can still move the interval by the floor's drift or, through the
+        baseline, the time ceiling's: that takes effect at the next tick, after the stretch. The time
+        ceiling is the filer's to check: a reading at or past :attr:`deadline` ticks."""
         self.filed: list[tuple[float, float]] = []
         """Step ends not yet measured, as ``(clock reading, own seconds)``: a caller for whom a tick costs
         too much files its quiet step ends here (at most :attr:`quiet` in a row, each before
@@ -423,6 +426,10 @@ class Governor:
             self.quiet = 0
         elif self._dark_todo or self._dark_phase:
             self.quiet = 0  # (a measurement of the unseen part is running: every step end ticks)
+        elif self._prev_sampled:
+            # the step beginning now is a sampled step's shadow: its end takes the cost sample, which may
+            # shrink the interval at once, so it ticks (filed, the sample would come too late)
+            self.quiet = 0
         else:
             self.quiet = max(0, min(self._gap() - self._since_sample - 1, QUIET_MAX))
         last = self._last_sample_at

@@ -376,7 +376,8 @@ class Watch:
                 (docs/nonfinite.md gives the bounds).
 
         The first step of a dark pair (the governor's measurement of its floor, docs/governor.md) only
-        reads the clock: its errors are raised by the next ``watch.step()``.
+        reads the clock and its loss: its errors are raised by the next ``watch.step()`` (both steps'
+        refusals: the first raised, the second in a note), or by :meth:`close` if that comes first.
         """
         now = time.perf_counter()
         if (
@@ -485,12 +486,19 @@ class Watch:
         self, now: float, loss: object, outputs: object, targets: object, batch_size: object
     ) -> None:
         """One end of a dark pair (the governor's measurement of what its own time misses,
-        docs/governor.md): the first only reads the clock and keeps the arguments; the second reads it,
+        docs/governor.md): the first only reads the clock and its loss's value and keeps the other
+        arguments (their outputs and targets are scored at the next call); the second reads the clock,
         sees the root module's calls again and runs both boundaries as they would have run, ticking
         the governor with their readings. An error of the first is raised after both ran. A first end
         at or past the governor's deadline ends the pair there: its boundary runs at once, and the
         time ceiling samples the next step."""
         reading = float(self._gov_clock())
+        if type(loss) is _Tensor and not self._stashed:  # the first end: its loss is read at once (one
+            # C call; it may be a buffer the loop overwrites before the boundary runs at the next call)
+            value = self._loss_value(loss)
+            if value is None and loss.dtype is _F32 and loss.is_cpu and loss.numel() == 1:
+                value = loss.item()  # (no compiled reader, or a negated view)
+            loss = loss if value is None else value
         self._stashed.append((now, reading, (loss, outputs, targets, batch_size)))
         self._dark -= 1
         governor = self._governor
@@ -510,7 +518,10 @@ class Watch:
             try:
                 self._full_step(now, *args, started=time.perf_counter())
             except Exception as exc:
-                error = error or exc
+                if error is None:
+                    error = exc
+                else:  # both ends refused: the first is raised, the second told in a note
+                    error.add_note(f"streamwatch: the next step was refused too: {type(exc).__name__}: {exc}")
             finally:
                 self._reading = None
         if error is not None:
@@ -545,8 +556,10 @@ class Watch:
             return self._governor.quiet
         return self._every - 1 - self._step % self._every
 
-    def _end_step(self, now: float, failed: bool) -> None:
-        """The step is over; with ``failed`` it has no record: its rows are dropped and counted."""
+    def _end_step(self, now: float, failed: bool, loss: object = None) -> None:
+        """The step is over; with ``failed`` it has no record: its rows are dropped and counted.
+        ``loss``: the step's checked loss (a dark pair runs only after a loss its first step can read
+        at once: none, a number, or a plain float32 CPU scalar)."""
         if failed:
             self._state.buffer.clear()
             self._failed_steps += 1
@@ -568,7 +581,7 @@ class Watch:
         self._quiet_until = self._last_record + SCALAR_SECONDS
         governor = self._governor
         if governor is not None and governor.dark:
-            if self._unencumbered() and self._taps.go_dark():
+            if not failed and _dark_ready(loss) and self._unencumbered() and self._taps.go_dark():
                 self._dark = 2  # this step and the next: no hook, nothing at the boundary between
                 self._state.quiet = 0
             else:
@@ -605,7 +618,7 @@ class Watch:
         except Exception as exc:  # streamwatch's own failure: training goes on; warned, raised at close
             state.fail(exc)
         finally:
-            self._end_step(now, failed)
+            self._end_step(now, failed, checked.loss)
         self._surface_errors()
 
     def _send(
@@ -702,6 +715,7 @@ class Watch:
             or loss.dtype is not _F32
             or not loss.is_cpu
             or loss.ndim
+            or loss.is_neg()  # (a lazily negated view, z.conj().imag: the memory holds -value)
         ):
             return None
         return read(loss.data_ptr())
@@ -1128,6 +1142,9 @@ class Watch:
         Raises:
             PipelineError: pipelines or hooks failed during the run (each was also warned about).
             ValueError: ``timeout`` is not a number of seconds > 0 (nothing is closed then).
+            TypeError, ValueError, NonFiniteError, Full: the last ``watch.step()`` was the first step
+                of a dark pair (docs/governor.md), whose errors the next call raises: close() raises
+                them, after closing (with a failed pipeline's error in a note).
 
         Example:
             >>> import torch, streamwatch as sw
@@ -1141,9 +1158,12 @@ class Watch:
         wait = self._close_timeout if timeout is None else seconds_or_forever(timeout, "timeout")
         if self._closed:
             return
-        if self._dark:  # a dark pair in flight: its first step's boundary runs now (hook back in)
-            with contextlib.suppress(Exception):  # (its argument errors were the step's to raise)
-                self._finish_dark()
+        deferred: Exception | None = None
+        if self._dark:  # a dark pair in flight: its first step's boundary runs now (hook back in);
+            try:  # what it raises (its arguments refused, a non-finite loss under on_nonfinite="raise",
+                self._finish_dark()  # a full channel under overflow="error") is raised once closed:
+            except Exception as raised:  # close() is the call after that step
+                deferred = raised
         self._closed = True
         self._state.quiet = 0
         self._taps.remove()
@@ -1180,7 +1200,12 @@ class Watch:
         self._reported_tracker_failures = len(self._tracker.failures)
         if self._errors:
             errors, self._errors = self._errors, []
-            raise PipelineError(errors) from errors[0][1]
+            failed = PipelineError(errors)
+            if deferred is None:
+                raise failed from errors[0][1]
+            deferred.add_note(f"streamwatch: {failed}")
+        if deferred is not None:
+            raise deferred
 
     def _send_evaluation(self) -> None:
         """At close: evaluation passes run after the last ``watch.step()`` (a final validation) are
@@ -1230,7 +1255,7 @@ class Watch:
             return
         try:  # the training loop failed: keep its exception, attach ours as a note
             self.close()
-        except PipelineError as err:
+        except Exception as err:  # (failed pipelines, or what a dark pair's last step raised)
             if hasattr(exc, "add_note"):
                 exc.add_note(f"streamwatch: {err}")
 
@@ -1440,6 +1465,16 @@ class _StepArgs(NamedTuple):
     # (count the correct ones: a device scalar, or a host float; predictions scored)
     accuracy: tuple[Callable[[], torch.Tensor | float], int] | None
     batch_size: int | None
+
+
+def _dark_ready(loss: object) -> bool:
+    """Whether a dark pair may follow a step with this (checked) loss: its first step reads the loss
+    when it is called, and can only where the loss is none, a number or a plain 0-d float32 CPU tensor
+    (one C call); any other loss (float64, shape ``[1]``, on a device) would be read one call late, when
+    a loop that overwrites a loss buffer in place has changed it."""
+    if loss is None or type(loss) is float:
+        return True
+    return type(loss) is _Tensor and loss.dtype is _F32 and loss.is_cpu and not loss.ndim
 
 
 def _check_step(loss: object, outputs: object, targets: object, batch_size: object) -> _StepArgs:

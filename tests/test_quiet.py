@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import math
+import random
 import time
 from collections.abc import Callable
 
@@ -52,9 +53,14 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
 
 
+@pytest.mark.parametrize("jitter", [0.0, 0.2], ids=["steady", "jittered"])
 def test_quiet_steps_sample_exactly_what_a_ticking_governor_samples(
-    monkeypatch: pytest.MonkeyPatch, quiet_calls: collections.Counter[bool]
+    monkeypatch: pytest.MonkeyPatch, quiet_calls: collections.Counter[bool], jitter: float
 ) -> None:
+    """Jittered: step times vary by up to 20 %, so cost samples move the interval both ways all run
+    long; a shadow step's end (its cost sample) must tick, not be filed, or the shrinking interval is
+    acted on one stretch late and the sampled steps move."""
+    rng = random.Random(0)
     clock, reference_clock = FakeClock(), FakeClock()
     monkeypatch.setattr(_observe, "_governor_clock", clock)
     reference = Governor(BUDGET, clock=reference_clock)
@@ -66,7 +72,8 @@ def test_quiet_steps_sample_exactly_what_a_ticking_governor_samples(
         for step, (x, y) in enumerate(_batches(1500)):
             if reference.sampling:
                 chosen.append(step)
-            seconds = PLAIN * (1 + COST) if reference.sampling else PLAIN
+            plain = PLAIN * (1 + jitter * rng.random())
+            seconds = plain * (1 + COST) if reference.sampling else plain
             clock.advance(seconds)
             reference_clock.advance(seconds)
             loss, out = _train(model, opt, x, y)
@@ -78,7 +85,9 @@ def test_quiet_steps_sample_exactly_what_a_ticking_governor_samples(
     assert [r.step for r in records.items] == chosen
     assert stats.steps == 1500
     assert stats.dark_steps == reference.statistics().dark_steps > 0
-    assert stats.sampling_interval == reference.interval == 10
+    assert stats.sampling_interval == reference.interval
+    if not jitter:
+        assert reference.interval == 10
 
 
 @pytest.mark.parametrize("every", [5, None], ids=["every=5", "governor"])
@@ -352,6 +361,92 @@ def test_the_time_ceiling_crossed_in_a_dark_pair_samples_the_next_step(
     assert stats.steps == steps + crossed_in + 1
     assert governor.statistics().sampled == before.sampled + 1
     assert stats.dark_steps == before.dark_steps - 2 + crossed_in  # a pair cut short: one dark step
+
+
+def test_both_refusals_in_a_dark_pair_are_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt, watch, clock = _governed(monkeypatch)
+    with watch:
+        steps = _until_dark(watch, model, opt, clock)
+        loss, _ = _train(model, opt, *next(_batches(1)))
+        watch.step(loss=loss, batch_size=0)
+        with pytest.raises(ValueError, match="got 0") as raised:
+            watch.step(loss=loss, batch_size=-3)
+        stats = watch.statistics()
+    assert any("refused too" in note and "got -3" in note for note in raised.value.__notes__)
+    assert stats.failed_steps == 2
+    assert stats.steps == steps + 2
+
+
+def test_a_dark_pairs_first_step_reads_its_loss_when_called(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a loop that keeps its loss in one buffer, overwritten in place each step: the first dark step's
+    # NaN must be seen as that step's, not replaced by the next step's value before its boundary runs
+    model, opt, watch, clock = _governed(monkeypatch, on_nonfinite="raise")
+    buffer = torch.zeros(())
+    with watch:
+        steps = _until_dark(watch, model, opt, clock)
+        buffer.fill_(math.nan)
+        watch.step(loss=buffer)
+        buffer.fill_(1.0)
+        with pytest.raises(sw.NonFiniteError, match=f"step {steps}"):
+            watch.step(loss=buffer)
+        stats = watch.statistics()
+    assert stats.sentinel_trips == 1
+
+
+def test_no_dark_pair_follows_a_loss_it_could_not_read_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a float64 loss (or one of shape [1], or on a device) is read by torch at the boundary: a dark
+    # pair's first step could not read it when called, so the governor's asks are declined
+    model, opt, watch, clock = _governed(monkeypatch)
+    governor = watch._governor
+    assert governor is not None
+    with watch:
+        for x, y in _batches(1500):
+            clock.advance(PLAIN * (1 + COST) if governor.sampling else PLAIN)
+            loss, _ = _train(model, opt, x, y)
+            watch.step(loss=loss.double())
+        stats = watch.statistics()
+    assert stats.steps == 1500
+    assert stats.dark_steps == 0
+    assert governor.statistics().dark_steps == 0
+
+
+def test_closing_after_a_dark_pairs_first_step_raises_its_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt, watch, clock = _governed(monkeypatch, on_nonfinite="raise")
+    records = watch.statistics()
+    steps = _until_dark(watch, model, opt, clock)
+    watch.step(loss=math.nan)  # the last step: nothing after it but close()
+    with pytest.raises(sw.NonFiniteError, match=f"step {steps}"):
+        watch.close()
+    assert watch.closed
+    assert not root_seen(model)
+    assert watch.statistics().steps == steps + 1 > records.steps
+    # the same inside a with block whose body failed: the body's exception stays, ours is a note
+    model, opt, watch, clock = _governed(monkeypatch, on_nonfinite="raise")
+
+    def loop() -> None:
+        with watch:
+            _until_dark(watch, model, opt, clock)
+            watch.step(loss=math.nan)
+            raise KeyError("the loop's own error")
+
+    with pytest.raises(KeyError) as raised:
+        loop()
+    assert any("non-finite" in note for note in raised.value.__notes__)
+    assert not root_seen(model)
+
+
+def test_a_negated_view_loss_is_recorded_with_its_sign() -> None:
+    # z.conj().imag is a 0-d float32 view whose memory holds +2 and whose value is -2 (torch's neg bit)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    records = sw.sinks.collect()
+    loss = torch.tensor(1 + 2j, dtype=torch.complex64).conj().imag
+    assert loss.is_neg()
+    assert loss.item() == -2.0
+    with sw.observe(model, opt, every=1, sinks=[records]) as watch:
+        _train(model, opt, *next(_batches(1)))
+        watch.step(loss=loss)
+    assert [r.scalars["loss"] for r in records.items] == [loss.item()]
 
 
 def test_closing_in_a_dark_pair_runs_its_first_boundary(monkeypatch: pytest.MonkeyPatch) -> None:
