@@ -487,7 +487,8 @@ class Watch:
     ) -> None:
         """One end of a dark pair (the governor's measurement of what its own time misses,
         docs/governor.md): the first only reads the clock and its loss's value and keeps the other
-        arguments (their outputs and targets are scored at the next call); the second reads the clock,
+        arguments (copies of outputs and targets where its boundary will send the scalar record, which
+        scores them); the second reads the clock,
         sees the root module's calls again and runs both boundaries as they would have run, ticking
         the governor with their readings. An error of the first is raised after both ran. A first end
         at or past the governor's deadline ends the pair there: its boundary runs at once, and the
@@ -499,6 +500,14 @@ class Watch:
             if value is None and loss.dtype is _F32 and loss.is_cpu and loss.numel() == 1:
                 value = loss.item()  # (no compiled reader, or a negated view)
             loss = loss if value is None else value
+        if (
+            not self._stashed
+            and now - self._last_record >= SCALAR_SECONDS
+            and isinstance(outputs, _Tensor)
+            and isinstance(targets, _Tensor)
+        ):  # its boundary (at the next call) sends the scalar record, with train accuracy: score copies,
+            # as they are now (a loop may overwrite its output and label buffers in place)
+            outputs, targets = outputs.detach().clone(), targets.detach().clone()
         self._stashed.append((now, reading, (loss, outputs, targets, batch_size)))
         self._dark -= 1
         governor = self._governor
@@ -1003,9 +1012,8 @@ class Watch:
         deadline = time.monotonic() + _seconds(timeout, "timeout")
         while True:
             stats = self.statistics()
-            if (
-                stats.records_received + stats.dropped_oldest + stats.dropped_newest
-                >= stats.sampled + stats.scalar_records
+            if (  # (sent: sampled and scalar records; a record dropped as newest was never sent)
+                stats.records_received + stats.dropped_oldest >= stats.sampled + stats.scalar_records
                 and not self._worker.statistics().in_flight  # the last one is through every pipeline too
             ):
                 self._store.apply()  # the metrics' values too (and their failures, reported next step)
@@ -1494,7 +1502,13 @@ def _check_step(loss: object, outputs: object, targets: object, batch_size: obje
             raise TypeError(
                 f"Expected `loss` to be a scalar (a one-element real tensor or a number), got {loss!r}"
             )
-        checked_loss = float(loss)
+        try:
+            checked_loss = float(loss)
+        except OverflowError:
+            raise ValueError(
+                f"Expected `loss` to be a number a float can hold, got one too large for it ({type(loss).__name__})"
+                "; pass the loss as a float or a tensor"
+            ) from None
     if (
         batch_size is not None
         and not (type(batch_size) is int and batch_size >= 1)  # (the common case, accepted first)
@@ -1645,6 +1659,8 @@ def _layout(
             return _binary_first, n
         if (last or first) and not labels:
             raise refuse("class indices must be an integer tensor (targets.long())")
+        if (last and o_shape[-1] == 0) or (first and not last and o_shape[1] == 0):
+            raise refuse("there are no classes (a dimension of 0 where the class scores go)")
         if last and first:
             raise refuse(
                 "the classes could be the last or the second dimension; reshape to [M, C] logits and [M] "

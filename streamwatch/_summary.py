@@ -323,6 +323,8 @@ def _merge(
     order = np.unique(index, return_index=True)[1]
     for col in (7, 8, 10):  # per-unit activity was merged per key on the training thread
         out[:, col] = table[order, col]
+    out[nan_min, 8] = np.nan  # a NaN in any call: dead units unknown, as for one call (see unmerged)
+    out[nan_min, 10] = np.nan
     return tuple(first), out
 
 

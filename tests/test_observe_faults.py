@@ -7,6 +7,7 @@ quietly — a bad argument gets a clear error naming it, and whatever fails leav
 
 from __future__ import annotations
 
+import fractions
 import re
 import threading
 import time
@@ -338,6 +339,8 @@ REFUSED_LAYOUTS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {
     "predicted_shape": (torch.zeros(8, dtype=torch.long), torch.zeros(8, 2, dtype=torch.long)),
     "one_hot_integer": (torch.randn(8, 4), nn.functional.one_hot(torch.arange(8) % 4, 4)),
     "integer_mask": (torch.randn(8, 3, 3), torch.zeros(8, 3, 3, dtype=torch.long)),
+    "no_classes": (torch.randn(8, 0), torch.zeros(8, dtype=torch.long)),
+    "no_classes_first": (torch.randn(8, 0, 3), torch.zeros(8, 3, dtype=torch.long)),
 }
 
 
@@ -531,6 +534,8 @@ STEP_BAD: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
     "loss_complex_number": ({"loss": 1 + 2j}, TypeError, "`loss`"),
     "loss_vector": ({"loss": torch.ones(3)}, ValueError, "`loss`"),
     "loss_complex_tensor": ({"loss": torch.ones((), dtype=torch.complex64)}, ValueError, "`loss`"),
+    "loss_beyond_float": ({"loss": 10**400}, ValueError, "`loss`"),  # (float() overflows)
+    "loss_fraction_beyond_float": ({"loss": fractions.Fraction(10**400, 3)}, ValueError, "`loss`"),
     "batch_size_zero": ({"batch_size": 0}, ValueError, "`batch_size`"),
     "batch_size_negative": ({"batch_size": -8}, ValueError, "`batch_size`"),
     "batch_size_fractional": ({"batch_size": 2.5}, ValueError, "`batch_size`"),

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import streamwatch as sw
+import streamwatch._channel
 import streamwatch._taps
 from streamwatch._observe import STATS
 from streamwatch._taps import KINDS
@@ -276,6 +277,36 @@ def test_drop_oldest_keeps_training_going_and_counts_every_drop(train: Train) ->
     stats = watch.statistics()
     assert stats.records_received + stats.dropped_oldest == stats.sampled
     assert stats.sampled + stats.dropped_newest == stats.steps
+
+
+def test_flush_waits_for_every_sent_record_when_newer_ones_were_dropped(
+    monkeypatch: pytest.MonkeyPatch, train: Train
+) -> None:
+    # drop_newest: a dropped record was never sent, so it must not count as handled (flush() returned
+    # True while the sent records still waited in the channel, the worker idle between two of them)
+    gate = threading.Event()
+    receive = streamwatch._channel.Receiver.recv_many
+
+    def held_receive(self: Any, limit: int, timeout: float | None = None) -> Any:
+        assert gate.wait(JOIN_S)  # the worker takes nothing until the gate opens
+        return receive(self, limit, timeout)
+
+    monkeypatch.setattr(streamwatch._channel.Receiver, "recv_many", held_receive)
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recs = sw.sinks.collect()
+    watch = sw.observe(model, opt, overflow="drop_newest", capacity=2, sinks=[recs], every=1)
+    train(model, opt, watch, 6)  # steps 0 and 1 queued, 2..5 dropped
+    stats = watch.statistics()
+    assert (stats.sampled, stats.dropped_newest, stats.records_received) == (2, 4, 0)
+    assert not watch.flush(timeout=0.2)  # two sent, none handled
+    assert watch.snapshot() == []
+    gate.set()
+    assert watch.flush(timeout=JOIN_S)
+    assert [r.step for r in recs.items] == [0, 1]
+    assert watch.statistics().records_received == 2
+    watch.close()
 
 
 # -- failures -----------------------------------------------------------------------------------------

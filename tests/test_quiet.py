@@ -393,6 +393,36 @@ def test_a_dark_pairs_first_step_reads_its_loss_when_called(monkeypatch: pytest.
     assert stats.sentinel_trips == 1
 
 
+def test_a_dark_steps_train_accuracy_is_its_own_with_buffers_overwritten_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # outputs and labels kept in buffers the loop overwrites each step: the first dark step's scalar
+    # record (due at every boundary here) must score that step's predictions, not the next step's
+    monkeypatch.setattr(_observe, "SCALAR_SECONDS", 0.0)
+    records = sw.sinks.collect()
+    model, opt, watch, clock = _governed(monkeypatch, sinks=[records])
+    governor = watch._governor
+    assert governor is not None
+    outputs, labels = torch.zeros(12, 3), torch.zeros(12, dtype=torch.long)
+    truth = {}
+    with watch:
+        for step, (x, y) in enumerate(_batches(1500)):
+            clock.advance(PLAIN * (1 + COST) if governor.sampling else PLAIN)
+            loss, _ = _train(model, opt, x, y)
+            outputs.zero_()
+            outputs[:, 1] = 1.0  # predicts class 1 for every sample
+            labels.zero_()
+            labels[: step % 13] = 1  # so step % 13 predictions are right
+            truth[step] = float(step % 13)
+            watch.step(loss=loss, outputs=outputs, targets=labels, batch_size=12)
+        watch.flush()
+        stats = watch.statistics()
+    assert stats.dark_steps > 0
+    scored = {r.step: r.scalars["correct"] for r in records.items}
+    assert len(scored) > 1000  # (a record at nearly every boundary)
+    assert scored == {step: truth[step] for step in scored}
+
+
 def test_no_dark_pair_follows_a_loss_it_could_not_read_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     # a float64 loss (or one of shape [1], or on a device) is read by torch at the boundary: a dark
     # pair's first step could not read it when called, so the governor's asks are declined

@@ -148,3 +148,31 @@ def test_ratios_over_an_empty_row_are_nan_not_errors() -> None:
     for name in ("mean", "std", "var", "rms", "zero_fraction", "dead_fraction"):
         assert math.isnan(float(derived[name][0])), name
     assert float(derived["l2"][0]) == 0.0  # the norm of nothing is 0
+
+
+@pytest.mark.parametrize("nan_call", [0, 1], ids=["nan-first", "nan-second"])
+def test_a_nan_in_any_call_of_a_module_makes_its_dead_units_unknown(nan_call: int) -> None:
+    # one ReLU called twice in a step: with a NaN in either call, zeros and dead units are unknown (NaN),
+    # as for the two inputs in one call; the merge kept the first call's dead count when the NaN came later
+    import streamwatch as sw
+
+    clean = torch.tensor([[-1.0, 1.0, 1.0], [-1.0, 1.0, 1.0]])
+    bad = clean.clone()
+    bad[0, 0] = math.nan
+    calls = [bad, clean] if nan_call == 0 else [clean, bad]
+    act = torch.nn.ReLU()
+    model = torch.nn.Sequential(act)
+    records = sw.sinks.collect()
+    quiet = {"on_nonfinite": lambda _: None}  # (the NaN is the point: no warning)
+    with sw.observe(model, None, every=1, sinks=[records], taps=("activation",), **quiet) as w:
+        for x in calls:
+            model(x)
+        w.step(loss=1.0)
+    (record,) = records.items
+    (row,) = [i for i, k in enumerate(record.keys) if k.kind == "activation"]
+    ref = reference_row(torch.relu(torch.cat(calls)).numpy(), unit_axis=1)
+    assert math.isnan(record.column("min")[row])  # (the reference's NaN)
+    for column in ("count", "units", "samples"):
+        assert record.column(column)[row] == ref[column]
+    for column in ("zeros", "dead", "active"):
+        assert math.isnan(record.column(column)[row]), column
