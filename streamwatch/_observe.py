@@ -182,6 +182,7 @@ class Watch:
         detailed = this_rank_keeps_detail(detail)  # per-layer series on this rank? (docs/scale.md)
         self._stuck: tuple[str, ...] = ()  # what close() gave up on, and the records it left
         self._unflushed = 0
+        self._eval_unsent = 0  # close()'s evaluation record, if the channel had no room in time
         sinks = _sinks(sinks)
         derived, objects = _split_metrics(
             metrics, frozenset(taps), has_optimizer=optimizer is not None, governed=budget is not None
@@ -638,11 +639,13 @@ class Watch:
         full: bool,
         now: float | None = None,
         loss_value: float | None = None,
+        timeout: float | None = None,
     ) -> None:
         """Seal this step's record and offer it to the worker: ``full`` for a sampled step (or one with
         rows: an evaluation pass, a metric), else a scalar record between sampled steps. ``seconds``
         None: not a step's end (evaluation rows handed over at close), so no step time and no parts.
-        ``loss_value``: the loss's value if :meth:`_loss_value` read it."""
+        ``loss_value``: the loss's value if :meth:`_loss_value` read it. ``timeout``: how long
+        ``overflow="block"`` may wait for room (None: as long as it takes)."""
         host: dict[str, float] = {}
         if seconds is not None:
             host["step_seconds"] = seconds
@@ -703,7 +706,7 @@ class Watch:
         if pending is None:
             return  # counted by the slot pool
         try:
-            sent = self._tx.offer(pending, self._overflow)
+            sent = self._tx.offer(pending, self._overflow, timeout)
         except BaseException:
             _release_dropped(pending, "error")  # the pinned slot goes back; the step is counted as failed
             raise
@@ -977,6 +980,7 @@ class Watch:
             OSError: the port is taken, the host cannot be resolved or is not an address of this
                 machine (the message names it and the fix).
             ValueError: a bad argument, or ``host=""``.
+            RuntimeError: the watch is closed (its close() would no longer stop the server).
 
         Example:
             >>> import torch, urllib.request, streamwatch as sw
@@ -989,6 +993,11 @@ class Watch:
             >>> 'streamwatch_info{host=' in body and 'stat="l2"' in body and 'run="' in body
             True
         """
+        if self._closed:
+            raise RuntimeError(
+                "this Watch is closed: expose() it before close() (its final values stay readable "
+                "through snapshot()), or create a new one with streamwatch.observe()"
+            )
         exporter = Exporter(
             self._store,
             self.statistics,
@@ -1181,7 +1190,8 @@ class Watch:
             metric.unbind()
         self._metrics, self._step_metrics = (), ()
         self._state.kind_metrics, self._state.step_metrics = {}, ()
-        self._send_evaluation()
+        deadline = None if wait is None else time.monotonic() + wait
+        self._send_evaluation(wait)
         release_scratch()
         self._state.buffer.clear()  # an unfinished step is not a completed step
         model = self._model_ref()
@@ -1191,8 +1201,8 @@ class Watch:
         self._optimizer = None
         self._tx.close()
         finished = True
-        try:
-            self._worker.close(wait)
+        try:  # (what is left of the wait: the evaluation record's send may have used some)
+            self._worker.close(None if deadline is None else max(deadline - time.monotonic(), 1e-3))
         except PipelineError as err:
             self._errors.extend(err.errors)
         except TimeoutError:
@@ -1215,16 +1225,20 @@ class Watch:
         if deferred is not None:
             raise deferred
 
-    def _send_evaluation(self) -> None:
+    def _send_evaluation(self, wait: float | None) -> None:
         """At close: evaluation passes run after the last ``watch.step()`` (a final validation) are
         handed over as a record of their own (step: the next step's number, as evaluation rows between
         steps are; no step time, no loss). Rows of a training step that never reached ``watch.step()``
-        are not a completed step: with them in the buffer, nothing is sent (docs/observe.md)."""
+        are not a completed step: with them in the buffer, nothing is sent (docs/observe.md). Under
+        ``overflow="block"`` it waits at most ``wait`` seconds for room (close()'s timeout: the worker
+        is stuck if the channel stays full that long); not sent then, it is counted as unflushed."""
         buffer = self._state.buffer
         if not len(buffer) or any(getattr(key, "phase", None) != "eval" for key in buffer.keys):
             return
         try:
-            self._send(None, _StepArgs(None, None, None), {}, full=True)
+            self._send(None, _StepArgs(None, None, None), {}, full=True, timeout=wait)
+        except SendTimeout:
+            self._eval_unsent = 1  # (close() gives up on the worker next, and says so)
         except Exception as exc:  # a full channel under overflow="error" too: counted, raised below
             self._state.fail(exc)
 
@@ -1232,7 +1246,7 @@ class Watch:
         """close() waited ``waited`` seconds for the worker in vain: count and warn, leave it behind."""
         worker = self._worker.statistics()
         self._stuck = (worker.current,) if worker.current else ()
-        self._unflushed = worker.in_flight + self._tx.statistics().len
+        self._unflushed = worker.in_flight + self._tx.statistics().len + self._eval_unsent
         try:
             self._worker.check()  # failures before it got stuck are reported as usual
         except PipelineError as err:
@@ -1506,8 +1520,8 @@ def _check_step(loss: object, outputs: object, targets: object, batch_size: obje
             checked_loss = float(loss)
         except OverflowError:
             raise ValueError(
-                f"Expected `loss` to be a number a float can hold, got one too large for it ({type(loss).__name__})"
-                "; pass the loss as a float or a tensor"
+                "Expected `loss` to be a number a float can hold, got one too large for it "
+                f"({type(loss).__name__}); pass the loss as a float or a tensor"
             ) from None
     if (
         batch_size is not None

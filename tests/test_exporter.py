@@ -158,6 +158,21 @@ def test_a_taken_port_is_a_clear_error_naming_the_port_and_the_fix() -> None:
         watch.expose(port=70000)
 
 
+def test_an_expose_the_registry_refuses_keeps_no_port_and_a_closed_watch_refuses_expose() -> None:
+    registry = CollectorRegistry(auto_describe=True)  # (as prometheus_client's global REGISTRY)
+    with socket.socket() as probe:  # a port free now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with sw.observe(_model()[0], every=1) as first, sw.observe(_model()[0], every=1) as second:
+        first.expose(port=0, registry=registry)
+        with pytest.raises(ValueError, match="Duplicated"):  # the same series twice in one registry
+            second.expose(port=port, registry=registry)
+        with socket.socket() as again:  # the refused exporter's socket was closed, not left listening
+            again.bind(("127.0.0.1", port))
+    with pytest.raises(RuntimeError, match="closed: expose\\(\\) it before close"):
+        second.expose(port=0)  # its close() ran: a server started now would never be stopped
+
+
 def test_a_caller_supplied_registry_and_no_values_before_the_first_step() -> None:
     registry = CollectorRegistry()
     model, opt = _model()

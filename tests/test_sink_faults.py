@@ -264,6 +264,30 @@ def test_close_gives_up_on_a_sink_that_never_returns(stuck: Stuck, where: str) -
     assert [r.step for r in healthy.items] == [0, 1, 2]
 
 
+def test_close_gives_up_in_time_with_block_and_a_full_channel_and_an_evaluation_to_send(stuck: Stuck) -> None:
+    # overflow="block": close() hands over the evaluation pass run after the last step; with the channel
+    # full behind a stuck sink, that send waited forever (no timeout) before close() ever got to give up
+    model, opt = _model()
+    watch = sw.observe(model, opt, sinks=[stuck], overflow="block", capacity=2, every=1)
+    train(model, opt, watch, 1, report_outputs=False)
+    assert stuck.entered.wait(JOIN_S)  # step 0 is in the stuck sink
+    train(model, opt, watch, 2, report_outputs=False)  # steps 1 and 2 fill the channel
+    with torch.no_grad():
+        model.eval()
+        model(torch.randn(4, 4))  # a final evaluation pass: close() sends it as a record of its own
+    started = time.monotonic()
+    with pytest.warns(RuntimeWarning) as caught:
+        spawn(lambda: watch.close(timeout=0.5)).finish()
+    elapsed = time.monotonic() - started
+    assert elapsed < JOIN_S  # (the wait is the timeout once: the send and the worker share it)
+    message = str(caught[0].message)
+    assert message.startswith("streamwatch: close() gave up after 0.5 s"), message
+    assert "4 records were not flushed to every sink" in message  # steps 0-2 and the evaluation record
+    stats = watch.statistics()
+    assert stats.unflushed_records == 4
+    assert stats.pipeline_failures == 0
+
+
 def test_close_waits_as_long_as_the_sinks_are_working() -> None:
     model, opt = _model()
     slow = sw.sinks.callback(lambda record: time.sleep(0.05))

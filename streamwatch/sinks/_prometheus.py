@@ -490,7 +490,12 @@ class Exporter:
         self.collector = StoreCollector(store, statistics, self.labels, series_budget)
         self._server: MetricsServer | None = None
         sock = listen(host, self.port, MetricsServer.backlog) if serve else None
-        self.registry.register(self.collector)
+        try:
+            self.registry.register(self.collector)
+        except BaseException:  # (a caller's registry refusing our series: the port is not kept)
+            if sock is not None:
+                sock.close()
+            raise
         if sock is not None:
             self.port = sock.getsockname()[1]
             # our own registry holds only our families: the collector's text writer, cached per version of
