@@ -180,6 +180,27 @@ def test_a_closed_sink_without_steps_leaves_a_header(tmp_path: Path) -> None:
         sink.send(StepRecord(0, 0.0, 0, (), np.empty((0, len(COLUMNS)))))
 
 
+def test_one_file_has_one_writer_in_a_process(tmp_path: Path) -> None:
+    # two watches (a GAN's generator and discriminator, say) with a RunFile each on one path: each
+    # numbers its series itself, so the second to add a series reused an id and the file did not read
+    path = tmp_path / "run.jsonl"
+    key = sw.SeriesKey("train", "g", "param", "w")
+    first = RunFile(path)
+    (tmp_path / "link").symlink_to(tmp_path)
+    with pytest.raises(RunFileError, match=r"another RunFile of this process.*its own file"):
+        RunFile(tmp_path / "link" / "run.jsonl")  # (the same file, by another path)
+    first.send(StepRecord(0, 0.0, 0, (key,), np.zeros((1, len(COLUMNS)))))
+    first.close()
+    second = RunFile(path)  # the first is closed: the file is the second's to continue
+    other = key._replace(layer="d")
+    second.send(StepRecord(1, 1.0, 0, (other, key), np.ones((2, len(COLUMNS)))))
+    RunFile(tmp_path / "elsewhere.jsonl")  # never closed, and dropped: a gone sink writes no more
+    second.close()
+    RunFile(tmp_path / "elsewhere.jsonl").close()
+    run = read_run(path)
+    assert [(r.step, r.keys) for r in run.records] == [(0, (key,)), (1, (other, key))]
+
+
 def test_special_floats_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "floats.jsonl"
     values = [0.0, -0.0, 1.0, -3.0, 0.1, 1e-310, 2.0**53, 2.0**60, -math.inf, math.inf, math.nan, 1 / 3]

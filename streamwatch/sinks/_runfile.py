@@ -84,7 +84,9 @@ import contextlib
 import json
 import math
 import os
+import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -283,6 +285,11 @@ def _check_path(path: Path) -> None:
             path.unlink()
 
 
+_WRITERS: weakref.WeakValueDictionary[Path, RunFile] = weakref.WeakValueDictionary()
+"""The run files this process writes, by resolved path (a RunFile that is closed or gone writes no more)."""
+_WRITERS_LOCK = threading.Lock()
+
+
 class RunFile(Sink):
     """A sink appending every :class:`streamwatch.StepRecord` to a JSON Lines run file (see the module
     documentation for the format). Read it back with :func:`read_run`, summarise it with :func:`report`.
@@ -296,7 +303,9 @@ class RunFile(Sink):
         RunFileError: (a ``ValueError``) ``path`` exists, is not empty and is not a version-1 run file
             with these columns that reads back cleanly (the message names the line); or ``path`` cannot
             be written: its directory is missing, it is a directory, or creating or appending to it
-            fails (the message says what to do).
+            fails (the message says what to do); or another ``RunFile`` of this process writes to it
+            and is not closed (each numbers its series itself: two writers would corrupt the file; give
+            each watch, and each rank, its own file).
 
     Example:
         >>> import tempfile, pathlib, torch, streamwatch as sw
@@ -321,6 +330,16 @@ class RunFile(Sink):
         self._scan = _scan_for_append(self._path) if self._path.is_file() else _Scan({}, 0, 0)
         self._ids: dict[SeriesKey, int] = {key: i for i, key in self._scan.keys.items()}
         self._edges: Mapping[str, tuple[float, ...]] = self._scan.edges
+        with _WRITERS_LOCK:
+            where = self._path.resolve()
+            other = _WRITERS.get(where)
+            if other is not None and not other.closed:
+                raise RunFileError(
+                    f"{self._path} is being written by another RunFile of this process (another watch, "
+                    "or a second sink), not closed yet: each numbers its series itself, so two writers "
+                    "would corrupt the file; give each its own file, or close the other first"
+                )
+            _WRITERS[where] = self
 
     @property
     def path(self) -> Path:
