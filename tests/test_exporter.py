@@ -173,6 +173,21 @@ def test_an_expose_the_registry_refuses_keeps_no_port_and_a_closed_watch_refuses
         second.expose(port=0)  # its close() ran: a server started now would never be stopped
 
 
+def test_a_module_name_that_is_no_utf8_does_not_fail_the_scrape() -> None:
+    # a lone surrogate (add_module accepts any str) cannot be encoded: the scrape answered 500 for every
+    # series; now that label reads "?" and everything else is served
+    model = nn.Sequential()
+    model.add_module("bad\udc80", nn.Linear(6, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sw.observe(model, opt, every=1) as watch:
+        exporter = watch.expose(port=0)
+        _train(watch, model, opt, steps=1)
+        families = _scrape(exporter.url)
+    layers = {sample.labels.get("layer") for sample in families["streamwatch_tensor"]}
+    assert "bad?" in layers
+    assert families["streamwatch_loss"]
+
+
 def test_a_caller_supplied_registry_and_no_values_before_the_first_step() -> None:
     registry = CollectorRegistry()
     model, opt = _model()

@@ -219,7 +219,8 @@ class StoreCollector(Collector):
                 self._tensor_lines(block.rows, lines)
             for name, labels, value in block.entries:
                 lines.append(f"{self._prefix(name, labels)} {format_float(value)}")
-        return ("\n".join(lines) + "\n").encode() if lines else b""
+        # (a module name with a lone surrogate cannot be UTF-8: it reads "?" rather than failing the scrape)
+        return ("\n".join(lines) + "\n").encode("utf-8", "replace") if lines else b""
 
     def _tensor_lines(self, rows: tuple[dict[str, np.ndarray], list[SeriesKey]], lines: list[str]) -> None:
         prefixes = self._prefixes
