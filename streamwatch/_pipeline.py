@@ -25,7 +25,7 @@ Example:
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, overload
 
 __all__ = ["Chain", "Emit", "Node", "Operator", "Pipeline", "Sink", "Source", "Stream", "source"]
@@ -108,10 +108,14 @@ class Chain(Operator):
         self.ops = ops
 
     def open(self, emit: Emit) -> Node:
-        # Only used when a chain is opened directly; streams unroll chains so every node is visible.
+        # Only used when a chain is opened directly (a custom operator's ``open`` returning one); streams
+        # unroll chains so every node is visible.
+        nodes: list[Node] = []
         for op in reversed(self.ops):
-            emit = op.open(emit).push
-        return Node(emit)
+            node = op.open(emit)
+            nodes.append(node)
+            emit = node.push
+        return _ChainNode(nodes[::-1])
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Chain) and other.ops == self.ops
@@ -121,6 +125,48 @@ class Chain(Operator):
 
     def __repr__(self) -> str:
         return " | ".join(map(repr, self.ops))
+
+
+class _ChainNode(Node):
+    """The nodes of an opened :class:`Chain`, first to last: pushes go to the first; ``close`` flushes
+    them in order (each one's flush reaches the ones after it before they flush); counters of all.
+
+    Example:
+        >>> from streamwatch import ops
+        >>> out = []
+        >>> node = (ops.map(abs) | ops.window(3)).open(out.append)
+        >>> for x in range(-4, 1):
+        ...     node.push(x)
+        >>> node.close()
+        >>> out
+        [[4, 3, 2], [1, 0]]
+    """
+
+    __slots__ = ("nodes",)
+
+    def __init__(self, nodes: list[Node]) -> None:
+        super().__init__(nodes[0].push)
+        self.nodes = nodes
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
+
+    def counters(self) -> dict[str, int]:
+        merged: dict[str, int] = {}
+        for node in self.nodes:
+            for name, count in node.counters().items():
+                merged[name] = merged.get(name, 0) + count
+        return merged
+
+
+def _unchained(nodes: Iterable[Node]) -> Iterator[Node]:
+    """``nodes`` with every opened chain (a custom operator's) replaced by its own nodes, in order."""
+    for node in nodes:
+        if isinstance(node, _ChainNode):
+            yield from _unchained(node.nodes)
+        else:
+            yield node
 
 
 class Sink(abc.ABC):
@@ -319,7 +365,7 @@ class Pipeline:
     def counters(self) -> dict[str, int]:
         """Counts reported by the nodes, keyed ``"<op>.<name>"`` (e.g. ``"zip.unmatched"``)."""
         out: dict[str, int] = {}
-        for node in self._nodes:
+        for node in _unchained(self._nodes):
             for name, value in node.counters().items():
                 key = f"{type(node).__name__.removesuffix('Node').lower()}.{name}"
                 out[key] = out.get(key, 0) + value

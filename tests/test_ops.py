@@ -418,6 +418,18 @@ def test_ewm_propagates_nan() -> None:
     assert math.isnan(result[2])
 
 
+def test_ewm_of_alpha_1_emits_items_unchanged_after_inf_and_nan() -> None:
+    # (0 * inf is NaN: the previous value must not enter at all)
+    assert run(ops.ewm(1), [math.inf, 1.0, -math.inf, 2.0]) == [math.inf, 1.0, -math.inf, 2.0]
+    result = run(ops.ewm(1), [math.nan, 1.0])
+    assert math.isnan(result[0])
+    assert result[1] == 1.0
+
+
+def test_a_mean_of_numbers_too_large_for_a_float_is_inf_not_an_error() -> None:
+    assert run(ops.window(2) | ops.mean(), [10**400, 10**400, -(10**400), 1]) == [math.inf, -math.inf]
+
+
 # -- reductions --------------------------------------------------------------------------------------
 
 
@@ -640,6 +652,20 @@ def test_chain_is_reusable_without_sharing_state() -> None:
     b.close()
     assert out_a.items == [30]
     assert out_b.items == [50]
+
+
+def test_a_custom_operator_opening_a_chain_flushes_and_counts_like_the_chain() -> None:
+    class Smooth(sw.Operator):
+        def open(self, emit: Callable[[Any], None]) -> sw.Node:
+            return (ops.filter(bool) | ops.window(2) | ops.std()).open(emit)
+
+    out, plain = sw.sinks.collect(), sw.sinks.collect()
+    custom = sw.source() | Smooth() | out
+    direct = sw.source() | ops.filter(bool) | ops.window(2) | ops.std() | plain
+    custom.run([0, 1, 3, 5])
+    direct.run([0, 1, 3, 5])
+    assert out.items == plain.items == [1.0, 0.0]  # the partial window [5] flushed at close (std of one: 0)
+    assert custom.counters() == direct.counters() == {"std.empty": 0}
 
 
 def test_counters_are_keyed_by_node_type() -> None:

@@ -33,7 +33,15 @@ def _fsum(values: Sequence[Any]) -> float:
     try:
         return math.fsum(values)
     except (ValueError, OverflowError):  # inf - inf or an overflow: the plain float sum gives nan or inf
-        return float(builtins.sum(values))
+        return builtins.sum(map(_float_or_inf, values), 0.0)
+
+
+def _float_or_inf(value: Any) -> float:
+    """``float(value)``, or ±inf for a number too large for a float (an int of 400 digits)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def _first_nan(window: Sequence[Any]) -> Any:

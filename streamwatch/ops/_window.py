@@ -248,7 +248,8 @@ class EwmNode(Node):
 
     def push(self, item: Any) -> None:
         if self.started:
-            self.y = y = self.alpha * item + self.beta * self.y
+            # (alpha 1: the item as it is, also after an inf or NaN, which 0 * y would turn into NaN)
+            self.y = y = self.alpha * item + self.beta * self.y if self.beta else self.alpha * item
         else:
             self.started = True
             self.y = y = item
@@ -272,7 +273,8 @@ def ewm(alpha: float) -> Ewm:
     """Exponentially weighted mean, emitted for every item.
 
     ``y[0] = x[0]`` and ``y[t] = alpha * x[t] + (1 - alpha) * y[t-1]``: pandas'
-    ``Series.ewm(alpha=alpha, adjust=False).mean()`` without its NaN skipping (a NaN propagates).
+    ``Series.ewm(alpha=alpha, adjust=False).mean()`` without its NaN skipping (a NaN propagates; with
+    ``alpha=1`` each item is emitted as it is, an inf or NaN before it left out, as pandas does).
     Items may be numbers or numpy arrays (elementwise); arrays are never modified in place.
 
     ::
