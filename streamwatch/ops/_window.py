@@ -274,7 +274,7 @@ def ewm(alpha: float) -> Ewm:
 
     ``y[0] = x[0]`` and ``y[t] = alpha * x[t] + (1 - alpha) * y[t-1]``: pandas'
     ``Series.ewm(alpha=alpha, adjust=False).mean()`` without its NaN skipping (a NaN propagates; with
-    ``alpha=1`` each item is emitted as it is, an inf or NaN before it left out, as pandas does).
+    ``alpha=1`` each item is emitted as it is: an inf or NaN before it is left out).
     Items may be numbers or numpy arrays (elementwise); arrays are never modified in place.
 
     ::
