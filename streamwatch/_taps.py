@@ -523,6 +523,10 @@ class TapSet:
         }
         self._armed: dict[str, list[RemovableHandle]] = {"forward": [], "param_grad": [], "step": []}
         self._eval_armed = False  # the forward hooks are in for an evaluation pass only
+        # Gradient hooks on leaf tensors (a parameter a module returns as is, an input made with
+        # requires_grad): such a tensor outlives the step and keeps its hooks, so they are held here,
+        # one per tensor and key, and removed at the next step boundary (arm) and at remove().
+        self._leaf_hooks: dict[tuple[int, SeriesKey], tuple[weakref.ref[torch.Tensor], RemovableHandle]] = {}
         # Under torch.compile, installing and removing hooks would change what dynamo guards on and
         # recompile the graph: once a hook runs while compiling, every hook stays in for good.
         self.static = False
@@ -662,6 +666,7 @@ class TapSet:
         static = self.static or state.compiled
         self.static = static
         self._eval_armed = False
+        self._release_leaves()
         self.grads_taken = False
         armed = self._armed  # (a group already as wanted is left alone: the every-step case)
         forward, grads, step = (
@@ -725,7 +730,10 @@ class TapSet:
                         state.skip("compiled_grad_hook")
                         continue
                     key = SeriesKey("train", name, grad_kind, leaf_name)
-                    leaf.register_hook(self._grad_hook(key, channel_last))
+                    if leaf.grad_fn is None:  # a leaf: its hook would outlive the step (see __init__)
+                        self._hook_leaf(leaf, key, channel_last)
+                    else:  # (the hook goes with the tensor, freed with its graph)
+                        leaf.register_hook(self._grad_hook(key, channel_last))
 
         return tap
 
@@ -747,6 +755,24 @@ class TapSet:
             tap(module, itertools.chain(_leaves(args), _leaves(kwargs)))
 
         return _guarded(self.state, body)
+
+    def _hook_leaf(self, leaf: torch.Tensor, key: SeriesKey, channel_last: bool | None) -> None:
+        """Hook a leaf tensor's gradient once per step and key: its gradient sums every use in the step,
+        and reaches its hooks once per backward (a second hook would count it twice)."""
+        held = self._leaf_hooks.get((id(leaf), key))
+        if held is not None:
+            if held[0]() is leaf:
+                return
+            held[1].remove()  # (another tensor at a freed one's address)
+        handle = leaf.register_hook(self._grad_hook(key, channel_last))
+        self._leaf_hooks[(id(leaf), key)] = (weakref.ref(leaf), handle)
+
+    def _release_leaves(self) -> None:
+        """Remove the leaf tensors' gradient hooks (at a step boundary: their backward is over)."""
+        if self._leaf_hooks:
+            for _, handle in self._leaf_hooks.values():
+                handle.remove()
+            self._leaf_hooks.clear()
 
     def _grad_hook(self, key: SeriesKey, channel_last: bool | None) -> Callable[[torch.Tensor], None]:
         state = self.state
@@ -879,6 +905,7 @@ class TapSet:
     def remove(self) -> None:
         """Remove every hook. Idempotent."""
         self._root_out()
+        self._release_leaves()
         for group in self._armed:
             self._set_group(group, False)
         self._registrations = {group: [] for group in self._registrations}

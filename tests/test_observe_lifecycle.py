@@ -79,6 +79,61 @@ def test_close_removes_every_hook_and_later_training_records_nothing(train: Trai
     watch.close()  # idempotent
 
 
+class _Table(nn.Module):
+    """Returns its own Parameter (a learned positional table): a module output that is a leaf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 4))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
+
+
+class _WithTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table, self.fc = _Table(), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x + self.table())
+
+
+def test_gradient_hooks_on_leaf_tensors_last_one_step_and_go_at_close() -> None:
+    # a module output that is a Parameter, and an input made with requires_grad: their gradient hooks sit
+    # on tensors that outlive the step; they piled up (one more per sampled step, each summarising the
+    # same gradient again) and stayed after close(), still writing into the closed watch
+    torch.manual_seed(0)
+    model = _WithTable()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4, requires_grad=True)  # (as adversarial training makes its input)
+    recs = sw.sinks.collect()
+    grads = []
+    taps = ("input", "input_grad", "activation", "output_grad")
+    with sw.observe(model, opt, every=1, taps=taps, sinks=[recs]) as watch:
+        for _ in range(4):
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            x.grad = None
+            loss.backward()
+            assert model.table.weight.grad is not None
+            assert x.grad is not None
+            grads.append((model.table.weight.grad.clone(), x.grad.clone()))
+            opt.step()
+            watch.step(loss=loss)
+            assert len(model.table.weight._backward_hooks or {}) == 0  # gone at the step boundary
+    assert len(model.table.weight._backward_hooks or {}) == len(x._backward_hooks or {}) == 0
+    assert len(recs.items) == 4
+    for record, (table_grad, x_grad) in zip(recs.items, grads, strict=True):
+        for key, grad in (
+            (("train", "table", "output_grad", ""), table_grad),
+            (("train", "fc", "input_grad", "0"), x_grad),
+        ):
+            i = record.keys.index(sw.SeriesKey(*key))
+            assert record.column("count")[i] == grad.numel()  # once per step, not once per step so far
+            assert record.column("sumsq")[i] == pytest.approx(float(grad.double().pow(2).sum()), rel=1e-6)
+
+
 @pytest.mark.parametrize("every", [1, None], ids=["every=1", "governor"])
 def test_an_evaluation_after_the_last_step_is_sent_at_close(train: Train, every: int | None) -> None:
     """A final validation pass, after the last ``watch.step()``, is a record of its own at close (the
