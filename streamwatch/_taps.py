@@ -478,6 +478,42 @@ def _call_slot_free(model: nn.Module) -> bool:
     )
 
 
+def _inert(*args: Any, **kwargs: Any) -> None:
+    """What a copy of an observed model holds in place of a streamwatch hook: nothing happens."""
+
+
+def _make_inert() -> Callable[..., None]:
+    return _inert
+
+
+class _Hook:
+    """A hook streamwatch installs. ``copy.deepcopy`` of the model (an EMA or a teacher copy) and
+    pickling it whole (``torch.save(model)``) copy a module's hooks: they get :func:`_inert` instead, so
+    the copy carries nothing of the Watch (its calls are not summarised into it, and a hook that holds
+    the kernel's C pointers does not make the copy fail).
+
+    Example:
+        >>> import copy, pickle
+        >>> hook = _Hook(print)
+        >>> copy.deepcopy(hook) is _inert, pickle.loads(pickle.dumps(hook)) is _inert
+        (True, True)
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
+        return _inert
+
+    def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
+        return _make_inert, ()
+
+
 def _guarded(state: TapState, fn: Callable[..., Any]) -> Callable[..., Any]:
     """Run a hook body so that nothing it raises reaches the training step (counted, kept)."""
 
@@ -491,7 +527,7 @@ def _guarded(state: TapState, fn: Callable[..., Any]) -> Callable[..., Any]:
         if not compiling:
             state.busy += perf_counter() - start  # streamwatch's own time on the training thread
 
-    return hook
+    return _Hook(hook)
 
 
 class TapSet:
@@ -567,7 +603,7 @@ class TapSet:
         self._model = weakref.ref(model)  # (for go_light; the Watch releases the model at close)
         self._root_in(model)
         step = self._registrations["step"]
-        step.append(functools.partial(model.register_forward_hook, self._root_forward_end))
+        step.append(functools.partial(model.register_forward_hook, _Hook(self._root_forward_end)))
         if "param_grad" in taps:
             self._grads = [(SeriesKey("train", layer, "param_grad", pname), p) for layer, pname, p in params]
             if optimizer is None:  # with an optimizer: all of them at its pre-step hook, in one call
@@ -597,7 +633,7 @@ class TapSet:
         observed model is not observed). If something takes the slot later (``model.compile()``), the
         next step boundary sees it and a pre-hook takes over (:meth:`arm`)."""
         if not _call_slot_free(model):
-            self._root_handle = model.register_forward_pre_hook(self._root_forward_start)
+            self._root_handle = model.register_forward_pre_hook(_Hook(self._root_forward_start))
             return
         start = self._root_forward_start
         call: Callable[..., Any] = (
@@ -661,7 +697,7 @@ class TapSet:
                 # The slot was taken: by Module.compile(), the one thing in torch that sets it. A pre-hook
                 # sees the calls from now on, and every hook stays in, as under torch.compile.
                 self._entry = None
-                self._root_handle = model.register_forward_pre_hook(self._root_forward_start)
+                self._root_handle = model.register_forward_pre_hook(_Hook(self._root_forward_start))
                 state.compiled = True
         static = self.static or state.compiled
         self.static = static

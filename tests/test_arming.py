@@ -271,6 +271,32 @@ def test_the_root_module_is_seen_through_its_call_slot_or_a_pre_hook(
     torch.testing.assert_close(eval_record.stat("mean")[rows[0]], expected.double().mean().item())
 
 
+@pytest.mark.parametrize("every", [1, None], ids=["every=1", "governor"])
+def test_a_copy_made_while_the_hooks_are_in_is_inert_and_saves(every: int | None) -> None:
+    """Right after observe() (the first step is sampled: every hook is in) an EMA copy is the usual
+    thing to make. Its hooks were the Watch's: deepcopy failed on the kernel's C pointers, or the copy
+    summarised its own forwards into the original's step; pickling failed on the closures. A copy's
+    hooks are inert now."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = sw.sinks.collect()
+    x, _ = batch()
+    with sw.observe(model, opt, every=every, sinks=[records]) as watch:
+        assert model[0]._forward_hooks  # armed for step 0
+        twins = [copy.deepcopy(model), pickle.loads(pickle.dumps(model))]
+        for twin in twins:
+            for mine, theirs in zip(model.parameters(), twin.parameters(), strict=True):
+                assert torch.equal(mine, theirs)
+            twin(x).sum().backward()  # a training-mode forward and backward of the copy: not ours
+        train_step(model, opt, watch)
+        watch.flush()
+    (record,) = [r for r in records.items if r.step == 0]
+    row = record.keys.index(sw.SeriesKey("train", "0", "activation", ""))
+    assert record.column("count")[row] == x.shape[0] * model[0].out_features  # one forward's, not three
+    for twin in twins:  # the copies' hooks stay, inert, after close
+        twin(x)
+
+
 def test_a_copy_of_an_observed_model_pickles_and_is_not_observed() -> None:
     """The call slot stays out of ``pickle``, ``copy`` and ``deepcopy`` (torch leaves it out of a module's
     state): an EMA copy or a saved model carries nothing of the Watch."""
