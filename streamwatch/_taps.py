@@ -313,6 +313,9 @@ class TapState:
     errors: list[BaseException] = field(default_factory=list)
     hook_errors: int = 0
     paused: bool = False  # an opt-in metric runs the model itself (probe batch, Hessian): no taps
+    # the root module's last call was a training forward (train mode, gradients on): a submodule in eval
+    # mode inside it (a frozen BatchNorm) is part of the training step, not an evaluation pass
+    root_training: bool = False
     compiled: bool = False  # a hook ran inside torch.compile: hooks stay installed (TapSet.static)
     timed: bool = True  # the step samples something: its parts are timed, the optimizer hooks are in
     busy: float = 0.0  # seconds spent inside streamwatch's hooks since the last step boundary
@@ -741,7 +744,9 @@ class TapSet:
             if state.paused:
                 return
             grad = torch.is_grad_enabled()
-            train = module.training and (grad or _in_checkpoint(_CHECKPOINT_FORWARD))
+            train = (module.training or (grad and state.root_training)) and (
+                grad or _in_checkpoint(_CHECKPOINT_FORWARD)
+            )
             if train and not state.forward:
                 return
             # Activation checkpointing (torch.utils.checkpoint) runs a training forward twice: the values
@@ -857,7 +862,8 @@ class TapSet:
             self.state.compiled = True  # every hook stays in from the next step boundary on
             return
         state = self.state
-        if not (module.training and torch.is_grad_enabled()):
+        state.root_training = training = module.training and torch.is_grad_enabled()
+        if not training:
             state.quiet = 0  # an evaluation pass records: the step ends at a full boundary
             if not self._armed["forward"] and not state.paused and self._registrations["forward"]:
                 # An evaluation pass is summarised whatever the step samples: its hooks go in for it.

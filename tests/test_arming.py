@@ -271,6 +271,38 @@ def test_the_root_module_is_seen_through_its_call_slot_or_a_pre_hook(
     torch.testing.assert_close(eval_record.stat("mean")[rows[0]], expected.double().mean().item())
 
 
+def test_a_frozen_batchnorm_in_a_training_forward_is_recorded_as_training() -> None:
+    """``model.train(); bn.eval()`` (a frozen BatchNorm, as fine-tuning does): the layer runs in the
+    training step, so its rows are ``train`` and its output gradient is summarised; it was labelled as
+    an evaluation pass, without gradients. A real evaluation pass is still ``eval``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = sw.sinks.collect()
+    x, y = batch()
+    grads: list[torch.Tensor] = []
+    model[1].register_full_backward_hook(lambda m, gi, go: grads.append(go[0].detach().clone()))
+    with sw.observe(model, opt, every=1, sinks=[records]) as watch:
+        model.train()
+        model[1].eval()
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        watch.step(loss=loss)
+        model.eval()
+        with torch.no_grad():
+            model(x)
+        watch.step()
+    train_record, eval_record = records.items
+    tapped = ("activation", "output_grad")
+    bn = {(k.phase, k.kind) for k in train_record.keys if k.layer == "1" and k.kind in tapped}
+    assert bn == {("train", "activation"), ("train", "output_grad")}
+    row = train_record.keys.index(sw.SeriesKey("train", "1", "output_grad", ""))
+    assert train_record.column("sumsq")[row] == pytest.approx(float(grads[0].double().pow(2).sum()), rel=1e-6)
+    assert {k.phase for k in eval_record.keys if k.layer == "1" and k.kind in tapped} == {"eval"}
+
+
 @pytest.mark.parametrize("every", [1, None], ids=["every=1", "governor"])
 def test_a_copy_made_while_the_hooks_are_in_is_inert_and_saves(every: int | None) -> None:
     """Right after observe() (the first step is sampled: every hook is in) an EMA copy is the usual
