@@ -277,10 +277,12 @@ class NonFiniteTracker(Sink):
         self.first: FirstNonFinite | None = None
         self.episode: FirstNonFinite | None = None  # the latest episode's first value
         self._kinds: set[str] = set()  # the training kinds seen so far: a record with all of them is full
-        self._last_full_finite: int | None = None  # the last step recorded in full with finite values
+        # by rank (a run file may hold several ranks' records, interleaved): the last step recorded in full
+        # with finite values, and whether the rank's last record had a non-finite value
+        self._last_full_finite: dict[int, int] = {}
         self.episodes = 0
         self.failures: list[tuple[str, BaseException]] = []
-        self._in_episode = False
+        self._in_episode: dict[int, bool] = {}
         self._lock = threading.Lock()
         self._verdicts: collections.deque[FirstNonFinite] = collections.deque(maxlen=16)
 
@@ -291,17 +293,19 @@ class NonFiniteTracker(Sink):
         self._kinds |= kinds
         full = bool(kinds) and kinds >= self._kinds
         found = find_first(record)
+        rank = record.rank
         if found is None:
-            self._in_episode = False
+            self._in_episode[rank] = False
             if full:
-                self._last_full_finite = record.step
+                self._last_full_finite[rank] = record.step
             return
         # Certain: nothing unrecorded can have come first — the step before was recorded in full with
         # finite values (or this is the first step), and this record holds every kind that runs up to
         # the value's direction (a step may end early: a loop that skips the backward of a NaN loss).
-        rank = DIRECTIONS.index(direction_of(found.kind))
-        needed = {kind for kind in self._kinds if DIRECTIONS.index(direction_of(kind)) <= rank}
-        certain = kinds >= needed and (record.step == 0 or self._last_full_finite == record.step - 1)
+        order = DIRECTIONS.index(direction_of(found.kind))
+        needed = {kind for kind in self._kinds if DIRECTIONS.index(direction_of(kind)) <= order}
+        previous = self._last_full_finite.get(rank)
+        certain = kinds >= needed and (record.step == 0 or previous == record.step - 1)
         found = dataclasses.replace(found, certain=certain)
         with self._lock:
             if self.first is None or (certain and not self.first.certain):
@@ -314,9 +318,9 @@ class NonFiniteTracker(Sink):
                         ],
                         replace=True,
                     )
-            if self._in_episode:
+            if self._in_episode.get(rank):
                 return
-            self._in_episode = True
+            self._in_episode[rank] = True
             self.episodes += 1
             self.episode = found
         self._react(found)

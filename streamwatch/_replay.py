@@ -22,6 +22,7 @@ identity (``streamwatch_info``) and the replay's counters, the thread asleep lik
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import math
 import threading
@@ -66,9 +67,12 @@ class Replay:
         series_budget: as for :meth:`streamwatch.Watch.expose`.
         metrics: the worker-side metrics the store runs on the records (default
             ``streamwatch.DEFAULT_METRICS``, as ``observe()``).
+        rank: the rank whose records are served, under its ``rank`` label (default: the first
+            record's). One endpoint serves one rank, as the live exporter does: a run file holding
+            several ranks' records serves the one chosen (:attr:`ranks` lists them all).
 
     Raises:
-        ValueError: a bad argument.
+        ValueError: a bad argument, or a ``rank`` the run file has no record of.
 
     Example::
 
@@ -89,6 +93,7 @@ class Replay:
         run_name: str | None = None,
         series_budget: int = 5000,
         metrics: Sequence[str] = DEFAULT_METRICS,
+        rank: int | None = None,
     ) -> None:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
             raise ValueError(f"Expected `port` to be an int in [0, 65535], got {port!r}")
@@ -103,14 +108,24 @@ class Replay:
             )
         if isinstance(series_budget, bool) or not isinstance(series_budget, int) or series_budget < 1:
             raise ValueError(f"Expected `series_budget` to be a positive int, got {series_budget!r}")
+        self.ranks: tuple[int, ...] = tuple(sorted({r.rank for r in run.records}))
+        """Every rank the run file has records of."""
+        if rank is not None and rank not in self.ranks:
+            raise ValueError(
+                f"{run.path} has no record of rank {rank!r}; its ranks: "
+                f"{', '.join(map(str, self.ranks)) or 'none'}"
+            )
+        chosen = rank if rank is not None else (run.records[0].rank if run.records else None)
+        if len(self.ranks) > 1:  # (one endpoint, one rank: the series of several would overwrite each other)
+            run = dataclasses.replace(run, records=[r for r in run.records if r.rank == chosen])
         self.run = run
         self.port = port
         self.host = host
         self.speed = float(speed)
         self.loop = bool(loop)
         labels = identity(run_name if run_name is not None else (run.path.resolve().parent.name or "run"))
-        if run.records:
-            labels["rank"] = str(run.records[0].rank)
+        if chosen is not None:
+            labels["rank"] = str(chosen)
         self.labels = labels
         self._metrics = tuple(metrics)
         self._store = SeriesStore(self._metrics)

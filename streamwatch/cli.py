@@ -148,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="steps per second (0: the last step at once; with --loop it is served until Ctrl-C)",
     )
     replay.add_argument("--loop", action="store_true", help="start over at the end")
+    replay.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="the rank to serve, of a run file with several (default: the first)",
+    )
     plot = commands.add_parser("plot", help="draw a recorded run as a PNG")
     plot.add_argument("run", type=Path)
     plot.add_argument("-o", "--output", type=Path, default=Path("run.png"), help="the PNG to write")
@@ -229,7 +235,14 @@ def _replay(args: argparse.Namespace) -> int:
 
     path = _run_file(args.run)
     run = read_run(path)
-    replay = Replay(run, port=args.port, host=args.host, speed=args.speed, loop=args.loop)
+    replay = Replay(run, port=args.port, host=args.host, speed=args.speed, loop=args.loop, rank=args.rank)
+    if len(replay.ranks) > 1:
+        others = ", ".join(str(r) for r in replay.ranks if str(r) != replay.labels["rank"])
+        print(
+            f"note: {path} holds ranks {', '.join(map(str, replay.ranks))}; serving rank "
+            f"{replay.labels['rank']} (--rank picks another: {others})",
+            file=sys.stderr,
+        )
     try:
         replay.start()
     except OSError as err:

@@ -857,3 +857,26 @@ def test_the_device_ring_reports_a_trip_once_its_copy_completed_and_carries_when
         event.done = True
     assert ring._poll() == [9]
     assert all(e.recorded for e in ring.fakes)
+
+
+def test_ranks_interleaved_in_one_record_stream_are_judged_each_on_its_own() -> None:
+    # a run file with two ranks' records interleaved: rank 0's finite step 10 said nothing about rank 1's
+    # step 10, yet made rank 1's step 11 look "certain" and replace its real (uncertain) start at step 10
+    from streamwatch._nonfinite import NonFiniteTracker
+    from streamwatch._summary import COLUMNS
+
+    keys = (sw.SeriesKey("train", "0", "activation", ""), sw.SeriesKey("train", "0", "output_grad", ""))
+
+    def record(step: int, rank: int, bad: bool) -> sw.StepRecord:
+        table = np.zeros((2, len(COLUMNS)))
+        table[:, COLUMNS.index("count")] = 4.0
+        table[0, COLUMNS.index("nonfinite")] = 1.0 if bad else 0.0
+        return sw.StepRecord(step, float(step), rank, keys, table, {"loss": 1.0})
+
+    tracker = NonFiniteTracker(None, reaction=None)
+    for step in (5, 10, 11):  # rank 1 not recorded at steps 6-9: its step 10 is uncertain
+        tracker.send(record(step, 0, bad=False))
+        tracker.send(record(step, 1, bad=step >= 10))
+    assert tracker.first is not None
+    assert (tracker.first.step, tracker.first.rank, tracker.first.certain) == (10, 1, False)
+    assert tracker.episodes == 1  # rank 0's finite records in between do not end rank 1's episode

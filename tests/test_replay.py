@@ -181,3 +181,28 @@ def test_a_tiny_speed_waits_instead_of_overflowing(run: RunData) -> None:
         assert replay.current_step == 0
         assert not replay.wait_until_done(timeout=0.3)  # still stepping (asleep), not dead
     assert replay.wait_until_done(timeout=5)
+
+
+def test_a_run_file_with_two_ranks_serves_one_rank_under_its_label(run: RunData) -> None:
+    # rank 1's records interleaved with rank 0's (a concatenation of two ranks' runs): one endpoint served
+    # the last record of either rank under rank="0", and counted both ranks' records
+    import dataclasses
+
+    doubled = []
+    for record in run.records:
+        other = dataclasses.replace(
+            record, rank=1, scalars={**record.scalars, "loss": record.scalars["loss"] + 1}
+        )
+        doubled += [record, other]
+    both = dataclasses.replace(run, records=doubled)
+    for rank in (None, 1):
+        with Replay(both, port=0, speed=0, rank=rank) as replay:
+            assert replay.ranks == (0, 1)
+            assert replay.wait_until_done(timeout=10)
+            samples = _scrape(replay.url)
+        served = 0 if rank is None else 1
+        last = [r for r in doubled if r.rank == served][-1]
+        assert _value(samples, "streamwatch_loss", phase="train", rank=str(served)) == last.scalars["loss"]
+        assert _value(samples, "streamwatch_records_total") == STEPS  # one rank's records
+    with pytest.raises(ValueError, match="no record of rank 2; its ranks: 0, 1"):
+        Replay(both, port=0, rank=2)
