@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from typing import Literal, TypeAlias
@@ -124,7 +125,7 @@ def keeps_detail(detail: Detail, *, rank: int, local_rank: int | None, world_siz
 
     Raises:
         ValueError: ``"local_rank0"`` without a local rank.
-        TypeError: the callable returned something other than a bool.
+        TypeError: the callable cannot take the three arguments, or returned something other than a bool.
 
     Example:
         >>> [keeps_detail("rank0", rank=r, local_rank=r % 8, world_size=16) for r in (0, 8)]
@@ -145,7 +146,17 @@ def keeps_detail(detail: Detail, *, rank: int, local_rank: int | None, world_siz
             )
         return local_rank == 0
     assert callable(detail)
-    answer = detail(rank, 0 if local_rank is None else local_rank, world_size)
+    args = (rank, 0 if local_rank is None else local_rank, world_size)
+    try:
+        inspect.signature(detail).bind(*args)
+    except TypeError as err:  # (a signature that cannot take the three: say what detail= must be)
+        raise TypeError(
+            f"Expected `detail` to be a callable (rank, local_rank, world_size) -> bool, got {detail!r}, "
+            f"which cannot be called with three arguments: {err}"
+        ) from None
+    except ValueError:  # no signature to read (some builtins): the call says
+        pass
+    answer = detail(*args)
     if not isinstance(answer, bool | np.bool_):
         raise TypeError(
             f"Expected `detail` (a callable) to return a bool for (rank={rank}, local_rank={local_rank}, "

@@ -167,7 +167,15 @@ class Watch:
         # sentinel=None: the loss, and under a governor the gradient norm too while it is affordable
         checks = check_sentinel(("loss",) if sentinel is None else sentinel)
         auto_grad_norm = sentinel is None and budget is not None
+        asked = taps is not DEFAULT_TAPS  # (the default asks for updates only where there is an optimizer)
         taps = _names(taps, "taps", KINDS)
+        if asked and "update" in taps and optimizer is None:
+            warnings.warn(
+                "streamwatch: taps include 'update', which is read around optimizer.step() (its hooks): "
+                "without an optimizer no update is recorded; pass it, observe(model, optimizer, ...)",
+                UserWarning,
+                stacklevel=3,  # the user's observe() call
+            )
         stats = _names(stats, "stats", STATS)
         merged = _cadence(cadence)
         if channel_last is not None and not isinstance(channel_last, bool):

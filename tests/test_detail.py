@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,25 @@ def test_a_bad_policy_is_refused_before_anything_is_attached(bad: object, error:
     assert not model._forward_hooks
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
     sw.observe(model, opt, every=1).close()  # the model was left unobserved
+
+
+def test_a_callable_that_cannot_take_the_three_arguments_is_refused_naming_detail() -> None:
+    model, opt = _mlp()
+    with pytest.raises(
+        TypeError, match=r"Expected `detail` to be a callable \(rank, local_rank, world_size\)"
+    ):
+        sw.observe(model, opt, detail=lambda rank: True, every=1)  # type: ignore[arg-type]
+    assert not model._forward_hooks
+    sw.observe(model, opt, detail=lambda *position: True, every=1).close()  # (any signature that binds)
+
+
+def test_updates_asked_for_without_an_optimizer_are_warned_about() -> None:
+    model, _ = _mlp()
+    with pytest.warns(UserWarning, match=r"taps include 'update'.*observe\(model, optimizer"):
+        sw.observe(model, taps=("activation", "update"), every=1).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default taps: updates where there is an optimizer, quietly
+        sw.observe(model, every=1).close()
 
 
 def test_a_callable_must_answer_with_a_bool(monkeypatch: pytest.MonkeyPatch) -> None:
