@@ -201,6 +201,56 @@ def test_one_file_has_one_writer_in_a_process(tmp_path: Path) -> None:
     assert [(r.step, r.keys) for r in run.records] == [(0, (key,)), (1, (other, key))]
 
 
+_OTHER_WRITER = textwrap.dedent(
+    """
+    import sys, numpy as np, streamwatch as sw
+    from streamwatch._summary import COLUMNS
+    from streamwatch.sinks._runfile import RunFile
+    sink = RunFile(sys.argv[1])
+    key = sw.SeriesKey("train", "other", "param", "w")
+    sink.send(sw.StepRecord(0, 0.0, 1, (key,), np.zeros((1, len(COLUMNS)))))
+    print("writing", flush=True)
+    sys.stdin.readline()  # held open (and locked) until told
+    sink.send(sw.StepRecord(1, 1.0, 1, (key,), np.ones((1, len(COLUMNS)))))
+    sink.close()
+    """
+)
+
+
+def test_one_file_has_one_writer_across_processes(tmp_path: Path) -> None:
+    # two ranks given the same path: each numbers its series itself, so the file read back with series
+    # swapped or failed to read; the second writer is now refused while the first appends
+    path = tmp_path / "run.jsonl"
+    late = RunFile(path)  # made before the other process starts: it finds out at its first step
+    with subprocess.Popen(
+        [sys.executable, "-c", _OTHER_WRITER, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as other:
+        try:
+            assert other.stdout is not None and other.stdin is not None
+            assert other.stdout.readline() == "writing\n"
+            key = sw.SeriesKey("train", "mine", "param", "w")
+            with pytest.raises(RunFileError, match=r"another process.*its own file") as refused:
+                late.send(StepRecord(0, 0.0, 0, (key,), np.full((1, len(COLUMNS)), 7.0)))
+            late.fail(refused.value)  # (what its pipeline does)
+            with pytest.raises(RunFileError, match=r"another process.*its own file"):
+                RunFile(path)
+            other.stdin.write("go\n")
+            other.stdin.flush()
+            assert other.wait(60) == 0
+        finally:
+            other.kill()
+    run = read_run(path)  # the other process's two steps, nothing of the refused writer's
+    assert [(r.step, r.rank, r.keys[0].layer) for r in run.records] == [(0, 1, "other"), (1, 1, "other")]
+    assert not run.truncated
+    after = RunFile(path)  # the other process closed it: continued as before
+    after.send(StepRecord(2, 2.0, 0, (key,), np.ones((1, len(COLUMNS)))))
+    after.close()
+    assert [r.step for r in read_run(path).records] == [0, 1, 2]
+
+
 def test_special_floats_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "floats.jsonl"
     values = [0.0, -0.0, 1.0, -3.0, 0.1, 1e-310, 2.0**53, 2.0**60, -math.inf, math.inf, math.nan, 1 / 3]

@@ -100,6 +100,11 @@ from streamwatch._pipeline import Sink
 from streamwatch._record import SeriesKey, StepRecord
 from streamwatch._summary import COLUMNS, derive
 
+try:
+    import fcntl
+except ImportError:  # (Windows: no advisory locks; the in-process check still holds)
+    fcntl = None  # type: ignore[assignment]
+
 __all__ = ["FORMAT", "VERSION", "RunData", "RunFile", "RunFileError", "read_run", "report"]
 
 FORMAT = "streamwatch-run"
@@ -285,6 +290,23 @@ def _check_path(path: Path) -> None:
             path.unlink()
 
 
+def _lock(f: IO[Any], path: Path, shared: bool = False) -> None:
+    """Take an advisory lock on ``f`` (exclusive: this process appends; shared: a look that no other
+    process appends now), or a :class:`RunFileError` saying that another process writes ``path``."""
+    if fcntl is None:
+        return
+    try:
+        fcntl.flock(f.fileno(), (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise RunFileError(
+            f"{path} is being written by another process (another rank or run with the same path): "
+            "each writer numbers its series itself, so two would corrupt the file; give each process "
+            "its own file (e.g. run-{rank}.jsonl)"
+        ) from None
+    except OSError:  # a file system without locks (some network mounts): nothing to check with
+        pass
+
+
 _WRITERS: weakref.WeakValueDictionary[Path, RunFile] = weakref.WeakValueDictionary()
 """The run files this process writes, by resolved path (a RunFile that is closed or gone writes no more)."""
 _WRITERS_LOCK = threading.Lock()
@@ -304,8 +326,10 @@ class RunFile(Sink):
             with these columns that reads back cleanly (the message names the line); or ``path`` cannot
             be written: its directory is missing, it is a directory, or creating or appending to it
             fails (the message says what to do); or another ``RunFile`` of this process writes to it
-            and is not closed (each numbers its series itself: two writers would corrupt the file; give
-            each watch, and each rank, its own file).
+            and is not closed, or another process appends to it now (each numbers its series itself:
+            two writers would corrupt the file; give each watch, and each rank, its own file). A
+            process that starts writing the file after this one was made is found at the first step:
+            this sink then fails (counted and reported, as any failing sink) and writes nothing.
 
     Example:
         >>> import tempfile, pathlib, torch, streamwatch as sw
@@ -327,9 +351,6 @@ class RunFile(Sink):
         self._file: IO[bytes] | None = None
         self.closed = False
         _check_path(self._path)
-        self._scan = _scan_for_append(self._path) if self._path.is_file() else _Scan({}, 0, 0)
-        self._ids: dict[SeriesKey, int] = {key: i for i, key in self._scan.keys.items()}
-        self._edges: Mapping[str, tuple[float, ...]] = self._scan.edges
         with _WRITERS_LOCK:
             where = self._path.resolve()
             other = _WRITERS.get(where)
@@ -339,7 +360,15 @@ class RunFile(Sink):
                     "or a second sink), not closed yet: each numbers its series itself, so two writers "
                     "would corrupt the file; give each its own file, or close the other first"
                 )
+            if self._path.is_file():  # another process appending now: said here, not at the first step
+                with open(self._path, "rb") as probe:
+                    _lock(probe, self._path, shared=True)
+                    self._scan = _scan_for_append(self._path)
+            else:
+                self._scan = _Scan({}, 0, 0)
             _WRITERS[where] = self
+        self._ids: dict[SeriesKey, int] = {key: i for i, key in self._scan.keys.items()}
+        self._edges: Mapping[str, tuple[float, ...]] = self._scan.edges
 
     @property
     def path(self) -> Path:
@@ -353,6 +382,7 @@ class RunFile(Sink):
             raise RuntimeError(f"RunFile({str(self._path)!r}) is closed")
         f = open(self._path, "ab")  # noqa: SIM115 - held open until close()
         try:
+            _lock(f, self._path)  # (held until close: no other process appends meanwhile)
             size = f.seek(0, os.SEEK_END)
             if size != self._scan.size:  # written to since __init__: look again
                 self._scan = _scan_for_append(self._path)
