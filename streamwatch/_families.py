@@ -186,7 +186,7 @@ DATA_FAMILIES: tuple[Family, ...] = (
 SELF_FAMILIES: tuple[Family, ...] = (
     INFO,
     _counter("steps", "Steps seen (watch.step() calls)"),
-    _counter("steps_sampled", "Steps whose record was sent to the worker"),
+    _counter("steps_sampled", "Steps whose record with layer rows was sent to the worker"),
     _counter("records", "Records the worker turned into step records"),
     _counter("records_dropped", "Records dropped, by reason", "reason"),
     _gauge("queue_length", "Records waiting for the worker"),

@@ -68,7 +68,8 @@ class WatchStatistics:
 
     Attributes:
         steps: ``watch.step()`` calls.
-        sampled: sampled steps whose record was sent to the worker.
+        sampled: steps whose record with layer rows was sent to the worker: the sampled steps, and an
+            unsampled step that carried rows anyway (an evaluation pass within it, a per-step metric).
         scalar_records: scalar records sent between sampled steps (loss, learning rates, step time,
             throughput; no layer rows), at most one per ``streamwatch.SCALAR_SECONDS``.
         records_received: records the worker turned into step records (``sampled`` plus

@@ -229,7 +229,8 @@ def test_one_file_has_one_writer_across_processes(tmp_path: Path) -> None:
         text=True,
     ) as other:
         try:
-            assert other.stdout is not None and other.stdin is not None
+            assert other.stdout is not None
+            assert other.stdin is not None
             assert other.stdout.readline() == "writing\n"
             key = sw.SeriesKey("train", "mine", "param", "w")
             with pytest.raises(RunFileError, match=r"another process.*its own file") as refused:

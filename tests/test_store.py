@@ -93,9 +93,19 @@ def test_update_ratio_and_layer_mean_match_plain_torch() -> None:
     means = {
         (s.labels["kind"], s.labels["stat"]): s.value for s in samples if s.name == "streamwatch_layer_mean"
     }
-    weights = [w for w, _ in last.values()]
-    want_l2 = float(np.mean([float(w.double().norm()) for w in weights]))
-    assert means[("param", "l2")] == pytest.approx(want_l2, rel=1e-6)
+    by_layer: dict[str, list[torch.Tensor]] = {}
+    for name, (weights, _) in last.items():  # a layer's weight and bias are one layer's parameters
+        by_layer.setdefault(name.split(".")[0], []).append(weights.double().flatten())
+    assert len(by_layer) == 2
+    assert all(len(tensors) == 2 for tensors in by_layer.values())
+    layers = [torch.cat(tensors) for tensors in by_layer.values()]
+    want = {
+        "l2": np.mean([float(v.norm()) for v in layers]),
+        "mean": np.mean([float(v.mean()) for v in layers]),
+        "rms": np.mean([float(v.square().mean().sqrt()) for v in layers]),
+    }
+    for stat, value in want.items():
+        assert means[("param", stat)] == pytest.approx(value, rel=1e-6), stat
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,8 @@ replayed run file gets them too.
   ``param`` rows of the same step (the two kinds share their cadence, so they come aligned by step);
   the classic "updates should be ~1e-3 of the weights" check (ikkuna's Ratio subscriber).
 * ``layer_mean`` — per phase and kind, the mean over layers of each layer's mean, L2 norm and RMS
-  (ikkuna's MessageMean): one number per kind to watch when there are too many layers to look at.
+  (a layer's weight and bias taken together; ikkuna's MessageMean): one number per kind to watch when
+  there are too many layers to look at.
 """
 
 from __future__ import annotations
@@ -65,25 +66,29 @@ _LAYER_MEAN_STATS = ("mean", "l2", "rms")
 @functools.lru_cache(maxsize=16)
 def _layer_groups(
     keys: tuple[SeriesKey, ...],
-) -> tuple[np.ndarray, np.ndarray, list[dict[str, str]]]:
-    """A record layout's layer rows grouped by (phase, kind): the rows in group order, each group's first
-    position among them (for ``np.add.reduceat``), and the samples' labels, stat-major (cached: layouts
-    repeat). ``layer="__all__"`` totals (ranks without per-layer detail, ``observe(detail=...)``) are
-    not layers and are left out."""
-    groups: dict[tuple[str, str], list[int]] = {}
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[dict[str, str]]]:
+    """A record layout's rows grouped by (phase, kind), and within a group by layer: the rows in that
+    order, each layer's first position among them, each group's first position among the layers (both
+    for ``np.add.reduceat``), and the samples' labels, stat-major (cached: layouts repeat). A layer's
+    parameters (its weight and bias) are one layer: their rows are added up. ``layer="__all__"`` totals
+    (ranks without per-layer detail, ``observe(detail=...)``) are not layers and are left out."""
+    groups: dict[tuple[str, str], dict[str, list[int]]] = {}
     for i, k in enumerate(keys):
         if k.layer != ALL_LAYERS:
-            groups.setdefault((k.phase, k.kind), []).append(i)
-    rows = np.array([i for members in groups.values() for i in members], dtype=np.intp)
-    starts = np.cumsum([0] + [len(members) for members in groups.values()])[:-1].astype(np.intp)
+            groups.setdefault((k.phase, k.kind), {}).setdefault(k.layer, []).append(i)
+    layers = [members for by_layer in groups.values() for members in by_layer.values()]
+    rows = np.array([i for members in layers for i in members], dtype=np.intp)
+    layer_starts = np.cumsum([0] + [len(members) for members in layers])[:-1].astype(np.intp)
+    group_starts = np.cumsum([0] + [len(by_layer) for by_layer in groups.values()])[:-1].astype(np.intp)
     labels = [{"phase": p, "kind": k, "stat": stat} for stat in _LAYER_MEAN_STATS for p, k in groups]
-    return rows, starts, labels
+    return rows, layer_starts, group_starts, labels
 
 
 def layer_mean(record: StepRecord) -> list[Sample]:
-    """The mean over layers of each layer's mean, L2 norm and RMS, per phase and kind (layers whose
-    value is unknown — NaN — left out; ``layer="__all__"`` totals are not layers: a record of those alone
-    has no layer mean).
+    """The mean over layers of each layer's mean, L2 norm and RMS, per phase and kind. A layer's
+    parameters count as one layer (its weight and bias together: the L2 norm of both, their mean);
+    layers whose value is unknown (NaN) are left out; ``layer="__all__"`` totals are not layers: a
+    record of those alone has no layer mean.
 
     Example:
         >>> import numpy as np
@@ -92,13 +97,18 @@ def layer_mean(record: StepRecord) -> list[Sample]:
         >>> table = np.zeros((2, 11)); table[:, 0] = 4; table[:, 1] = [4.0, 8.0]  # counts, sums
         >>> [(s.labels["stat"], s.value) for s in layer_mean(StepRecord(0, 0.0, 0, keys, table))][:1]
         [('mean', 1.5)]
+        >>> keys = (SeriesKey("train", "fc", "param", "weight"), SeriesKey("train", "fc", "param", "bias"))
+        >>> table = np.zeros((2, 11)); table[:, 0] = [3, 1]; table[:, 2] = [9.0, 16.0]  # counts, Σx²
+        >>> [(s.labels["stat"], s.value) for s in layer_mean(StepRecord(0, 0.0, 0, keys, table))][1]
+        ('l2', 5.0)
     """
-    rows, starts, labels = _layer_groups(record.keys)
+    rows, layer_starts, group_starts, labels = _layer_groups(record.keys)
     if not labels:
         return []
-    table = record.table[rows]  # grouped: each (phase, kind) group's rows are adjacent
-    count, total, sumsq = table[:, 0], table[:, 1], table[:, 2]
-    values = np.empty((len(rows), len(_LAYER_MEAN_STATS)))  # columns in _LAYER_MEAN_STATS order
+    # each layer's count, sum and sum of squares over its rows (grouped: a layer's rows are adjacent; a
+    # NaN in any of them makes the layer's unknown)
+    count, total, sumsq = np.add.reduceat(record.table[rows, :3], layer_starts).T
+    values = np.empty((len(layer_starts), len(_LAYER_MEAN_STATS)))  # columns in _LAYER_MEAN_STATS order
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         np.divide(total, count, out=values[:, 0])
         np.sqrt(sumsq, out=values[:, 1])
@@ -106,7 +116,7 @@ def layer_mean(record: StepRecord) -> list[Sample]:
         unknown = np.isnan(values)
         values[unknown] = 0.0
         # one segmented sum per group (reduceat adds only within a segment: an inf stays in its group)
-        means = np.add.reduceat(values, starts) / np.add.reduceat(~unknown, starts)
+        means = np.add.reduceat(values, group_starts) / np.add.reduceat(~unknown, group_starts)
     # no known layer (0/0), or +inf and -inf in one group: absent
     return [
         Sample(LAYER_MEAN.name, label, m)
