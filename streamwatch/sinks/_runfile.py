@@ -90,7 +90,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
+from types import MappingProxyType, ModuleType
 from typing import IO, Any, TypeGuard
 
 import numpy as np
@@ -100,10 +100,11 @@ from streamwatch._pipeline import Sink
 from streamwatch._record import SeriesKey, StepRecord
 from streamwatch._summary import COLUMNS, derive
 
+_fcntl: ModuleType | None
 try:
-    import fcntl
+    import fcntl as _fcntl
 except ImportError:  # (Windows: no advisory locks; the in-process check still holds)
-    fcntl = None  # type: ignore[assignment]
+    _fcntl = None
 
 __all__ = ["FORMAT", "VERSION", "RunData", "RunFile", "RunFileError", "read_run", "report"]
 
@@ -293,10 +294,10 @@ def _check_path(path: Path) -> None:
 def _lock(f: IO[Any], path: Path, shared: bool = False) -> None:
     """Take an advisory lock on ``f`` (exclusive: this process appends; shared: a look that no other
     process appends now), or a :class:`RunFileError` saying that another process writes ``path``."""
-    if fcntl is None:
+    if _fcntl is None:
         return
     try:
-        fcntl.flock(f.fileno(), (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        _fcntl.flock(f.fileno(), (_fcntl.LOCK_SH if shared else _fcntl.LOCK_EX) | _fcntl.LOCK_NB)
     except BlockingIOError:
         raise RunFileError(
             f"{path} is being written by another process (another rank or run with the same path): "
