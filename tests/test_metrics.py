@@ -84,12 +84,21 @@ def test_update_ratio_and_layer_mean_match_the_trained_tensors(train: Train) -> 
     layer_means = {
         (s.labels["kind"], s.labels["stat"]): s.value for s in snapshot if s.name == "streamwatch_layer_mean"
     }
-    for kind in ("activation", "param_grad"):
-        rows = last.rows(kind=kind, phase="train")
-        for stat in ("mean", "l2", "rms"):
-            assert layer_means[(kind, stat)] == pytest.approx(
-                float(np.mean(last.stat(stat)[rows])), rel=1e-12
-            )
+    rows = last.rows(kind="activation", phase="train")  # one row per layer
+    assert len(rows) == 3
+    for stat in ("mean", "l2", "rms"):
+        assert layer_means[("activation", stat)] == pytest.approx(
+            float(np.mean(last.stat(stat)[rows])), rel=1e-12
+        )
+    # a layer's gradients are its weight's and bias's together: the last step's, still in .grad
+    grads = [torch.cat([p.grad.double().flatten() for p in m.parameters()]) for m in (model[0], model[2])]  # type: ignore[union-attr]
+    want = {
+        "mean": np.mean([float(g.mean()) for g in grads]),
+        "l2": np.mean([float(g.norm()) for g in grads]),
+        "rms": np.mean([float(g.square().mean().sqrt()) for g in grads]),
+    }
+    for stat, value in want.items():
+        assert layer_means[("param_grad", stat)] == pytest.approx(value, rel=1e-5), stat
 
 
 def test_worker_metrics_can_be_switched_off_and_unknown_names_are_refused() -> None:
