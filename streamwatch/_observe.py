@@ -863,7 +863,10 @@ class Watch:
             state.on, state.forward = flags
         self._sampling_now = sampled
         state.timed = sampled or bool(state.step_metrics)
-        self._taps.arm()  # only the hooks this step needs are installed
+        try:
+            self._taps.arm()  # only the hooks this step needs are installed
+        except Exception as exc:  # never into the user's step: counted, warned, raised at close
+            state.fail(exc)
 
     def _flags_for(self, k: int) -> tuple[dict[str, bool], bool]:
         """The kinds the ``k``-th sampled step samples (kind on where ``k % cadence == 0``) and whether

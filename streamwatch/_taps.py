@@ -489,6 +489,26 @@ def _make_inert() -> Callable[..., None]:
     return _inert
 
 
+class _NoHook:
+    """The handle of a hook not installed (:func:`_grad_hook_on` on a frozen parameter)."""
+
+    __slots__ = ()
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
+def _grad_hook_on(param: nn.Parameter, hook: Callable[[nn.Parameter], None]) -> Any:
+    """Install ``hook`` after ``param``'s gradient is accumulated, if it requires one (torch refuses a
+    hook on a tensor that does not: a parameter frozen mid-run is passed over until it is unfrozen)."""
+    if not param.requires_grad:
+        return _NO_HOOK
+    return param.register_post_accumulate_grad_hook(hook)
+
+
 class _Hook:
     """A hook streamwatch installs. ``copy.deepcopy`` of the model (an EMA or a teacher copy) and
     pickling it whole (``torch.save(model)``) copy a module's hooks: they get :func:`_inert` instead, so
@@ -560,7 +580,11 @@ class TapSet:
             "param_grad": [],
             "step": [],
         }
-        self._armed: dict[str, list[RemovableHandle]] = {"forward": [], "param_grad": [], "step": []}
+        self._armed: dict[str, list[RemovableHandle | _NoHook]] = {
+            "forward": [],
+            "param_grad": [],
+            "step": [],
+        }
         self._eval_armed = False  # the forward hooks are in for an evaluation pass only
         # Gradient hooks on leaf tensors (a parameter a module returns as is, an input made with
         # requires_grad): such a tensor outlives the step and keeps its hooks, so they are held here,
@@ -572,6 +596,7 @@ class TapSet:
         self._before: list[torch.Tensor] | None = None
         self.has_optimizer = optimizer is not None
         self._grads: list[tuple[SeriesKey, nn.Parameter]] = []  # the param_grad tap's keys and parameters
+        self._grad_flags: list[bool] = []  # their requires_grad when their hooks went in (no optimizer)
         self.grads_taken = False  # this step's gradients are summarised (at the optimizer's pre-step)
         try:
             self._install(model, modules, params, optimizer)
@@ -610,13 +635,10 @@ class TapSet:
         if "param_grad" in taps:
             self._grads = [(SeriesKey("train", layer, "param_grad", pname), p) for layer, pname, p in params]
             if optimizer is None:  # with an optimizer: all of them at its pre-step hook, in one call
-                for key, param in self._grads:
-                    if param.requires_grad:
-                        self._registrations["param_grad"].append(
-                            functools.partial(
-                                param.register_post_accumulate_grad_hook, self._param_grad_hook(key)
-                            )
-                        )
+                for key, param in self._grads:  # (a frozen one gets its hook when it is unfrozen)
+                    self._registrations["param_grad"].append(
+                        functools.partial(_grad_hook_on, param, self._param_grad_hook(key))
+                    )
         if optimizer is not None:
             before = _guarded(state, self._before_optimizer_step)
             after = _guarded(state, self._after_optimizer_step)
@@ -682,6 +704,8 @@ class TapSet:
     def _set_group(self, group: str, on: bool) -> None:
         handles = self._armed[group]
         if on and not handles:
+            if group == "param_grad":  # which parameters get a hook: those that require a gradient now
+                self._grad_flags = [param.requires_grad for _, param in self._grads]
             for register in self._registrations[group]:
                 handles.append(register())
         elif not on and handles:
@@ -717,6 +741,18 @@ class TapSet:
             self._set_group("forward", forward)
         if grads != bool(armed["param_grad"]):
             self._set_group("param_grad", grads)
+        elif (
+            grads
+            and armed["param_grad"]
+            and self._grad_flags != [param.requires_grad for _, param in self._grads]
+        ):  # a parameter frozen or unfrozen since its hooks went in (a fine-tuning schedule): an
+            # unfrozen one gets its hook now (a frozen one keeps its own: it fires if it is unfrozen)
+            handles = armed["param_grad"]
+            registrations = self._registrations["param_grad"]
+            for i, (_, param) in enumerate(self._grads):
+                if handles[i] is _NO_HOOK and param.requires_grad:
+                    handles[i] = registrations[i]()
+            self._grad_flags = [param.requires_grad for _, param in self._grads]
         if step != bool(armed["step"]):
             self._set_group("step", step)
 

@@ -129,3 +129,47 @@ def test_gradients_take_their_place_in_the_backward_order() -> None:
         ("0", "param_grad", "bias"),
         ("0", "param_grad", "weight"),
     ]
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_without_an_optimizer_a_layer_frozen_and_unfrozen_mid_run_is_followed(every: int) -> None:
+    """Without an optimizer each parameter's gradient is read by its own hook, which torch refuses on a
+    tensor that requires none: freezing a layer mid-run (a fine-tuning schedule) made the next step's
+    arming raise into ``watch.step()``, and a layer unfrozen later was never recorded."""
+    model = _mlp()
+    first = model[0].weight
+    records = sw.sinks.collect()
+    expected: dict[int, dict[SeriesKey, torch.Tensor]] = {}
+    g = torch.Generator().manual_seed(3)
+    with sw.observe(model, every=every, sinks=[records]) as watch:
+        for step in range(8):
+            if step == 1:
+                first.requires_grad_(False)
+                first.grad = None
+            if step == 4:
+                first.requires_grad_(True)
+            x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+            model.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            expected[step] = {
+                key: grad
+                for key, grad in (
+                    (SeriesKey("train", q.rpartition(".")[0], "param_grad", q.rpartition(".")[2]), p.grad)
+                    for q, p in model.named_parameters()
+                )
+                if grad is not None
+            }
+            watch.step(loss=1.0)
+        assert watch.flush()
+        assert watch.statistics().hook_errors == 0
+    weight = SeriesKey("train", "0", "param_grad", "weight")
+    sampled = [r for r in records.items if r.rows("param_grad")]
+    assert [r.step for r in sampled] == list(range(0, 8, every))
+    for record in sampled:
+        keys = {record.keys[i] for i in record.rows("param_grad")}
+        assert keys <= set(expected[record.step]), record.step
+        # unfrozen within this step: its hook may go in only at the step's end (the boundary arms them)
+        assert set(expected[record.step]) - keys <= ({weight} if record.step == 4 else set()), record.step
+        for key in keys:
+            assert_row(record, key, expected[record.step][key])
+    assert all(weight in {r.keys[i] for i in r.rows("param_grad")} for r in sampled if r.step > 4)
