@@ -478,7 +478,15 @@ def _call_slot_free(model: nn.Module) -> bool:
         and getattr(cls, "_wrapped_call_impl", None) is module_call
         and getattr(cls, "_compiled_call_impl", False) is None
         and model.__dict__.get("_compiled_call_impl") is None
+        # copied and pickled as nn.Module does it, which leaves the slot out (LightningModule's own
+        # __getstate__ keeps it: a copy, an EMA or teacher model, would run the original's forward)
+        and all(getattr(cls, name, None) is getattr(nn.Module, name, None) for name in _COPYING)
     )
+
+
+_COPYING = ("__getstate__", "__setstate__", "__reduce__", "__reduce_ex__", "__copy__", "__deepcopy__")
+"""How an object is copied and pickled: a root module whose class changes any of these is seen with a
+forward pre-hook (whose copies are inert, :class:`_Hook`), not through its call slot."""
 
 
 def _inert(*args: Any, **kwargs: Any) -> None:

@@ -361,6 +361,41 @@ def test_a_copy_of_an_observed_model_pickles_and_is_not_observed() -> None:
     torch.testing.assert_close(records.items[1].stat("mean")[rows[0]], expected.double().mean().item())
 
 
+class _KeepsItsDict(nn.Sequential):
+    """A module whose pickling keeps its whole ``__dict__`` (as ``LightningModule.__getstate__`` does)."""
+
+    def __getstate__(self) -> dict[str, object]:
+        return self.__dict__.copy()
+
+
+def test_a_copy_of_a_module_that_pickles_its_whole_dict_runs_its_own_weights() -> None:
+    """A LightningModule copies its whole ``__dict__`` when copied or pickled, the call slot with it: an
+    EMA or teacher copy ran the original module's forward (silently: the student's outputs), and
+    ``torch.save(module)`` failed on the slot's closure. Such a module is seen with a pre-hook."""
+    torch.manual_seed(0)
+    model = _KeepsItsDict(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = sw.sinks.collect()
+    x = torch.randn(5, 4)
+    with sw.observe(model, opt, every=1, sinks=[records]) as watch:
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+            watch.step(loss=1.0)
+        twins = [copy.deepcopy(model), pickle.loads(pickle.dumps(model))]
+        for twin in twins:
+            with torch.no_grad():
+                for p in twin.parameters():
+                    p.zero_()
+            assert torch.equal(twin(x), torch.zeros(5, 2))  # its own (zeroed) weights, not the original's
+        watch.flush()
+    assert [r.step for r in records.items] == [0, 1]
+    for record in records.items:  # the original is still seen: one forward of 5 rows per step
+        row = record.keys.index(sw.SeriesKey("train", "0", "activation", ""))
+        assert record.column("count")[row] == 5 * 3
+
+
 def test_a_failure_where_the_root_call_is_seen_is_counted_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
