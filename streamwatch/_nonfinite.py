@@ -425,8 +425,9 @@ class Sentinel:
         for grad in grads:
             by_device.setdefault(grad.device, []).append(grad.detach())
         for device, tensors in by_device.items():
-            with torch.no_grad():
-                total = torch.stack(torch._foreach_norm(tensors)).sum()
+            with torch.no_grad():  # the largest |g|, in float32: finite exactly when every element is
+                # (a float16 gradient's 2-norm overflows at 65504 with every element finite)
+                total = torch.stack(torch._foreach_norm(tensors, math.inf, dtype=torch.float32)).amax()
             if device.type == "cpu":
                 if not math.isfinite(total.item()) and step not in tripped:
                     tripped.append(step)

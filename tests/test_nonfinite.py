@@ -655,6 +655,22 @@ def test_the_sentinel_trips_on_every_non_finite_value(value: float) -> None:
     assert grads.check(1, 1.0, [torch.ones(3)]) == []
 
 
+def test_the_gradient_check_does_not_overflow_in_half_precision() -> None:
+    """float16 gradients, every element finite, whose 2-norm (and sum of norms) is above float16's
+    65504: the check took the norms in float16 and tripped on finite gradients."""
+    big = torch.full((64, 64), 2000.0, dtype=torch.float16)
+    assert torch.isfinite(big).all()
+    assert not torch.isfinite(torch._foreach_norm([big])[0])  # what the old check read
+    grads = Sentinel(grad_norm=True)
+    assert grads.check(0, 1.0, [big, big.clone(), torch.ones(3, dtype=torch.bfloat16)]) == []
+    bad = big.clone()
+    bad[3, 5] = math.nan
+    assert grads.check(1, 1.0, [big, bad]) == [1]
+    bad[3, 5] = -math.inf
+    assert grads.check(2, 1.0, [bad.to(torch.bfloat16), torch.ones(2)]) == [2]
+    assert grads.trips == 2
+
+
 def test_monitoring_with_faults_and_escalation_leaves_training_bit_identical() -> None:
     def run(observe: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
         model, opt = _model()
