@@ -52,3 +52,32 @@ def test_it_refuses_what_is_not_a_step_record(tmp_path: Path) -> None:
         board.send(1.0)
     board.close()
     board.close()  # idempotent
+
+
+def test_a_nan_loss_and_nan_statistics_are_written_as_nan(tmp_path: Path) -> None:
+    """A NaN loss (the run's worst news) and the statistics of a tensor holding NaN were skipped as
+    values unknown: TensorBoard showed the step as if nothing had been recorded, /metrics served NaN."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    board = sw.sinks.TensorBoard(tmp_path / "tb", stats=("mean", "l2"))
+    records = sw.sinks.collect()
+    with sw.observe(model, sinks=[board, records], every=1, on_nonfinite=lambda first: None) as watch:
+        for step in range(3):
+            x = torch.randn(4, 6)
+            if step == 1:
+                x[0, 0] = math.nan
+            loss = model(x).square().mean()
+            loss.backward()
+            watch.step(loss=loss)
+    reader = event_accumulator.EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    reader.Reload()
+    loss_events = {e.step: e.value for e in reader.Scalars("loss")}
+    assert sorted(loss_events) == [0, 1, 2]
+    assert math.isnan(loss_events[1])
+    assert math.isfinite(loss_events[0])
+    means = {e.step: e.value for e in reader.Scalars("train/activation/0/mean")}
+    assert sorted(means) == [0, 1, 2]
+    assert math.isnan(means[1])
+    want = records.items[2]
+    row = want.keys.index(SeriesKey("train", "0", "activation", ""))
+    assert means[2] == pytest.approx(float(want.stat("mean")[row]), rel=1e-6)

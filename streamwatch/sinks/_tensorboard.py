@@ -69,14 +69,17 @@ class TensorBoard(Sink):
         if not isinstance(item, StepRecord):
             raise TypeError(f"the TensorBoard sink takes StepRecords, got {type(item).__name__}")
         step, writer = item.step, self.writer
+        # A row whose sums are not finite held NaN or Inf: its NaN statistics are the data's, written as
+        # such (as /metrics serves them); elsewhere a NaN is a statistic without a value (no units).
+        with np.errstate(invalid="ignore"):
+            poisoned = (~np.isfinite(item.column("sum")) | ~np.isfinite(item.column("sumsq"))).tolist()
         for stat in self.stats:
             values = item.stat(stat)
-            for key, value in zip(item.keys, values.tolist(), strict=True):
-                if not math.isnan(value):
+            for key, value, bad in zip(item.keys, values.tolist(), poisoned, strict=True):
+                if bad or not math.isnan(value):
                     writer.add_scalar(f"{_tag(key)}/{stat}", value, step, walltime=item.time)
-        for name, value in item.scalars.items():
-            if not math.isnan(value):
-                writer.add_scalar(name, value, step, walltime=item.time)
+        for name, value in item.scalars.items():  # (a NaN loss is the run's news: written)
+            writer.add_scalar(name, value, step, walltime=item.time)
         for (key, stat), vector in item.extras.items():
             if stat == "histogram":
                 if self.edges is not None:
