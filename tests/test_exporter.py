@@ -140,6 +140,53 @@ def test_each_local_rank_serves_on_its_own_port_with_torchrun_identity(
     )
 
 
+def test_a_spawned_rank_takes_its_identity_and_port_from_torch_distributed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``mp.spawn`` sets no ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``: every rank served ``rank="0"``,
+    ``world_size="1"``, and every rank tried the same port. (torch.distributed's answers faked: a real
+    2-process run is ``tests/test_torchrun.py``'s.)"""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        base = probe.getsockname()[1]
+    model, opt = _model()
+    with sw.observe(model, opt, every=1) as watch:
+        try:
+            exporter = watch.expose(port=base)
+        except OSError as err:  # base + 1 was taken by chance
+            pytest.skip(f"port {base + 1} busy: {err}")
+        assert exporter.port == base + 1  # the rank's own port
+        _train(watch, model, opt, steps=1)
+        families = _scrape(exporter.url)
+    labels = families["streamwatch_loss"][0].labels
+    assert (labels["rank"], labels["local_rank"], labels["world_size"]) == ("1", "1", "2")
+    assert watch.statistics().first_nonfinite is None
+
+
+@pytest.mark.parametrize("name", ["RANK", "LOCAL_RANK", "WORLD_SIZE"])
+def test_an_empty_or_bad_rank_variable_is_read_as_unset_or_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    for other in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(name, "")  # (a launcher that exports it empty: unset)
+    model, _ = _model()
+    with sw.observe(model, every=1) as watch:
+        exporter = watch.expose(port=0)
+        model(torch.randn(2, 6)).sum().backward()
+        watch.step(loss=1.0)
+        labels = _scrape(exporter.url)["streamwatch_loss"][0].labels
+    assert (labels["rank"], labels["local_rank"], labels["world_size"]) == ("0", "0", "1")
+    monkeypatch.setenv(name, "two")
+    with pytest.raises(ValueError, match=rf"\${name} to be an integer.*'two'"):
+        sw.observe(model, every=1)  # (the rank is read when the watch is made)
+
+
 def test_a_taken_port_is_a_clear_error_naming_the_port_and_the_fix() -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

@@ -51,6 +51,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from streamwatch._detail import position
 from streamwatch._families import (
     ALL_LAYERS,
     DATA_FAMILIES,
@@ -93,7 +94,9 @@ CORE_STATS = ("count", "sumsq", "l2", "mean", "min", "max", "nonfinite", "dead_f
 
 def identity(run: str | None = None) -> dict[str, str]:
     """The process identity every series carries: run (``run``, else ``$STREAMWATCH_RUN``, else the
-    script's name), torchrun's ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` (0/0/1 without them), the host.
+    script's name), the rank and world size (from ``torch.distributed`` once it is initialised, else
+    torchrun's ``RANK``/``WORLD_SIZE``; 0 and 1 without them), the local rank (``LOCAL_RANK``; the rank
+    where a multi-process job leaves it unset, as ``mp.spawn`` does), the host.
 
     Example:
         >>> sorted(identity("demo"))
@@ -102,11 +105,13 @@ def identity(run: str | None = None) -> dict[str, str]:
     if run is None:
         script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-", "-c") else ""
         run = os.environ.get("STREAMWATCH_RUN") or script or "python"
+    rank, local_rank, world_size = position()
     return {
         "run": run,
-        "rank": os.environ.get("RANK", "0"),
-        "local_rank": os.environ.get("LOCAL_RANK", "0"),
-        "world_size": os.environ.get("WORLD_SIZE", "1"),
+        "rank": str(rank),
+        # (unset in a multi-process job, as under mp.spawn on one host: the rank, unique on every host)
+        "local_rank": str(rank if local_rank is None else local_rank),
+        "world_size": str(world_size),
         "host": socket.gethostname(),
     }
 
