@@ -22,7 +22,6 @@ import contextlib
 import functools
 import math
 import numbers
-import os
 import threading
 import time
 import warnings
@@ -38,7 +37,7 @@ from torch import nn
 from streamwatch import _kernel
 from streamwatch._channel import OVERFLOW_POLICIES, OverflowPolicy, channel
 from streamwatch._clock import Clock
-from streamwatch._detail import Detail, resolver, this_rank_keeps_detail
+from streamwatch._detail import Detail, position, resolver, this_rank_keeps_detail
 from streamwatch._detectors import DEFAULT_DETECTORS, Detector, check_detectors
 from streamwatch._detectors import pipelines as detector_pipelines
 from streamwatch._exceptions import Full, PipelineError, SendTimeout
@@ -114,9 +113,7 @@ def _on_cpu(model: nn.Module) -> bool:
 
 
 def _rank() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return int(torch.distributed.get_rank())
-    return int(os.environ.get("RANK", "0"))
+    return position()[0]
 
 
 class Watch:
@@ -617,9 +614,9 @@ class Watch:
             buffer = state.buffer
             if self._sampling_now or len(buffer) or buffer.extras or device:
                 taps = self._taps
-                if state.on.get("param_grad") and taps.has_optimizer and not taps.grads_taken:
-                    taps.summarize_grads()  # the optimizer step did not run (a GradScaler skipped it)
-                if state.on.get("param") and not taps.has_optimizer:
+                if taps.has_optimizer:  # what its hooks did not read (a GradScaler skipped its step;
+                    taps.summarize_rest()  # parameters it does not step)
+                elif state.on.get("param"):
                     taps.summarize_params()
                 value = self._loss_value(checked.loss)
                 self._send(seconds, checked, device, full=True, now=now, loss_value=value)
@@ -1115,6 +1112,41 @@ class Watch:
         value is unknown (e.g. dead units of a weight) are absent, never NaN.
         """
         return self._store.samples()
+
+    def pass_begins(self, module: nn.Module) -> None:
+        """For integrations and custom trainers: a batch begins on ``module`` (the observed model) whose
+        step function may never call it (Lightning's ``validation_step`` calling ``self.net(x)``). The
+        watch learns whether a pass is training or evaluation from the observed model's calls (its mode
+        and grad mode then); this tells it as if the model were called now, so an evaluation batch is
+        summarised whatever the step samples. End the batch with :meth:`pass_ends`. Never raises
+        (a failure is counted, as a hook's).
+
+        Example:
+            >>> import torch, streamwatch as sw
+            >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+            >>> watch = sw.observe(model, every=100)
+            >>> _ = model(torch.ones(1, 3)); watch.step()
+            >>> _ = model.eval()
+            >>> with torch.no_grad():
+            ...     watch.pass_begins(model)
+            ...     _ = model[0](torch.ones(4, 3))  # a submodule called directly: still summarised
+            ...     watch.pass_ends()
+            >>> watch.close()
+            >>> sorted({s.labels["phase"] for s in watch.snapshot() if s.name == "streamwatch_tensor"})
+            ['eval', 'train']
+        """
+        try:
+            self._taps.pass_begins(module)
+        except Exception as exc:
+            self._state.fail(exc)
+
+    def pass_ends(self) -> None:
+        """The batch :meth:`pass_begins` announced ended (an evaluation batch's hooks come out). Never
+        raises: counted."""
+        try:
+            self._taps.pass_ends()
+        except Exception as exc:
+            self._state.fail(exc)
 
     def statistics(self) -> WatchStatistics:
         """Steps seen and sampled, records sent and dropped by reason, worker lag, skips, errors."""

@@ -605,6 +605,16 @@ class TapSet:
         self.has_optimizer = optimizer is not None
         self._grads: list[tuple[SeriesKey, nn.Parameter]] = []  # the param_grad tap's keys and parameters
         self._grad_flags: list[bool] = []  # their requires_grad when their hooks went in (no optimizer)
+        # With an optimizer: the parameters it steps (read at its hooks) and the others (at the step's
+        # end), by its param groups as they were last seen (:meth:`_split`)
+        self._split_signature: tuple[tuple[int, int], ...] | None = None
+        self._owned_params: list[tuple[str, str, nn.Parameter]] = []
+        self._other_params: list[tuple[str, str, nn.Parameter]] = []
+        self._owned_grads: list[tuple[SeriesKey, nn.Parameter]] = []
+        self._other_grads: list[tuple[SeriesKey, nn.Parameter]] = []
+        self._before_params: list[tuple[str, str, nn.Parameter]] = []
+        self._grads_after: list[tuple[SeriesKey, nn.Parameter]] | None = None
+        self.params_taken = False
         self.grads_taken = False  # this step's gradients are summarised (at the optimizer's pre-step)
         try:
             self._install(model, modules, params, optimizer)
@@ -738,7 +748,8 @@ class TapSet:
         self.static = static
         self._eval_armed = False
         self._release_leaves()
-        self.grads_taken = False
+        self.grads_taken = self.params_taken = False
+        self._grads_after = None
         armed = self._armed  # (a group already as wanted is left alone: the every-step case)
         forward, grads, step = (
             static or state.forward,
@@ -879,8 +890,11 @@ class TapSet:
 
         return _guarded(state, body)
 
-    def summarize_grads(self) -> None:
-        """Every parameter's gradient as the optimizer is about to apply it (accumulated, unscaled by a
+    def summarize_grads(
+        self, grads: list[tuple[SeriesKey, nn.Parameter]] | None = None, scale: torch.Tensor | None = None
+    ) -> None:
+        """Every parameter's gradient (or ``grads``'; divided by ``scale`` where a ``GradScaler`` left
+        them scaled for a fused optimizer) as the optimizer is about to apply it (accumulated, unscaled by a
         ``GradScaler``, clipped if the loop clips, averaged by DDP), in one pass: at the optimizer's
         pre-step hook, or at ``watch.step()`` on a sampled step whose optimizer step did not run (a
         ``GradScaler`` skipping a step with infs). Each row is placed in the step's execution order where
@@ -890,16 +904,61 @@ class TapSet:
         self.grads_taken = True
         buffer = state.buffer
         start = len(buffer.keys)
-        for key, param in reversed(self._grads):
+        present: list[tuple[SeriesKey, torch.Tensor]] = []
+        for key, param in reversed(self._grads if grads is None else grads):
             grad = param.grad
             if grad is not None:
-                state.call(summarize_into, state, key, grad, None, True)
+                present.append((key, grad))
+        if scale is not None and present:  # still scaled: a fused optimizer unscales inside its kernel
+            with torch.no_grad():
+                tensors = [grad.detach() for _, grad in present]
+                unscaled: list[torch.Tensor] = (
+                    list(torch._foreach_div(tensors, scale))
+                    if all(t.device == scale.device for t in tensors)
+                    else [t / scale.to(t.device) for t in tensors]
+                )
+            present = [(key, grad) for (key, _), grad in zip(present, unscaled, strict=True)]
+        for key, grad in present:
+            state.call(summarize_into, state, key, grad, None, True)
         place_in_backward(buffer, start)
 
-    def summarize_params(self) -> None:
-        """Weights and biases, each on its own row (``kind="param"``)."""
-        for layer, pname, param in self.params:
+    def summarize_params(self, params: list[tuple[str, str, nn.Parameter]] | None = None) -> None:
+        """Weights and biases, each on its own row (``kind="param"``): every parameter's, or ``params``'."""
+        self.params_taken = True
+        for layer, pname, param in self.params if params is None else params:
             summarize_into(self.state, SeriesKey("train", layer, "param", pname), param, None, replace=True)
+
+    def summarize_rest(self) -> None:
+        """At a sampled step's end, with an optimizer: what its hooks did not read. Every gradient and
+        weight if they did not run (a ``GradScaler`` skipped the step); else those of the parameters it
+        does not step (another optimizer's: stepped after its hooks; frozen ones have no gradient)."""
+        on = self.state.on
+        if on.get("param_grad") and self._grads:
+            if not self.grads_taken:
+                self.summarize_grads()
+            elif self._other_grads:
+                self.summarize_grads(self._other_grads)
+        if on.get("param") and self.params:
+            if not self.params_taken:
+                self.summarize_params()
+            elif self._other_params:
+                self.summarize_params(self._other_params)
+
+    def _split(
+        self, optimizer: Any
+    ) -> tuple[list[tuple[str, str, nn.Parameter]], list[tuple[SeriesKey, nn.Parameter]]]:
+        """The parameters ``optimizer`` steps (its param groups, as they are now) and their gradient keys;
+        sets the others aside for :meth:`summarize_rest`. Cached while the groups keep their lists."""
+        groups = optimizer.param_groups
+        signature = tuple((id(group["params"]), len(group["params"])) for group in groups)
+        if signature != self._split_signature:
+            owned = {id(param) for group in groups for param in group["params"]}
+            self._owned_params = [t for t in self.params if id(t[2]) in owned]
+            self._other_params = [t for t in self.params if id(t[2]) not in owned]
+            self._owned_grads = [t for t in self._grads if id(t[1]) in owned]
+            self._other_grads = [t for t in self._grads if id(t[1]) not in owned]
+            self._split_signature = signature
+        return self._owned_params, self._owned_grads
 
     def _root_forward_start(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
@@ -936,6 +995,17 @@ class TapSet:
             return
         self.state.times.forward_end = self.state.times.clock()
 
+    def pass_begins(self, module: nn.Module) -> None:
+        """A framework's batch begins, whose step function may call submodules and never the root
+        (Lightning's ``training_step`` calling ``self.net(x)``): the root's call as seen, so that the pass
+        is told train or evaluation (by the root module's mode and grad mode) as if it were called."""
+        self._root_forward_start(module, ())
+
+    def pass_ends(self) -> None:
+        """The batch :meth:`pass_begins` announced ended: an evaluation pass's hooks come out."""
+        if self._eval_armed:
+            self._end_eval()
+
     def _end_eval(self) -> None:
         """An evaluation pass is over: the forward hooks go back to what the step samples."""
         self._eval_armed = False
@@ -945,15 +1015,24 @@ class TapSet:
             self.state.fail(exc)
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.state.times.optimizer_start = self.state.times.clock()
-        if self.state.on.get("param_grad") and self._grads:
-            self.summarize_grads()
-        for metric in self.state.step_metrics:
-            self.state.call(metric.before_optimizer_step, self.state.buffer)
-        if self.state.on.get("update") and self.params:
-            # Costs one copy of the parameters, only on steps that sample updates (docs/observe.md).
-            with torch.no_grad():
-                self._before = [param.detach().clone() for _, _, param in self.params]
+        state = self.state
+        state.times.optimizer_start = state.times.clock()
+        on = state.on
+        if on.get("param_grad") or on.get("update") or on.get("param"):
+            params, grads = self._split(optimizer)
+            if on.get("param_grad") and grads:
+                if args or kwargs.get("closure") is not None:
+                    self._grads_after = grads  # a closure (LBFGS) computes them inside the step
+                else:
+                    scale = getattr(optimizer, "grad_scale", None)  # (a GradScaler, fused optimizer)
+                    self.summarize_grads(grads, scale if isinstance(scale, torch.Tensor) else None)
+            if on.get("update") and params:
+                # Costs one copy of the parameters, only on steps that sample updates (docs/observe.md).
+                with torch.no_grad():
+                    self._before = [param.detach().clone() for _, _, param in params]
+                self._before_params = params
+        for metric in state.step_metrics:
+            state.call(metric.before_optimizer_step, state.buffer)
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         state = self.state
@@ -962,9 +1041,12 @@ class TapSet:
             state.call(metric.after_optimizer_step, state.buffer)
         # The updates first, then the weights they produced: in the step's execution order an update
         # comes before the weight it changed (a bad update is the origin, a bad weight its consequence).
+        grads, self._grads_after = self._grads_after, None
+        if grads is not None:  # (the last closure's: the gradient the step applied last)
+            self.summarize_grads(grads)
         self._summarize_updates()
         if state.on.get("param"):
-            self.summarize_params()
+            self.summarize_params(self._split(optimizer)[0])
 
     def _summarize_updates(self) -> None:
         state = self.state
@@ -975,7 +1057,7 @@ class TapSet:
         # (CUDA, half precision, subclasses, compiled code) subtracts in one foreach call.
         kernel = None if torch.compiler.is_compiling() else state.kernel
         rest: list[tuple[SeriesKey, torch.Tensor, torch.Tensor]] = []
-        for (layer, pname, param), old in zip(self.params, before, strict=True):
+        for (layer, pname, param), old in zip(self._before_params, before, strict=True):
             key = SeriesKey("train", layer, "update", pname)
             after = param.detach()
             if kernel is not None and after.numel() and kernel.accepts(after) and kernel.accepts(old):
@@ -996,6 +1078,8 @@ class TapSet:
             self._set_group(group, False)
         self._registrations = {group: [] for group in self._registrations}
         self._before = None
+        self._before_params = self._owned_params = self._other_params = []
+        self._owned_grads = self._other_grads = []
         self.params = []  # a closed Watch must not keep the model's parameters alive
         self._grads = []
 

@@ -174,6 +174,34 @@ def test_lightning_one_record_per_optimizer_step_with_the_trainers_loss(pl: Any,
     assert latest["streamwatch_loss"] == expected[-1]
 
 
+@pytest.mark.filterwarnings("ignore:Found 1 module.s. in eval mode")
+@pytest.mark.parametrize("every", [2, None], ids=["every=2", "governor"])
+def test_lightning_validation_is_recorded_on_unsampled_steps_and_a_frozen_encoder_as_train(
+    pl: Any, tmp_path: Path, every: int | None
+) -> None:
+    """``validation_step`` calls ``self.net(x)``, never the LightningModule: the watch, which learns of an
+    evaluation pass from the root module's call, summarised validation only when the step was sampled
+    anyway (with the governor: the sanity check alone). And a submodule kept in eval mode (a frozen
+    encoder) was recorded as an evaluation pass in every training step, without its gradients."""
+    from streamwatch.integrations.lightning import StreamwatchCallback
+
+    records = sw.sinks.collect()
+    callback = StreamwatchCallback(sinks=[records], **({} if every is None else {"every": every}))
+    model = _lightning_module(pl)
+    model.net[2].eval()  # (Dropout: eval mode in training, as a frozen part is kept)
+    trainer, model = _fit(pl, tmp_path, [callback], model)
+    assert trainer.global_step == 6
+    # the sanity check in step 0's record, epoch 0's validation in step 3's, epoch 1's at close
+    assert {records.items[i].step for i in _eval_records(records.items)} == {0, 3, 6}
+    for record in records.items:
+        eval_layers = {k.layer for k in record.keys if k.phase == "eval" and k.kind == "activation"}
+        assert eval_layers in (set(), {"net.0", "net.1", "net.2", "net.3"}), record.step
+        train_layers = {k.layer for k in record.keys if k.phase == "train" and k.kind == "activation"}
+        if record.step < 6 and train_layers:
+            assert "net.2" in train_layers  # the eval-mode Dropout in a training pass: train
+            assert sw.SeriesKey("train", "net.2", "output_grad", "") in record.keys
+
+
 def test_lightning_monitoring_does_not_change_training(pl: Any, tmp_path: Path) -> None:
     from streamwatch.integrations.lightning import StreamwatchCallback
 

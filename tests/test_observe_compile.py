@@ -79,9 +79,10 @@ def test_forward_side_taps_add_no_graph_breaks() -> None:
         watch.step()
     assert (breaks, reasons) == (0, [])
     (record,) = records.items
+    # (no optimizer step ran: no gradient, no update; the weights are read at the step's end)
     assert {(key.layer, key.kind) for key in record.keys} == {
         (layer, kind) for layer in ("0", "1", "2") for kind in ("input", "activation")
-    }
+    } | {("0", "param"), ("2", "param")}
     with torch.no_grad():
         hidden = model[0](x)
     index = record.keys.index(SeriesKey("train", "0", "activation", ""))

@@ -173,3 +173,119 @@ def test_without_an_optimizer_a_layer_frozen_and_unfrozen_mid_run_is_followed(ev
         for key in keys:
             assert_row(record, key, expected[record.step][key])
     assert all(weight in {r.keys[i] for i in r.rows("param_grad")} for r in sampled if r.step > 4)
+
+
+def _batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def test_a_fused_optimizer_under_a_grad_scaler_is_summarised_unscaled() -> None:
+    """A fused optimizer unscales inside its kernel (``GradScaler`` hands it ``grad_scale``): the
+    gradients at its pre-step hook are still scaled, and were summarised 1024× too large."""
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    records = sw.sinks.collect()
+    seen: list[dict[SeriesKey, torch.Tensor]] = []
+    g = torch.Generator().manual_seed(4)
+    with sw.observe(model, opt, every=1, sinks=[records]) as watch:
+        for _ in range(2):
+            x, y = _batch(g)
+            opt.zero_grad()
+            scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+            scale = scaler.get_scale()
+            seen.append({key: grad / scale for key, grad in _grads(model).items()})
+            scaler.step(opt)
+            scaler.update()
+            watch.step(loss=1.0)
+        assert watch.flush()
+    assert scale == 1024.0  # no overflow: the scale stayed
+    for record, grads in zip(records.items, seen, strict=True):
+        assert {record.keys[i] for i in record.rows("param_grad")} == set(grads)
+        for key, grad in grads.items():
+            assert_row(record, key, grad)
+
+
+def test_an_optimizer_with_a_closure_is_summarised_after_the_closure() -> None:
+    """LBFGS computes the gradients inside ``step(closure)``: read at its pre-step hook, the rows held
+    the previous step's last gradient (and none at step 0)."""
+    model = _mlp()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+    records = sw.sinks.collect()
+    last: list[dict[SeriesKey, torch.Tensor]] = []  # each step's last closure's gradients
+    g = torch.Generator().manual_seed(5)
+    with sw.observe(model, opt, every=1, sinks=[records]) as watch:
+        for _ in range(3):
+            x, y = _batch(g)
+            mine: dict[SeriesKey, torch.Tensor] = {}
+
+            def closure(x: torch.Tensor = x, y: torch.Tensor = y, mine: dict = mine) -> torch.Tensor:  # type: ignore[type-arg]
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                mine.clear()
+                mine.update(_grads(model))
+                return loss
+
+            opt.step(closure)
+            last.append(mine)
+            watch.step(loss=1.0)
+        assert watch.flush()
+    for record, grads in zip(records.items, last, strict=True):
+        assert {record.keys[i] for i in record.rows("param_grad")} == set(grads)
+        for key, grad in grads.items():
+            assert_row(record, key, grad)
+
+
+def test_rows_of_parameters_the_optimizer_does_not_step_are_read_at_the_step_end() -> None:
+    """Two optimizers (a GAN's two halves), only the first observed, and a frozen layer: updates are
+    the observed optimizer's parameters' only (a frozen layer's Δ of 0 made its update ratio -inf and
+    fired the out-of-band alert); the other optimizer's weights and gradients are read at
+    ``watch.step()``, after its step (they were read before it: its update a false 0, its gradient
+    the previous step's)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 3))
+    model[0].requires_grad_(False)  # frozen: in no optimizer
+    first = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    second = torch.optim.SGD(model[4].parameters(), lr=0.1)
+    records = sw.sinks.collect()
+    steps: list[tuple[dict[SeriesKey, torch.Tensor], dict[SeriesKey, torch.Tensor], dict[str, torch.Tensor]]]
+    steps = []
+    g = torch.Generator().manual_seed(6)
+    cadence = {"param": 1, "update": 1, "param_grad": 1}
+    with sw.observe(model, first, every=1, cadence=cadence, sinks=[records]) as watch:
+        for _ in range(3):
+            x, y = _batch(g)
+            first.zero_grad()
+            second.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            first.step()
+            second.step()
+            steps.append(
+                (_grads_present(model), before, {n: p.detach().clone() for n, p in model.named_parameters()})
+            )
+            watch.step(loss=1.0)
+        assert watch.flush()
+    for record, (grads, before, after) in zip(records.items, steps, strict=True):
+        assert {record.keys[i] for i in record.rows("param_grad")} == set(grads)
+        for key, grad in grads.items():
+            assert_row(record, key, grad)
+        updates = {record.keys[i] for i in record.rows("update")}
+        assert {f"{k.layer}.{k.name}" for k in updates} == {"2.weight", "2.bias"}
+        for key in updates:
+            name = f"{key.layer}.{key.name}"
+            assert_row(record, key, after[name] - before[name])
+        params = {record.keys[i] for i in record.rows("param")}
+        assert {f"{k.layer}.{k.name}" for k in params} == set(after)
+        for key in params:
+            assert_row(record, key, after[f"{key.layer}.{key.name}"])
+
+
+def _grads_present(model: nn.Module) -> dict[SeriesKey, torch.Tensor]:
+    out = {}
+    for qualified, p in model.named_parameters():
+        if p.grad is not None:
+            layer, _, name = qualified.rpartition(".")
+            out[SeriesKey("train", layer, "param_grad", name)] = p.grad.detach().clone()
+    return out

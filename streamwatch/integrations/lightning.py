@@ -29,11 +29,14 @@ What it does, hook by hook:
   batch in which ``trainer.global_step`` advanced (any optimizer stepped), the loss read from what
   ``training_step`` returned (not divided by anything). ``on_train_start`` reads ``global_step`` again,
   because a fit resumed from a checkpoint restores it after ``on_fit_start``.
-* Validation needs no hook: Lightning runs it under ``model.eval()`` and ``torch.no_grad``/
-  ``torch.inference_mode``, and ``observe()`` summarises every such forward pass under
-  ``phase="eval"``, in the record of the optimizer step that follows it (the sanity check lands in the
-  first step's record). A validation run after the last optimizer step of the fit belongs to no step and
-  is not recorded.
+* Validation: Lightning runs it under ``model.eval()`` and ``torch.no_grad``/``torch.inference_mode``;
+  ``on_validation_batch_start``/``_end`` tell the watch an evaluation pass runs (``validation_step``
+  usually calls a submodule, ``self.net(x)``, never the LightningModule, whose call the watch would
+  see), and its forward passes are summarised under ``phase="eval"`` whatever the step samples, in the
+  record of the optimizer step that follows (the sanity check lands in the first step's record). A
+  validation after the last optimizer step of the fit is sent when the watch closes, as a record of
+  its own. ``on_train_batch_start`` likewise marks a training pass, so a submodule kept in eval mode
+  (a frozen encoder) is recorded as ``train``.
 * ``teardown``: ``watch.close()`` (flush every step to every sink, remove every hook). If the fit fails,
   ``on_exception`` closes the watch instead and attaches a streamwatch error, if any, as a note to the
   training's exception (as leaving ``with observe(...)`` does).
@@ -114,6 +117,44 @@ class StreamwatchCallback(Callback):
         ``on_fit_start``."""
         self._global_step = trainer.global_step
         self._reset()
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """A training batch begins: its forward is a training pass (``training_step`` may call
+        submodules, never the LightningModule itself)."""
+        self._pass_begins(pl_module)
+
+    def on_validation_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        """A validation batch begins: its forward passes are an evaluation pass, summarised whatever the
+        step samples."""
+        self._pass_begins(pl_module)
+
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        """The validation batch ended: its hooks come out."""
+        watch = self.watch
+        if watch is not None and not watch.closed:
+            watch.pass_ends()
+
+    def _pass_begins(self, pl_module: pl.LightningModule) -> None:
+        watch = self.watch
+        if watch is not None and not watch.closed:
+            watch.pass_begins(pl_module)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
