@@ -202,6 +202,38 @@ def test_lightning_validation_is_recorded_on_unsampled_steps_and_a_frozen_encode
             assert sw.SeriesKey("train", "net.2", "output_grad", "") in record.keys
 
 
+def test_lightning_a_sink_that_failed_during_the_fit_is_warned_not_raised_at_teardown(
+    pl: Any, tmp_path: Path
+) -> None:
+    """A sink that fails mid-fit stops itself (warned); teardown's close() raised its PipelineError out of
+    ``fit()`` after the fit had finished: the trainer marked it interrupted and skipped the teardown
+    of the callbacks after ours."""
+    from streamwatch.integrations.lightning import StreamwatchCallback
+
+    def broken(record: sw.StepRecord) -> None:
+        raise ValueError("the sink broke")
+
+    torn: list[str] = []
+
+    class After(pl.Callback):  # type: ignore[misc]
+        def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            torn.append(stage)
+
+    records = sw.sinks.collect()
+    callback = StreamwatchCallback(sinks=[sw.sinks.callback(broken), records], every=1)
+    with pytest.warns(RuntimeWarning) as warned:
+        trainer, model = _fit(pl, tmp_path, [callback, After()], epochs=1)
+    assert trainer.state.status == "finished"
+    assert torn == ["fit"]
+    assert any("the run finished, but part of its monitoring failed" in str(w.message) for w in warned)
+    assert any("the sink broke" in str(w.message) for w in warned)
+    assert callback.watch is not None
+    assert callback.watch.closed
+    assert callback.watch.statistics().pipeline_failures == 1
+    assert [r.step for r in records.items] == [0, 1, 2, 3]  # the other sink got every record
+    assert _leftover_hooks(model, trainer.optimizers[0]) == []
+
+
 def test_lightning_monitoring_does_not_change_training(pl: Any, tmp_path: Path) -> None:
     from streamwatch.integrations.lightning import StreamwatchCallback
 
@@ -441,6 +473,43 @@ def test_transformers_one_record_per_optimizer_step_with_the_logged_loss(
     assert {k.phase for k in records.items[6].keys} == {"eval"}
     assert watch.closed
     assert _leftover_hooks(model, trainer.optimizer.optimizer) == []
+
+
+def test_transformers_a_sink_that_failed_during_training_is_warned_not_raised_at_the_end(
+    tmp_path: Path,
+) -> None:
+    """As with Lightning: ``trainer.train()`` raised the PipelineError after training had finished, so a
+    script's ``trainer.save_model()`` after it never ran."""
+    transformers = pytest.importorskip("transformers")
+    from streamwatch.integrations.transformers import StreamwatchCallback
+
+    def broken(record: sw.StepRecord) -> None:
+        raise ValueError("the sink broke")
+
+    callback = StreamwatchCallback(sinks=[sw.sinks.callback(broken)], every=1)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_train_epochs=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = transformers.Trainer(
+        model=_HFNet(),
+        args=args,
+        train_dataset=[{"x": x, "labels": y} for x, y in _dataset(12, seed=1)],
+        callbacks=[callback],
+    )
+    with pytest.warns(RuntimeWarning) as warned:
+        trainer.train()
+    assert any("the run finished, but part of its monitoring failed" in str(w.message) for w in warned)
+    assert trainer.state.global_step == 3
+    assert callback.watch is not None
+    assert callback.watch.closed
+    assert callback.watch.statistics().pipeline_failures == 1
 
 
 def test_transformers_callback_checks_its_arguments() -> None:

@@ -24,7 +24,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from streamwatch._observe import _rank, observe
+from streamwatch._exceptions import PipelineError
+from streamwatch._observe import Watch, _rank, observe
 
 __all__: list[str] = []
 
@@ -72,6 +73,23 @@ def _check_rank(trainer_rank: int, where: str) -> None:
             f"streamwatch: the trainer's global rank is {trainer_rank} ({where}) but streamwatch labels this "
             f"process' records rank={rank} (it reads torch.distributed, else $RANK): the per-rank series "
             "of this process are mislabelled; initialise torch.distributed or set RANK",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _close_at_end(watch: Watch | None, owner: str) -> None:
+    """Close ``watch`` when the trainer's run has ended normally. A pipeline that failed during the run
+    (warned when it failed) is warned about again here, not raised: the training finished, and an
+    exception out of the trainer's last event would mark the run failed and skip what the script does
+    next (saving the model, the other callbacks' teardown). ``callback.close()`` raises it as usual."""
+    if watch is None:
+        return
+    try:
+        watch.close()
+    except PipelineError as error:
+        warnings.warn(
+            f"streamwatch ({owner}): the run finished, but part of its monitoring failed: {error}",
             RuntimeWarning,
             stacklevel=3,
         )

@@ -37,7 +37,9 @@ What it does, hook by hook:
   validation after the last optimizer step of the fit is sent when the watch closes, as a record of
   its own. ``on_train_batch_start`` likewise marks a training pass, so a submodule kept in eval mode
   (a frozen encoder) is recorded as ``train``.
-* ``teardown``: ``watch.close()`` (flush every step to every sink, remove every hook). If the fit fails,
+* ``teardown``: ``watch.close()`` (flush every step to every sink, remove every hook); a pipeline that
+  failed during the fit (warned then) is warned about again, not raised out of ``fit()``: the fit
+  finished, and the trainer would mark it interrupted and skip the other callbacks. If the fit fails,
   ``on_exception`` closes the watch instead and attaches a streamwatch error, if any, as a note to the
   training's exception (as leaving ``with observe(...)`` does).
 * Rank: ``observe()`` labels records with ``torch.distributed``'s rank (Lightning has initialised the
@@ -66,7 +68,7 @@ except ImportError as _err:
     ) from _err
 
 from streamwatch._observe import Watch, observe
-from streamwatch.integrations import _check_rank, _observe_kwargs
+from streamwatch.integrations import _check_rank, _close_at_end, _observe_kwargs
 
 __all__ = ["StreamwatchCallback"]
 
@@ -187,8 +189,10 @@ class StreamwatchCallback(Callback):
             watch.__exit__(type(exception), exception, exception.__traceback__)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """The fit (or another trainer function) ended: close the watch."""
-        self.close()
+        """The fit (or another trainer function) ended: close the watch (a pipeline that failed during
+        the fit is warned about, not raised: the fit finished)."""
+        self._reset()
+        _close_at_end(self.watch, type(self).__name__)
 
     def close(self) -> None:
         """Close the watch (flush every completed step, remove every hook). Idempotent; ``teardown`` calls

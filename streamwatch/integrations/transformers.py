@@ -30,7 +30,8 @@ What it does, event by event:
   is absent.
 * Evaluation needs no event: the Trainer evaluates under ``model.eval()`` and ``torch.no_grad``, and
   ``observe()`` summarises every such forward pass under ``phase="eval"``, in the record of the next
-  step. An evaluation after the last optimizer step belongs to no step and is not recorded.
+  step. An evaluation after the last optimizer step is sent when the watch closes, as a record of its
+  own.
 * ``on_train_end``: ``watch.close()`` (flush every step to every sink, remove every hook). The Trainer
   has no event for a failed run: if ``trainer.train()`` raises, call ``callback.close()`` (e.g. in a
   ``finally``) to remove the hooks.
@@ -54,7 +55,7 @@ except ImportError as _err:
     ) from _err
 
 from streamwatch._observe import Watch, observe
-from streamwatch.integrations import _check_rank, _observe_kwargs
+from streamwatch.integrations import _check_rank, _close_at_end, _observe_kwargs
 
 __all__ = ["StreamwatchCallback"]
 
@@ -143,8 +144,10 @@ class StreamwatchCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Training ended: close the watch."""
-        self.close()
+        """Training ended: close the watch (a pipeline that failed during the run is warned about, not
+        raised: the training finished)."""
+        self._end_pending()
+        _close_at_end(self.watch, type(self).__name__)
 
     def close(self) -> None:
         """Record a pending step, then close the watch (flush every completed step, remove every hook).
