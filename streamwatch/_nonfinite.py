@@ -388,6 +388,9 @@ class Sentinel:
         self._pending: collections.deque[tuple[int, int]] = collections.deque()  # (slot, first step)
         self._carry: torch.Tensor | None = None
         self._carry_first = 0
+        self.grads_tripped = False
+        """Whether the last :meth:`check` tripped on its gradients (CPU), its loss being finite or not
+        checked: then what went bad is the gradient, not the loss."""
 
     @property
     def idle(self) -> bool:
@@ -407,6 +410,7 @@ class Sentinel:
                 flag = ~torch.isfinite(loss.detach().reshape(()))
         elif loss is not None and not math.isfinite(loss):
             tripped.append(step)
+        self.grads_tripped = False
         if self.grad_norm:
             flag = self._check_grads(step, grads, flag, tripped)
         if self._pending:  # earlier steps' flags whose copy completed (frees their slots first)
@@ -430,7 +434,8 @@ class Sentinel:
                 total = torch.stack(torch._foreach_norm(tensors, math.inf, dtype=torch.float32)).amax()
             if device.type == "cpu":
                 if not math.isfinite(total.item()) and step not in tripped:
-                    tripped.append(step)
+                    tripped.append(step)  # (the loss was finite, or not checked: the gradients tripped)
+                    self.grads_tripped = True
             else:
                 bad = ~torch.isfinite(total)
                 flag = bad if flag is None else flag | bad.to(flag.device, non_blocking=True)

@@ -277,6 +277,7 @@ class Watch:
             self._escalated_until: int | None = None
             self._escalations = 0
             self._tripped: list[int] = []  # sentinel trips learnt at this step's boundary
+            self._trip_kind = "loss"  # what the last trip saw go bad: "loss" or "grad_norm"
             self._last_trip = -2
             self._sent_steps: collections.deque[int] = collections.deque(maxlen=capacity + 2)
             edges: dict[str, tuple[float, ...]] = {}
@@ -764,6 +765,9 @@ class Watch:
         if not tripped:
             return
         self._tripped = tripped
+        # what tripped: the gradients where the sentinel saw them go bad with a finite loss (or none
+        # checked); else the loss (a device flag covers both: the loss, if it is checked)
+        self._trip_kind = "grad_norm" if sentinel.grads_tripped or not self._sentinel_loss else "loss"
         if self._escalate and self._escalated_until is None:
             # From the next step on, every step is sampled in full (every tapped kind): when the fault
             # recurs, its record holds the origin. One escalation at a time: bounded cost.
@@ -773,7 +777,7 @@ class Watch:
                 log.warning(
                     "streamwatch: non-finite %s at step %d (sentinel); sampling every step, every tapped "
                     "kind, for the next %d steps so that the origin is recorded if it happens again",
-                    "loss" if self._sentinel_loss else "gradient norm",
+                    "gradients" if self._trip_kind == "grad_norm" else "loss",
                     tripped[0],
                     self._escalate,
                 )
@@ -821,7 +825,7 @@ class Watch:
                 f"step {new[0]}'s loss is non-finite too: the episode that began there goes on"
             )
         if new:
-            kind = "loss" if self._sentinel_loss else "grad_norm"
+            kind = self._trip_kind
             seen = FirstNonFinite(new[0], "train", "", kind, "", "", direction_of(kind), self._rank)
             raise seen.error(
                 "the step was not sampled, so only the sentinel saw it and the origin is unknown: sample "

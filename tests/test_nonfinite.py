@@ -363,6 +363,46 @@ def test_raise_stops_the_loop_at_the_faulty_step_with_the_origin() -> None:
     assert f"layer '{FAULTY}'" in str(err)
 
 
+def test_a_gradient_trip_on_an_unsampled_step_is_named_the_gradients_not_the_loss(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A finite loss with an inf gradient (a GradScaler's overflow) on a step the sentinel alone saw: the
+    warning said "non-finite loss" and the error ``kind='loss'``, sending the reader to the wrong place."""
+    for reaction in ("warn", "raise"):
+        model, opt = _model()
+        g = torch.Generator().manual_seed(7)
+        caplog.clear()
+        with (
+            caplog.at_level(logging.WARNING, "streamwatch"),
+            sw.observe(model, opt, every=50, sentinel=("loss", "grad_norm"), on_nonfinite=reaction) as watch,
+        ):
+            for step in range(5):
+                x, y = torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                if step == 3:
+                    bias = model[4].bias.grad
+                    assert bias is not None
+                    bias[0] = math.inf
+                    assert math.isfinite(float(loss.detach()))
+                else:
+                    opt.step()  # (skipped on the bad step, as a GradScaler skips it)
+                if reaction == "raise" and step == 3:
+                    with pytest.raises(sw.NonFiniteError) as info:
+                        watch.step(loss=loss)
+                    assert (info.value.step, info.value.kind, info.value.direction) == (
+                        3,
+                        "grad_norm",
+                        "backward",
+                    )
+                    break
+                watch.step(loss=loss)
+        if reaction == "warn":
+            assert "non-finite gradients at step 3 (sentinel)" in caplog.text
+            assert "non-finite loss" not in caplog.text
+
+
 def test_raise_for_a_nan_the_loss_does_not_show_comes_at_most_one_step_late() -> None:
     """A NaN only in backward: the loss of step 5 is finite. The worker finds it in step 5's record; the
     training thread learns it at the latest at step 6, whose loss the NaN weights make non-finite."""
