@@ -313,6 +313,56 @@ def test_activation_similarity_between_checkpoints_and_training_unchanged(train:
     assert not [r for r in records.items if any(k.phase == "eval" for k in r.keys)]  # probe rows paused
 
 
+def test_activation_similarity_reads_each_layer_before_in_place_ops_and_tuple_outputs() -> None:
+    """The captured output shared memory with the layer's: a ``ReLU(inplace=True)`` after it overwrote
+    it, so a Linear (a linear map of the probe: similarity 1) was scored on its ReLU's output. An LSTM
+    (a tuple output) gave no value and no word; a named layer the probe never reaches is now said."""
+    from streamwatch.metrics._cca import flatten_samples, svcca
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(inplace=True), nn.Linear(16, 3))
+    lstm = nn.LSTM(3, 5, batch_first=True)
+    probe = torch.randn(300, 6, generator=torch.Generator().manual_seed(8))
+    opt = torch.optim.SGD(model.parameters(), lr=2.0)
+    seen: list[torch.Tensor] = []
+    records = sw.sinks.collect()
+    metric = sw.metrics.ActivationSimilarity(probe, layers=["0"], every=1, keep=1.0, against="first")
+    with sw.observe(model, opt, metrics=[metric], sinks=[records], every=1) as watch:
+        for _ in range(3):
+            with torch.no_grad():
+                seen.append(F.linear(probe, model[0].weight, model[0].bias))
+            opt.zero_grad()
+            F.mse_loss(model(probe[:64]), torch.randn(64, 3) * 5).backward()
+            opt.step()
+            watch.step()
+    key = (SeriesKey("eval", "0", "activation", ""), "cca_similarity")
+    got = [float(r.extras[key][0]) for r in records.items if key in r.extras]
+    assert len(got) == 2
+    for step, value in enumerate(got, start=1):
+        want = float(svcca(flatten_samples(seen[0]), flatten_samples(seen[step]), keep=1.0))
+        assert value == pytest.approx(want, abs=1e-9)
+        assert value == pytest.approx(1.0, abs=1e-9)  # a linear map of the probe
+    sequences = torch.randn(64, 7, 3, generator=torch.Generator().manual_seed(9))
+    metric = sw.metrics.ActivationSimilarity(sequences, layers=["lstm"], every=1)
+    holder = nn.ModuleDict({"lstm": lstm})
+    holder.forward = lambda x: holder["lstm"](x)  # type: ignore[method-assign]
+    records = sw.sinks.collect()
+    with sw.observe(holder, metrics=[metric], sinks=[records], every=1) as watch:
+        watch.step()
+        watch.step()
+    lstm_key = (SeriesKey("eval", "lstm", "activation", ""), "cca_similarity")
+    values = [float(r.extras[lstm_key][0]) for r in records.items if lstm_key in r.extras]
+    assert values == [pytest.approx(1.0)]
+    unreached = sw.metrics.ActivationSimilarity(probe, layers=["0", "2"], every=1)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    model.forward = lambda x: model[1](model[0](x))  # type: ignore[method-assign]  # "2" is never called
+    watch = sw.observe(model, metrics=[unreached], every=1)
+    with pytest.warns(RuntimeWarning, match=r"layers \['2'\] gave no tensor in the probe pass"):
+        watch.step()
+    with pytest.raises(sw.PipelineError, match=r"layers \['2'\] gave no tensor"):
+        watch.close()
+
+
 def test_hessian_max_eigenvalue_matches_a_direct_eigendecomposition() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))

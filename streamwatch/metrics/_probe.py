@@ -112,12 +112,30 @@ class ActivationSimilarity(Metric):
             value = self._similarity(key, flatten_samples(activations))
             if value is not None:
                 buffer.add_extra(key, self.name, value)
+        silent = [name for name in self.layers or () if name not in captured]
+        if silent:  # layers asked for by name that gave nothing to compare: said, not skipped quietly
+            raise ValueError(
+                f"ActivationSimilarity: the layers {silent} gave no tensor in the probe pass (the model's "
+                "forward does not call them, or they return no tensor); name layers that output one"
+            )
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    """A module's output as a tensor: itself, or the first tensor of a tuple or list (an LSTM's sequence
+    output) or of a mapping's values (a ``ModelOutput``); None if there is none."""
+    if isinstance(output, torch.Tensor):
+        return output
+    values = output.values() if isinstance(output, Mapping) else output
+    if isinstance(values, tuple | list) or isinstance(output, Mapping):
+        return next((v for v in values if isinstance(v, torch.Tensor)), None)
+    return None
 
 
 def _capture(into: dict[str, torch.Tensor], name: str) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        if isinstance(output, torch.Tensor):
-            into[name] = output.detach()
+        tensor = _first_tensor(output)
+        if tensor is not None:  # a copy: a later in-place op of the forward (ReLU(inplace=True)) would
+            into[name] = tensor.detach().clone()  # overwrite the layer's output before it is compared
 
     return hook
 
