@@ -120,8 +120,8 @@ def keeps_detail(detail: Detail, *, rank: int, local_rank: int | None, world_siz
     """Whether the process at ``(rank, local_rank, world_size)`` keeps per-layer series under ``detail``.
 
     ``local_rank`` None (``LOCAL_RANK`` unset in a multi-process job) is refused by ``"local_rank0"``,
-    which could not tell the nodes apart; a callable gets ``0`` then, as the exporter's ``local_rank``
-    label and port offset do.
+    which could not tell the nodes apart; a callable gets ``0`` then (the exporter's ``local_rank``
+    label and port offset take the rank instead: unique on every host).
 
     Raises:
         ValueError: ``"local_rank0"`` without a local rank.

@@ -425,13 +425,14 @@ class Sentinel:
     def _check_grads(
         self, step: int, grads: Iterable[torch.Tensor], flag: torch.Tensor | None, tripped: list[int]
     ) -> torch.Tensor | None:
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        by_group: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for grad in grads:
-            by_device.setdefault(grad.device, []).append(grad.detach())
-        for device, tensors in by_device.items():
-            with torch.no_grad():  # the largest |g|, in float32: finite exactly when every element is
-                # (a float16 gradient's 2-norm overflows at 65504 with every element finite)
-                total = torch.stack(torch._foreach_norm(tensors, math.inf, dtype=torch.float32)).amax()
+            if grad.numel():  # (an empty gradient holds nothing to check: its max-norm is an error)
+                by_group.setdefault((grad.device, grad.dtype), []).append(grad.detach())
+        for (device, _), tensors in by_group.items():
+            with torch.no_grad():  # the largest |g|, in the gradients' own dtype: finite exactly when
+                # every element is, and it cannot overflow (a float16 2-norm does at 65504)
+                total = torch.stack(torch._foreach_norm(tensors, math.inf)).amax()
             if device.type == "cpu":
                 if not math.isfinite(total.item()) and step not in tripped:
                     tripped.append(step)  # (the loss was finite, or not checked: the gradients tripped)

@@ -930,14 +930,12 @@ class TapSet:
 
     def summarize_rest(self) -> None:
         """At a sampled step's end, with an optimizer: what its hooks did not read. Every gradient and
-        weight if they did not run (a ``GradScaler`` skipped the step); else those of the parameters it
-        does not step (another optimizer's: stepped after its hooks; frozen ones have no gradient)."""
+        weight if they did not run (a ``GradScaler`` skipped the step); else the weights of the
+        parameters it does not step (another optimizer's may step after its hooks). Their gradients are
+        read at its pre-step hook, as they are then: a loop may zero them before ``watch.step()``."""
         on = self.state.on
-        if on.get("param_grad") and self._grads:
-            if not self.grads_taken:
-                self.summarize_grads()
-            elif self._other_grads:
-                self.summarize_grads(self._other_grads)
+        if on.get("param_grad") and self._grads and not self.grads_taken:
+            self.summarize_grads()
         if on.get("param") and self.params:
             if not self.params_taken:
                 self.summarize_params()
@@ -1020,17 +1018,21 @@ class TapSet:
         on = state.on
         if on.get("param_grad") or on.get("update") or on.get("param"):
             params, grads = self._split(optimizer)
-            if on.get("param_grad") and grads:
+            if on.get("param_grad") and self._grads:
+                if self._other_grads:  # another optimizer's: as they are now (a loop may zero them
+                    self.summarize_grads(self._other_grads)  # after the steps, before watch.step())
                 if args or kwargs.get("closure") is not None:
                     self._grads_after = grads  # a closure (LBFGS) computes them inside the step
-                else:
+                elif grads:
                     scale = getattr(optimizer, "grad_scale", None)  # (a GradScaler, fused optimizer)
                     self.summarize_grads(grads, scale if isinstance(scale, torch.Tensor) else None)
             if on.get("update") and params:
                 # Costs one copy of the parameters, only on steps that sample updates (docs/observe.md).
+                # Those without a gradient are not stepped (a frozen layer in the optimizer's groups).
+                stepped = [t for t in params if t[2].grad is not None]
                 with torch.no_grad():
-                    self._before = [param.detach().clone() for _, _, param in params]
-                self._before_params = params
+                    self._before = [param.detach().clone() for _, _, param in stepped]
+                self._before_params = stepped
         for metric in state.step_metrics:
             state.call(metric.before_optimizer_step, state.buffer)
 

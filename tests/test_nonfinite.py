@@ -709,6 +709,12 @@ def test_the_gradient_check_does_not_overflow_in_half_precision() -> None:
     bad[3, 5] = -math.inf
     assert grads.check(2, 1.0, [bad.to(torch.bfloat16), torch.ones(2)]) == [2]
     assert grads.trips == 2
+    # float64 (1e300 is finite there), empty and complex gradients: checked in their own dtype
+    wide = torch.full((3,), 1e300, dtype=torch.float64)
+    assert grads.check(3, 1.0, [wide, torch.zeros(0), torch.tensor([1 + 2j]), big]) == []
+    wide[1] = math.nan
+    assert grads.check(4, 1.0, [wide, torch.zeros(0)]) == [4]
+    assert grads.check(5, 1.0, [torch.tensor([1 + 2j, complex(math.inf, 0)])]) == [5]
 
 
 def test_monitoring_with_faults_and_escalation_leaves_training_bit_identical() -> None:

@@ -237,16 +237,16 @@ def test_an_optimizer_with_a_closure_is_summarised_after_the_closure() -> None:
             assert_row(record, key, grad)
 
 
-def test_rows_of_parameters_the_optimizer_does_not_step_are_read_at_the_step_end() -> None:
-    """Two optimizers (a GAN's two halves), only the first observed, and a frozen layer: updates are
-    the observed optimizer's parameters' only (a frozen layer's Δ of 0 made its update ratio -inf and
-    fired the out-of-band alert); the other optimizer's weights and gradients are read at
-    ``watch.step()``, after its step (they were read before it: its update a false 0, its gradient
-    the previous step's)."""
+def test_rows_of_parameters_the_optimizer_does_not_step() -> None:
+    """Two optimizers, only the first observed, and a frozen layer in the first's group: updates are
+    those of the parameters the observed optimizer steps (a frozen layer's Δ of 0 made its update
+    ratio -inf and fired the out-of-band alert; a second optimizer's, read around the first's step,
+    a false 0); the other optimizer's weights are read at ``watch.step()``, after its step, and its
+    gradients at the observed optimizer's pre-step hook (a loop may zero them before watch.step())."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 3))
-    model[0].requires_grad_(False)  # frozen: in no optimizer
-    first = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    model[0].requires_grad_(False)  # frozen, in the first optimizer's group all the same (no gradient)
+    first = torch.optim.SGD([*model[0].parameters(), *model[2].parameters()], lr=0.1)
     second = torch.optim.SGD(model[4].parameters(), lr=0.1)
     records = sw.sinks.collect()
     steps: list[tuple[dict[SeriesKey, torch.Tensor], dict[SeriesKey, torch.Tensor], dict[str, torch.Tensor]]]
@@ -260,11 +260,12 @@ def test_rows_of_parameters_the_optimizer_does_not_step_are_read_at_the_step_end
             second.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            grads = _grads_present(model)
             first.step()
             second.step()
-            steps.append(
-                (_grads_present(model), before, {n: p.detach().clone() for n, p in model.named_parameters()})
-            )
+            steps.append((grads, before, {n: p.detach().clone() for n, p in model.named_parameters()}))
+            first.zero_grad()  # (zeroed before watch.step(), as many loops do)
+            second.zero_grad()
             watch.step(loss=1.0)
         assert watch.flush()
     for record, (grads, before, after) in zip(records.items, steps, strict=True):

@@ -14,6 +14,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -250,6 +251,38 @@ def test_one_file_has_one_writer_across_processes(tmp_path: Path) -> None:
     after.send(StepRecord(2, 2.0, 0, (key,), np.ones((1, len(COLUMNS)))))
     after.close()
     assert [r.step for r in read_run(path).records] == [0, 1, 2]
+
+
+def _wait_in_child(started: Any, release: Any) -> None:
+    started.set()
+    release.wait(60)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_does_not_keep_the_lock(tmp_path: Path) -> None:
+    """A child forked while the file is open (a DataLoader's workers) shares the open file and its lock:
+    the lock outlived the parent's close(), and the parent itself could not reopen its file."""
+    import multiprocessing
+
+    path = tmp_path / "run.jsonl"
+    key = sw.SeriesKey("train", "a", "param", "w")
+    first = RunFile(path)
+    first.send(StepRecord(0, 0.0, 0, (key,), np.zeros((1, len(COLUMNS)))))
+    context = multiprocessing.get_context("fork")
+    started, release = context.Event(), context.Event()
+    child = context.Process(target=_wait_in_child, args=(started, release))  # alive while the parent goes on
+    child.start()
+    try:
+        assert started.wait(60)  # (the child runs from here: its copy of the file is closed)
+        first.close()
+        second = RunFile(path)  # refused before: "being written by another process"
+        second.send(StepRecord(1, 1.0, 0, (key,), np.ones((1, len(COLUMNS)))))
+        second.close()
+    finally:
+        release.set()
+        child.join(60)
+    assert child.exitcode == 0
+    assert [r.step for r in read_run(path).records] == [0, 1]
 
 
 def test_special_floats_round_trip(tmp_path: Path) -> None:

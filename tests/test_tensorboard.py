@@ -59,7 +59,7 @@ def test_a_nan_loss_and_nan_statistics_are_written_as_nan(tmp_path: Path) -> Non
     values unknown: TensorBoard showed the step as if nothing had been recorded, /metrics served NaN."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
-    board = sw.sinks.TensorBoard(tmp_path / "tb", stats=("mean", "l2"))
+    board = sw.sinks.TensorBoard(tmp_path / "tb", stats=("mean", "l2", "dead_fraction", "activation_rate"))
     records = sw.sinks.collect()
     with sw.observe(model, sinks=[board, records], every=1, on_nonfinite=lambda first: None) as watch:
         for step in range(3):
@@ -81,3 +81,7 @@ def test_a_nan_loss_and_nan_statistics_are_written_as_nan(tmp_path: Path) -> Non
     want = records.items[2]
     row = want.keys.index(SeriesKey("train", "0", "activation", ""))
     assert means[2] == pytest.approx(float(want.stat("mean")[row]), rel=1e-6)
+    # a statistic that has no value for a kind is left out, NaN rows or not (gradients have no units)
+    tags = reader.Tags()["scalars"]
+    assert "train/activation/1/dead_fraction" in tags
+    assert not [t for t in tags if "param_grad" in t and t.endswith(("dead_fraction", "activation_rate"))]

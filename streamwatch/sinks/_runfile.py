@@ -313,6 +313,23 @@ _WRITERS: weakref.WeakValueDictionary[Path, RunFile] = weakref.WeakValueDictiona
 _WRITERS_LOCK = threading.Lock()
 
 
+def _close_in_child() -> None:
+    """In a child forked while run files were open (a DataLoader's workers): close the child's copies.
+    A copy shares the parent's open file and its lock, which would outlive the parent's close() (the
+    file locked against the parent itself, reopening it); closing a copy leaves the parent's lock. The
+    child's RunFiles are closed: the parent writes them."""
+    for writer in list(_WRITERS.values()):
+        f, writer._file = writer._file, None
+        writer.closed = True
+        if f is not None:
+            with contextlib.suppress(OSError):
+                f.close()  # (flushed after every line: nothing of the parent's is written here)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)
+
+
 class RunFile(Sink):
     """A sink appending every :class:`streamwatch.StepRecord` to a JSON Lines run file (see the module
     documentation for the format). Read it back with :func:`read_run`, summarise it with :func:`report`.

@@ -31,6 +31,10 @@ DEFAULT_STATS = ("l2", "mean", "std", "min", "max", "absmax", "zero_fraction", "
 """The statistics written per tensor series by default."""
 
 
+_UNIT_STATS = frozenset({"dead_fraction", "activation_rate"})
+"""Statistics of per-unit activity: they have a value only on rows with units (activations)."""
+
+
 class TensorBoard(Sink):
     """Writes every step record to a TensorBoard log directory.
 
@@ -72,10 +76,12 @@ class TensorBoard(Sink):
         # A row whose sums are not finite held NaN or Inf: its NaN statistics are the data's, written as
         # such (as /metrics serves them); elsewhere a NaN is a statistic without a value (no units).
         with np.errstate(invalid="ignore"):
-            poisoned = (~np.isfinite(item.column("sum")) | ~np.isfinite(item.column("sumsq"))).tolist()
+            poisoned = ~np.isfinite(item.column("sum")) | ~np.isfinite(item.column("sumsq"))
+            with_units = poisoned & (item.column("units") > 0)  # (unit statistics need units)
         for stat in self.stats:
             values = item.stat(stat)
-            for key, value, bad in zip(item.keys, values.tolist(), poisoned, strict=True):
+            written = (with_units if stat in _UNIT_STATS else poisoned).tolist()
+            for key, value, bad in zip(item.keys, values.tolist(), written, strict=True):
                 if bad or not math.isnan(value):
                     writer.add_scalar(f"{_tag(key)}/{stat}", value, step, walltime=item.time)
         for name, value in item.scalars.items():  # (a NaN loss is the run's news: written)
