@@ -427,6 +427,8 @@ class Sentinel:
     ) -> torch.Tensor | None:
         by_group: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for grad in grads:
+            if grad.layout is not torch.strided:  # sparse (an Embedding(sparse=True)): its stored values
+                grad = grad._values() if grad.layout is torch.sparse_coo else grad.values()
             if grad.numel():  # (an empty gradient holds nothing to check: its max-norm is an error)
                 by_group.setdefault((grad.device, grad.dtype), []).append(grad.detach())
         for (device, _), tensors in by_group.items():

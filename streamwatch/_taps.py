@@ -1028,8 +1028,10 @@ class TapSet:
                     self.summarize_grads(grads, scale if isinstance(scale, torch.Tensor) else None)
             if on.get("update") and params:
                 # Costs one copy of the parameters, only on steps that sample updates (docs/observe.md).
-                # Those without a gradient are not stepped (a frozen layer in the optimizer's groups).
-                stepped = [t for t in params if t[2].grad is not None]
+                # Those without a gradient are not stepped (a frozen layer in the optimizer's groups);
+                # with a closure the gradients come inside the step (judged after it, _summarize_updates).
+                closure = bool(args) or kwargs.get("closure") is not None
+                stepped = params if closure else [t for t in params if t[2].grad is not None]
                 with torch.no_grad():
                     self._before = [param.detach().clone() for _, _, param in stepped]
                 self._before_params = stepped
@@ -1060,6 +1062,8 @@ class TapSet:
         kernel = None if torch.compiler.is_compiling() else state.kernel
         rest: list[tuple[SeriesKey, torch.Tensor, torch.Tensor]] = []
         for (layer, pname, param), old in zip(self._before_params, before, strict=True):
+            if param.grad is None:
+                continue  # not stepped (copied before a closure computed the gradients)
             key = SeriesKey("train", layer, "update", pname)
             after = param.detach()
             if kernel is not None and after.numel() and kernel.accepts(after) and kernel.accepts(old):

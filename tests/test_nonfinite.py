@@ -715,6 +715,15 @@ def test_the_gradient_check_does_not_overflow_in_half_precision() -> None:
     wide[1] = math.nan
     assert grads.check(4, 1.0, [wide, torch.zeros(0)]) == [4]
     assert grads.check(5, 1.0, [torch.tensor([1 + 2j, complex(math.inf, 0)])]) == [5]
+    # sparse gradients (an Embedding(sparse=True)): their stored values
+    sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (4,), check_invariants=True)
+    assert grads.check(6, 1.0, [sparse, sparse.coalesce()]) == []
+    poisoned = torch.sparse_coo_tensor([[0, 2]], [1.0, math.nan], (4,), check_invariants=True)
+    assert grads.check(7, 1.0, [poisoned]) == [7]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
+        csr = torch.tensor([[0.0, math.inf], [1.0, 0.0]]).to_sparse_csr()
+    assert grads.check(8, 1.0, [csr]) == [8]
 
 
 def test_monitoring_with_faults_and_escalation_leaves_training_bit_identical() -> None:

@@ -208,16 +208,20 @@ def test_a_fused_optimizer_under_a_grad_scaler_is_summarised_unscaled() -> None:
 
 def test_an_optimizer_with_a_closure_is_summarised_after_the_closure() -> None:
     """LBFGS computes the gradients inside ``step(closure)``: read at its pre-step hook, the rows held
-    the previous step's last gradient (and none at step 0)."""
+    the previous step's last gradient (and none at step 0); its updates are there, though no parameter
+    had a gradient when the step began."""
     model = _mlp()
     opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
     records = sw.sinks.collect()
     last: list[dict[SeriesKey, torch.Tensor]] = []  # each step's last closure's gradients
     g = torch.Generator().manual_seed(5)
-    with sw.observe(model, opt, every=1, sinks=[records]) as watch:
+    deltas: list[dict[str, torch.Tensor]] = []
+    with sw.observe(model, opt, every=1, cadence={"update": 1}, sinks=[records]) as watch:
         for _ in range(3):
             x, y = _batch(g)
             mine: dict[SeriesKey, torch.Tensor] = {}
+            opt.zero_grad(set_to_none=True)  # (no gradient before the step: the closure makes them)
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
 
             def closure(x: torch.Tensor = x, y: torch.Tensor = y, mine: dict = mine) -> torch.Tensor:  # type: ignore[type-arg]
                 opt.zero_grad()
@@ -229,12 +233,16 @@ def test_an_optimizer_with_a_closure_is_summarised_after_the_closure() -> None:
 
             opt.step(closure)
             last.append(mine)
+            deltas.append({n: p.detach() - before[n] for n, p in model.named_parameters()})
             watch.step(loss=1.0)
         assert watch.flush()
-    for record, grads in zip(records.items, last, strict=True):
+    for record, grads, delta in zip(records.items, last, deltas, strict=True):
         assert {record.keys[i] for i in record.rows("param_grad")} == set(grads)
         for key, grad in grads.items():
             assert_row(record, key, grad)
+        assert {f"{record.keys[i].layer}.{record.keys[i].name}" for i in record.rows("update")} == set(delta)
+        for i in record.rows("update"):
+            assert_row(record, record.keys[i], delta[f"{record.keys[i].layer}.{record.keys[i].name}"])
 
 
 def test_rows_of_parameters_the_optimizer_does_not_step() -> None:

@@ -71,8 +71,11 @@ def _power_iteration(
     iterations: int,
     v0: Sequence[torch.Tensor] | None,
     tol: float,
+    mix: bool = False,
 ) -> tuple[torch.Tensor, list[torch.Tensor], int]:
-    """The work of :func:`hessian_max_eigenvalue`, also returning the number of iterations run."""
+    """The work of :func:`hessian_max_eigenvalue`, also returning the number of iterations run.
+    ``mix``: start from ``v0`` plus, with equal weight, H·r for the fixed random r (one more product):
+    every direction the Hessian acts on gets a cold start's weight (see :class:`HessianEigen`)."""
     if iterations < 1:
         raise ValueError(f"iterations must be at least 1, got {iterations}")
     if v0 is not None and len(v0) != len(params):
@@ -101,14 +104,23 @@ def _power_iteration(
         if not curved:
             return zero, _expand(params, live, v), 0
 
+        def product(v: list[torch.Tensor]) -> list[torch.Tensor]:  # H·v
+            gv = _dot([g for _, g in curved], [v[j] for j, _ in curved])
+            parts = torch.autograd.grad(gv, ps, retain_graph=True, allow_unused=True)
+            return [torch.zeros_like(p) if h is None else h.detach() for p, h in zip(ps, parts, strict=True)]
+
         eigenvalue = nan
         previous = math.nan
         used = 0
+        if mix and v0 is not None:  # H·r lies where the Hessian acts (a random r alone could spread over
+            # directions without curvature: frozen or unused entries, an embedding's untouched rows)
+            used += 1
+            spread, norm = _normalised(product(_start_vector(ps, None)))
+            if math.isfinite(float(norm)) and float(norm) > 0.0:
+                v, _ = _normalised([a + b for a, b in zip(v, spread, strict=True)])
         while used < iterations:
             used += 1
-            gv = _dot([g for _, g in curved], [v[j] for j, _ in curved])
-            hv_parts = torch.autograd.grad(gv, ps, retain_graph=True, allow_unused=True)
-            hv = [torch.zeros_like(p) if h is None else h.detach() for p, h in zip(ps, hv_parts, strict=True)]
+            hv = product(v)
             eigenvalue = _dot(v, hv).detach()  # Rayleigh quotient: ‖v‖ = 1
             current = float(eigenvalue)
             if not math.isfinite(current):
@@ -176,8 +188,8 @@ class HessianEigen:
     """Warm-started: keeps the last eigenvector per model to start the next power iteration.
 
     The sharpest direction usually changes slowly between sampled steps, so starting from the previous
-    eigenvector (mixed half and half with a fixed random vector, so that a direction that became the
-    sharpest since is found as from a cold start) typically converges in fewer iterations. "Per
+    eigenvector (mixed half and half with H·r for a fixed random r, so that a direction that became
+    the sharpest since is found as from a cold start) typically converges in fewer iterations. "Per
     model" means per sequence of parameters (by identity); a stored vector whose shapes no longer
     match is ignored. The number of Hessian-vector products of the last call is in
     :attr:`last_iterations`. Memory: one parameter-sized vector per model.
@@ -229,17 +241,13 @@ class HessianEigen:
         stored = self._vectors.get(key)
         if stored is not None and [v.shape for v in stored] != [p.shape for p in params]:
             stored = None
-        if stored is not None:
-            # Half the last eigenvector, half the fixed random start: from the eigenvector alone a new
-            # sharpest direction (the top two swapped since) has almost no weight, λ barely moves, and
-            # the early stop returned the old, second eigenvalue. The random half gives every direction
-            # a cold start's weight; the eigenvector's half still converges fast when nothing changed.
-            last, _ = _normalised(
-                [v.detach().to(device=p.device, dtype=p.dtype) for v, p in zip(stored, params, strict=True)]
-            )
-            fresh = _start_vector([p.detach() for p in params], None)
-            stored = [a + b for a, b in zip(last, fresh, strict=True)]
-        eigenvalue, vector, used = _power_iteration(loss_fn, params, self.iterations, stored, self.tol)
+        # Half the last eigenvector, half H·r for a fixed random r (mix=True): from the eigenvector
+        # alone a new sharpest direction (the top two swapped since) has almost no weight, λ barely
+        # moves, and the early stop returned the old, second eigenvalue. H·r gives every direction the
+        # Hessian acts on a cold start's weight; the eigenvector's half converges fast if nothing changed.
+        eigenvalue, vector, used = _power_iteration(
+            loss_fn, params, self.iterations, stored, self.tol, mix=True
+        )
         self.last_iterations = used
         if math.isfinite(float(eigenvalue)) and float(eigenvalue) != 0.0:
             self._vectors[key] = vector

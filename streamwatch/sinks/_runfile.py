@@ -81,6 +81,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -293,41 +294,29 @@ def _check_path(path: Path) -> None:
 
 def _lock(f: IO[Any], path: Path, shared: bool = False) -> None:
     """Take an advisory lock on ``f`` (exclusive: this process appends; shared: a look that no other
-    process appends now), or a :class:`RunFileError` saying that another process writes ``path``."""
+    process appends now), or a :class:`RunFileError` saying that another process writes ``path``.
+
+    A POSIX record lock (``lockf``): it belongs to the process, so a child forked meanwhile (a
+    DataLoader's workers) does not hold it (``flock``'s would go with the child's copy of the file);
+    it is released when the process closes any descriptor of the file (:meth:`RunFile._open` takes it
+    again after reading the file itself)."""
     if _fcntl is None:
         return
     try:
-        _fcntl.flock(f.fileno(), (_fcntl.LOCK_SH if shared else _fcntl.LOCK_EX) | _fcntl.LOCK_NB)
-    except BlockingIOError:
+        _fcntl.lockf(f.fileno(), (_fcntl.LOCK_SH if shared else _fcntl.LOCK_EX) | _fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno not in (errno.EACCES, errno.EAGAIN):
+            return  # a file system without locks (some network mounts): nothing to check with
         raise RunFileError(
             f"{path} is being written by another process (another rank or run with the same path): "
             "each writer numbers its series itself, so two would corrupt the file; give each process "
             "its own file (e.g. run-{rank}.jsonl)"
         ) from None
-    except OSError:  # a file system without locks (some network mounts): nothing to check with
-        pass
 
 
 _WRITERS: weakref.WeakValueDictionary[Path, RunFile] = weakref.WeakValueDictionary()
 """The run files this process writes, by resolved path (a RunFile that is closed or gone writes no more)."""
 _WRITERS_LOCK = threading.Lock()
-
-
-def _close_in_child() -> None:
-    """In a child forked while run files were open (a DataLoader's workers): close the child's copies.
-    A copy shares the parent's open file and its lock, which would outlive the parent's close() (the
-    file locked against the parent itself, reopening it); closing a copy leaves the parent's lock. The
-    child's RunFiles are closed: the parent writes them."""
-    for writer in list(_WRITERS.values()):
-        f, writer._file = writer._file, None
-        writer.closed = True
-        if f is not None:
-            with contextlib.suppress(OSError):
-                f.close()  # (flushed after every line: nothing of the parent's is written here)
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_close_in_child)
 
 
 class RunFile(Sink):
@@ -406,6 +395,7 @@ class RunFile(Sink):
                 self._scan = _scan_for_append(self._path)
                 self._ids = {key: i for i, key in self._scan.keys.items()}
                 self._edges = self._scan.edges
+                _lock(f, self._path)  # (closing the scan's descriptor released it)
             if self._scan.good_end < size:  # a line cut short by a crash
                 f.truncate(self._scan.good_end)
                 size = f.seek(0, os.SEEK_END)
@@ -445,6 +435,7 @@ class RunFile(Sink):
         if not isinstance(item, StepRecord):
             raise TypeError(f"RunFile expects StepRecord items, got {type(item).__name__}")
         f = self._open(item.edges)
+        _lock(f, self._path)  # (again: this process reading the file meanwhile released it)
         new: list[list[object]] = []
         ids = [self._id(SeriesKey(*key), new) for key in item.keys]
         rows = [[i, *map(_encode, values)] for i, values in zip(ids, item.table.tolist(), strict=True)]
