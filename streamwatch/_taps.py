@@ -497,6 +497,12 @@ def _make_inert() -> Callable[..., None]:
     return _inert
 
 
+def _has_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an optimizer step hook's call passes a closure: ``step(closure)`` or ``step(closure=...)``
+    (torch hands the hooks the step's arguments with the optimizer itself first)."""
+    return (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None
+
+
 class _NoHook:
     """The handle of a hook not installed (:func:`_grad_hook_on` on a frozen parameter)."""
 
@@ -614,6 +620,7 @@ class TapSet:
         self._other_grads: list[tuple[SeriesKey, nn.Parameter]] = []
         self._before_params: list[tuple[str, str, nn.Parameter]] = []
         self._grads_after: list[tuple[SeriesKey, nn.Parameter]] | None = None
+        self._closure = False  # the optimizer step under way was given a closure
         self.params_taken = False
         self.grads_taken = False  # this step's gradients are summarised (at the optimizer's pre-step)
         try:
@@ -1021,7 +1028,7 @@ class TapSet:
             if on.get("param_grad") and self._grads:
                 if self._other_grads:  # another optimizer's: as they are now (a loop may zero them
                     self.summarize_grads(self._other_grads)  # after the steps, before watch.step())
-                if args or kwargs.get("closure") is not None:
+                if _has_closure(args, kwargs):
                     self._grads_after = grads  # a closure (LBFGS) computes them inside the step
                 elif grads:
                     scale = getattr(optimizer, "grad_scale", None)  # (a GradScaler, fused optimizer)
@@ -1030,7 +1037,7 @@ class TapSet:
                 # Costs one copy of the parameters, only on steps that sample updates (docs/observe.md).
                 # Those without a gradient are not stepped (a frozen layer in the optimizer's groups);
                 # with a closure the gradients come inside the step (judged after it, _summarize_updates).
-                closure = bool(args) or kwargs.get("closure") is not None
+                self._closure = closure = _has_closure(args, kwargs)
                 stepped = params if closure else [t for t in params if t[2].grad is not None]
                 with torch.no_grad():
                     self._before = [param.detach().clone() for _, _, param in stepped]
@@ -1062,7 +1069,7 @@ class TapSet:
         kernel = None if torch.compiler.is_compiling() else state.kernel
         rest: list[tuple[SeriesKey, torch.Tensor, torch.Tensor]] = []
         for (layer, pname, param), old in zip(self._before_params, before, strict=True):
-            if param.grad is None:
+            if self._closure and param.grad is None:
                 continue  # not stepped (copied before a closure computed the gradients)
             key = SeriesKey("train", layer, "update", pname)
             after = param.detach()

@@ -276,3 +276,21 @@ def test_the_metric_leaves_modes_rng_and_grads_as_it_found_them() -> None:
             assert p.grad is grad
             assert grad is None or torch.equal(grad, value)  # type: ignore[arg-type]
     assert calls == [True, True]  # the training-mode closure did run in training mode
+
+
+def test_warm_calls_with_one_iteration_or_an_opposite_random_half_stay_finite() -> None:
+    """The warm start's extra product used up ``iterations=1`` (NaN on every call after the first, and
+    a NaN is never stored); and a last eigenvector pointing exactly against H·r (rank one: both on the
+    same line) cancelled it to zero (NaN for good). Checked against the exact eigenvalue."""
+    x = torch.nn.Parameter(torch.tensor([1.0, 2.0, -1.0]))
+    a = torch.tensor([[3.0, 1.0, 0.0], [1.0, 3.0, 0.0], [0.0, 0.0, 1.0]])
+    one = HessianEigen(iterations=1)
+    values = [float(one(lambda: 0.5 * x @ a @ x, [x])) for _ in range(4)]
+    assert all(math.isfinite(v) for v in values)
+    assert values[-1] <= 4.0 + 1e-5  # (a Rayleigh quotient: never above the largest eigenvalue)
+    for seed in range(6):
+        u = torch.randn(3, generator=torch.Generator().manual_seed(seed))
+        sharpness = HessianEigen(iterations=20)
+        for _ in range(3):
+            got = float(sharpness(lambda u=u: -0.5 * (u @ x) ** 2, [x]))
+            assert got == pytest.approx(-float(u @ u), rel=1e-4), seed

@@ -298,3 +298,32 @@ def _grads_present(model: nn.Module) -> dict[SeriesKey, torch.Tensor]:
             layer, _, name = qualified.rpartition(".")
             out[SeriesKey("train", layer, "param_grad", name)] = p.grad.detach().clone()
     return out
+
+
+def test_a_plain_step_is_read_around_the_step_even_when_a_hook_zeroes_the_gradients_after_it() -> None:
+    """torch hands the step hooks the optimizer as their first argument: every step looked like one with
+    a closure, so its gradients were read after the step, and a post-step hook (registered before
+    observe()) that zeroes them left the step without gradient and update rows."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt.register_step_post_hook(lambda o, args, kwargs: o.zero_grad())
+    records = sw.sinks.collect()
+    seen: list[tuple[dict[SeriesKey, torch.Tensor], dict[str, torch.Tensor]]] = []
+    g = torch.Generator().manual_seed(9)
+    with sw.observe(model, opt, every=1, cadence={"update": 1}, sinks=[records]) as watch:
+        for _ in range(2):
+            x, y = _batch(g)
+            nn.functional.cross_entropy(model(x), y).backward()
+            grads = _grads(model)
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            opt.step()
+            seen.append((grads, {n: p.detach() - before[n] for n, p in model.named_parameters()}))
+            watch.step(loss=1.0)
+        assert watch.flush()
+    for record, (grads, delta) in zip(records.items, seen, strict=True):
+        assert {record.keys[i] for i in record.rows("param_grad")} == set(grads)
+        for key, grad in grads.items():
+            assert_row(record, key, grad)
+        assert len(record.rows("update")) == len(delta)
+        for i in record.rows("update"):
+            assert_row(record, record.keys[i], delta[f"{record.keys[i].layer}.{record.keys[i].name}"])

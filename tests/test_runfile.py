@@ -253,6 +253,38 @@ def test_one_file_has_one_writer_across_processes(tmp_path: Path) -> None:
     assert [r.step for r in read_run(path).records] == [0, 1, 2]
 
 
+def test_the_lock_stands_against_a_hard_link_and_through_reading_in_the_writing_process(
+    tmp_path: Path,
+) -> None:
+    """The lock is the open file's: a second writer in this process through a hard link (another path)
+    is refused, and this process reading the file (read_run, report) does not release it for others."""
+    path = tmp_path / "run.jsonl"
+    key = sw.SeriesKey("train", "a", "param", "w")
+    writer = RunFile(path)
+    writer.send(StepRecord(0, 0.0, 0, (key,), np.zeros((1, len(COLUMNS)))))
+    os.link(path, tmp_path / "alias.jsonl")
+    with pytest.raises(RunFileError, match="being written"):
+        RunFile(tmp_path / "alias.jsonl")
+    assert [r.step for r in read_run(path).records] == [0]
+    report(read_run(path))
+    other = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from streamwatch.sinks import RunFile; RunFile(sys.argv[1])",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert other.returncode != 0
+    assert "being written by another process" in other.stderr
+    writer.send(StepRecord(1, 1.0, 0, (key,), np.ones((1, len(COLUMNS)))))
+    writer.close()
+    assert [r.step for r in read_run(path).records] == [0, 1]
+
+
 def _wait_in_child(started: Any, release: Any) -> None:
     started.set()
     release.wait(60)

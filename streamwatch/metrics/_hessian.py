@@ -112,12 +112,16 @@ def _power_iteration(
         eigenvalue = nan
         previous = math.nan
         used = 0
-        if mix and v0 is not None:  # H·r lies where the Hessian acts (a random r alone could spread over
-            # directions without curvature: frozen or unused entries, an embedding's untouched rows)
+        if mix and v0 is not None and iterations > 1:  # H·r lies where the Hessian acts (a random r
+            # alone could spread over directions without curvature: an embedding's untouched rows)
             used += 1
             spread, norm = _normalised(product(_start_vector(ps, None)))
             if math.isfinite(float(norm)) and float(norm) > 0.0:
-                v, _ = _normalised([a + b for a, b in zip(v, spread, strict=True)])
+                if float(_dot(v, spread)) < 0:  # (an eigenvector's sign is arbitrary: never cancel it)
+                    spread = [-t for t in spread]
+                mixed, total = _normalised([a + b for a, b in zip(v, spread, strict=True)])
+                if math.isfinite(float(total)) and float(total) > 0.0:
+                    v = mixed
         while used < iterations:
             used += 1
             hv = product(v)

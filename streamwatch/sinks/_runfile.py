@@ -296,16 +296,16 @@ def _lock(f: IO[Any], path: Path, shared: bool = False) -> None:
     """Take an advisory lock on ``f`` (exclusive: this process appends; shared: a look that no other
     process appends now), or a :class:`RunFileError` saying that another process writes ``path``.
 
-    A POSIX record lock (``lockf``): it belongs to the process, so a child forked meanwhile (a
-    DataLoader's workers) does not hold it (``flock``'s would go with the child's copy of the file);
-    it is released when the process closes any descriptor of the file (:meth:`RunFile._open` takes it
-    again after reading the file itself)."""
+    ``flock``: it belongs to the open file, so it also stands against a second writer in this process
+    (a hard link), and reading the file meanwhile leaves it alone. A child forked while it is held (a
+    DataLoader's workers) gets its copy of the descriptor pointed at ``/dev/null``
+    (:func:`_after_fork_in_child`), so that the lock goes with the parent's ``close()``."""
     if _fcntl is None:
         return
     try:
-        _fcntl.lockf(f.fileno(), (_fcntl.LOCK_SH if shared else _fcntl.LOCK_EX) | _fcntl.LOCK_NB)
+        _fcntl.flock(f.fileno(), (_fcntl.LOCK_SH if shared else _fcntl.LOCK_EX) | _fcntl.LOCK_NB)
     except OSError as error:
-        if error.errno not in (errno.EACCES, errno.EAGAIN):
+        if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             return  # a file system without locks (some network mounts): nothing to check with
         raise RunFileError(
             f"{path} is being written by another process (another rank or run with the same path): "
@@ -317,6 +317,33 @@ def _lock(f: IO[Any], path: Path, shared: bool = False) -> None:
 _WRITERS: weakref.WeakValueDictionary[Path, RunFile] = weakref.WeakValueDictionary()
 """The run files this process writes, by resolved path (a RunFile that is closed or gone writes no more)."""
 _WRITERS_LOCK = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """In a child forked while run files were open: point the child's copies of their descriptors at
+    ``/dev/null`` (one ``dup2`` each: no Python lock is taken, so a fork in the middle of the worker's
+    write cannot hang here), which lets the parent's lock go with the parent's ``close()``. Those
+    RunFiles refuse to write in the child (the parent writes them); ones not open yet work as usual."""
+    global _WRITERS_LOCK
+    _WRITERS_LOCK = threading.Lock()  # (another thread may have held it at the fork)
+    try:
+        writers = [w for w in list(_WRITERS.values()) if w._file is not None]
+    except RuntimeError:  # (changed during the fork: nothing reliable to go by)
+        return
+    if not writers:
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for writer in writers:
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(null, writer._file.fileno())  # type: ignore[union-attr]
+            writer._forked = True
+    finally:
+        os.close(null)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class RunFile(Sink):
@@ -350,12 +377,13 @@ class RunFile(Sink):
         [0, 1]
     """
 
-    __slots__ = ("_edges", "_file", "_fsync", "_ids", "_path", "_scan", "closed")
+    __slots__ = ("_edges", "_file", "_forked", "_fsync", "_ids", "_path", "_scan", "closed")
 
     def __init__(self, path: str | Path, *, fsync: bool = False) -> None:
         self._path = Path(path)
         self._fsync = bool(fsync)
         self._file: IO[bytes] | None = None
+        self._forked = False  # this is a forked child's copy of a RunFile its parent had open
         self.closed = False
         _check_path(self._path)
         with _WRITERS_LOCK:
@@ -387,7 +415,9 @@ class RunFile(Sink):
             return self._file
         if self.closed:
             raise RuntimeError(f"RunFile({str(self._path)!r}) is closed")
-        f = open(self._path, "ab")  # noqa: SIM115 - held open until close()
+        # unbuffered: each line goes straight to the file (no buffer to flush, nor its lock, which a
+        # fork in the middle of a write would leave held in the child)
+        f = open(self._path, "ab", buffering=0)  # noqa: SIM115 - held open until close()
         try:
             _lock(f, self._path)  # (held until close: no other process appends meanwhile)
             size = f.seek(0, os.SEEK_END)
@@ -395,7 +425,6 @@ class RunFile(Sink):
                 self._scan = _scan_for_append(self._path)
                 self._ids = {key: i for i, key in self._scan.keys.items()}
                 self._edges = self._scan.edges
-                _lock(f, self._path)  # (closing the scan's descriptor released it)
             if self._scan.good_end < size:  # a line cut short by a crash
                 f.truncate(self._scan.good_end)
                 size = f.seek(0, os.SEEK_END)
@@ -418,8 +447,12 @@ class RunFile(Sink):
         return f
 
     def _write(self, f: IO[bytes], text: str) -> None:
-        f.write(text.encode("utf-8"))
-        f.flush()
+        data = memoryview(text.encode("utf-8"))
+        while data:  # (an unbuffered write may take part of it)
+            written = f.write(data)
+            if not written:
+                raise OSError(f"writing {self._path} wrote nothing")
+            data = data[written:]
         if self._fsync:
             os.fsync(f.fileno())
 
@@ -434,8 +467,12 @@ class RunFile(Sink):
         """Append one step record (with a keys line first if it uses new series), flushed."""
         if not isinstance(item, StepRecord):
             raise TypeError(f"RunFile expects StepRecord items, got {type(item).__name__}")
+        if self._forked:
+            raise RunFileError(
+                f"{self} was opened by the parent process before this one was forked from it: the "
+                "parent writes it; make a RunFile of this process's own (its own path)"
+            )
         f = self._open(item.edges)
-        _lock(f, self._path)  # (again: this process reading the file meanwhile released it)
         new: list[list[object]] = []
         ids = [self._id(SeriesKey(*key), new) for key in item.keys]
         rows = [[i, *map(_encode, values)] for i, values in zip(ids, item.table.tolist(), strict=True)]
