@@ -19,7 +19,7 @@ from torch import nn
 
 import streamwatch as sw
 from streamwatch import SeriesKey, ops
-from tests.training import Step, Train
+from tests.training import Step, Train, layer_mean_reference
 
 EVERY_STEP = {"param": 1, "update": 1}
 
@@ -92,12 +92,7 @@ def test_update_ratio_and_layer_mean_match_the_trained_tensors(train: Train) -> 
         )
     # a layer's gradients are its weight's and bias's together: the last step's, still in .grad
     grads = [torch.cat([p.grad.double().flatten() for p in m.parameters()]) for m in (model[0], model[2])]  # type: ignore[union-attr]
-    want = {
-        "mean": np.mean([float(g.mean()) for g in grads]),
-        "l2": np.mean([float(g.norm()) for g in grads]),
-        "rms": np.mean([float(g.square().mean().sqrt()) for g in grads]),
-    }
-    for stat, value in want.items():
+    for stat, value in layer_mean_reference(grads).items():
         assert layer_means[("param_grad", stat)] == pytest.approx(value, rel=1e-5), stat
 
 

@@ -23,6 +23,7 @@ from streamwatch import Sample, SeriesKey, SeriesStore, StepRecord, WatchStatist
 from streamwatch.metrics._derived import DERIVED
 from streamwatch.sinks._prometheus import format_float
 from streamwatch.sinks._runfile import RunFile, read_run
+from tests.training import layer_mean_reference
 
 PACKAGE = Path(sw.__file__).parent
 
@@ -98,13 +99,7 @@ def test_update_ratio_and_layer_mean_match_plain_torch() -> None:
         by_layer.setdefault(name.split(".")[0], []).append(weights.double().flatten())
     assert len(by_layer) == 2
     assert all(len(tensors) == 2 for tensors in by_layer.values())
-    layers = [torch.cat(tensors) for tensors in by_layer.values()]
-    want = {
-        "l2": np.mean([float(v.norm()) for v in layers]),
-        "mean": np.mean([float(v.mean()) for v in layers]),
-        "rms": np.mean([float(v.square().mean().sqrt()) for v in layers]),
-    }
-    for stat, value in want.items():
+    for stat, value in layer_mean_reference([torch.cat(tensors) for tensors in by_layer.values()]).items():
         assert means[("param", stat)] == pytest.approx(value, rel=1e-6), stat
 
 

@@ -33,6 +33,7 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -156,3 +157,14 @@ def train(
 def root_seen(model: nn.Module) -> bool:
     """Whether a Watch sees ``model``'s calls: through its call slot or a forward pre-hook."""
     return "_compiled_call_impl" in model.__dict__ or bool(model._forward_pre_hooks)
+
+
+def layer_mean_reference(layers: list[torch.Tensor]) -> dict[str, float]:
+    """The ``layer_mean`` reference: the mean over ``layers`` (each a layer's values, its weight and bias
+    together) of each one's mean, L2 norm and RMS, in float64."""
+    values = [layer.detach().double().flatten() for layer in layers]
+    return {
+        "mean": float(np.mean([float(v.mean()) for v in values])),
+        "l2": float(np.mean([float(v.norm()) for v in values])),
+        "rms": float(np.mean([float(v.square().mean().sqrt()) for v in values])),
+    }
