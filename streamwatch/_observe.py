@@ -141,6 +141,7 @@ class Watch:
         on_nonfinite: Reaction = "warn",
         escalate: int = DEFAULT_ESCALATE,
         sentinel: Collection[str] | None = None,
+        start_step: int = 0,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}")
@@ -156,6 +157,7 @@ class Watch:
             every = 1
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Expected `every` to be a positive integer, got {every!r}")
+        start_step = _start_step(start_step)
         budget = None if overhead is None else check_budget(overhead, "overhead")
         # Every argument is checked before anything is attached: a refused observe() touches nothing.
         chosen_detectors = check_detectors(detectors)
@@ -244,7 +246,8 @@ class Watch:
             self._kernel_status = _kernel.status() if _on_cpu(model) else "torch: the model is not on the CPU"
             self._model_ref = weakref.ref(model)
             self._rank = _rank()
-            self._step = 0
+            self._step = start_step  # the index the next record carries (docs/observe.md, *Resuming*)
+            self._start_step = start_step
             self._sampled = 0
             self._scalar_records = 0  # scalar records sent between sampled steps (SCALAR_SECONDS)
             self._sampling_now = True  # the step running now is sampled (set with the flags)
@@ -266,7 +269,7 @@ class Watch:
             self._reaction = reaction
             self._raises = reaction == "raise"
             self._detectors = chosen_detectors
-            self._tracker = NonFiniteTracker(self._store, reaction)
+            self._tracker = NonFiniteTracker(self._store, reaction, start_step=start_step)
             self._reported_tracker_failures = 0
             self._sentinel = Sentinel(grad_norm="grad_norm" in checks or auto_grad_norm) if checks else None
             self._sentinel_loss = "loss" in checks
@@ -311,7 +314,7 @@ class Watch:
                 self._file = self._governor.filed.append  # (a quiet step's one call into it)
             self._gov_clock = _governor_clock
             self._gov_real = _governor_clock is time.perf_counter  # (else a test's fake clock: no own time)
-            self._set_sampling(0)
+            self._set_sampling(start_step)
             self._worker.start()  # last: a failure before it leaves no thread and no sink touched
         except BaseException:
             self._undo(model, objects)
@@ -1152,13 +1155,52 @@ class Watch:
         except Exception as exc:
             self._state.fail(exc)
 
+    @property
+    def start_step(self) -> int:
+        """The index the first step's record carries (``observe(start_step=)``, default 0).
+
+        Set it before the first :meth:`step`, when the step to resume from is known only after
+        ``observe()`` (a trainer that restores its global step later); afterwards it is a
+        ``RuntimeError``, as the records sent already carry the old numbering.
+
+        Example:
+            >>> import torch, streamwatch as sw
+            >>> model = torch.nn.Linear(3, 2)
+            >>> with sw.observe(model, every=1) as watch:
+            ...     watch.start_step = 500  # the checkpoint's global step
+            ...     model(torch.randn(4, 3)).sum().backward()
+            ...     watch.step(loss=1.0)
+            ...     watch.flush()
+            ...     watch.store.step, watch.statistics().steps
+            True
+            (500, 1)
+        """
+        return self._start_step
+
+    @start_step.setter
+    def start_step(self, step: int) -> None:
+        step = _start_step(step)
+        if self._closed:
+            raise RuntimeError("this Watch is closed; pass start_step= to streamwatch.observe()")
+        if self._step != self._start_step or self._stashed:
+            raise RuntimeError(
+                f"start_step can be set only before the first watch.step(); this Watch has ended "
+                f"{self._step - self._start_step + len(self._stashed)} step(s), numbered from "
+                f"{self._start_step}. Pass observe(start_step=) or set it before the first step"
+            )
+        self._step = self._start_step = step
+        self._tracker.start_step = step
+        if self._governor is None:  # a fixed interval samples by the step's index (the governor: by time)
+            self._set_sampling(step)
+
     def statistics(self) -> WatchStatistics:
         """Steps seen and sampled, records sent and dropped by reason, worker lag, skips, errors."""
         channel_stats = self._tx.statistics()
         worker_stats = self._worker.statistics()
         governor = self._governor.statistics() if self._governor is not None else None
         return WatchStatistics(
-            steps=self._step + len(self._stashed),  # (a dark pair's first call, its boundary still to run)
+            # this Watch's calls; a dark pair's first call counts (its boundary still to run)
+            steps=self._step - self._start_step + len(self._stashed),
             sampled=self._sampled,
             scalar_records=self._scalar_records,
             records_received=self._store.records,
@@ -1520,6 +1562,25 @@ def _release_dropped(item: Any, reason: str) -> None:
         item.release()
 
 
+def _start_step(value: object) -> int:
+    """``start_step``, checked.
+
+    Example:
+        >>> _start_step(1200)
+        1200
+        >>> _start_step(-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: Expected `start_step` to be an integer >= 0 (the steps already done when resuming), got -1
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            "Expected `start_step` to be an integer >= 0 (the steps already done when resuming), "
+            f"got {value!r}"
+        )
+    return int(value)
+
+
 def _seconds(value: object, name: str) -> float:
     """A duration argument: a real number >= 0 (``math.inf`` allowed, NaN refused)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) >= 0:
@@ -1758,6 +1819,7 @@ def observe(
     on_nonfinite: Reaction = "warn",
     escalate: int = DEFAULT_ESCALATE,
     sentinel: Collection[str] | None = None,
+    start_step: int = 0,
 ) -> Watch:
     """Observe ``model``: summarise every selected layer's tensors on the device, one record per step.
 
@@ -1823,6 +1885,11 @@ def observe(
             (one pass over the gradients); ``()`` turns it off. Default (None): the loss, and with
             ``overhead=`` the gradient norm too if, timed over the first 8 steps with gradients, it costs
             at most a quarter of the budget (``statistics().sentinel`` says which).
+        start_step: the index the first step's record carries (default 0; records count up from it).
+            Resuming from a checkpoint, pass the steps already done (the trainer's global step): the
+            resumed run's records, run file and dashboards go on where the last one stopped, and
+            ``every=N`` samples the same steps it would have. :attr:`Watch.start_step` sets it later,
+            before the first step (the Lightning callback does, once the trainer has restored its step).
 
     Raises:
         RuntimeError: the model is already observed.
@@ -1851,4 +1918,5 @@ def observe(
         on_nonfinite=on_nonfinite,
         escalate=escalate,
         sentinel=sentinel,
+        start_step=start_step,
     )

@@ -276,6 +276,11 @@ def test_lightning_fit_resumed_from_a_checkpoint_steps_with_the_optimizer(pl: An
     resumed, model = _fit(pl, tmp_path, [callback], ckpt_path=tmp_path / "epoch0.ckpt")
     assert resumed.global_step == 6
     assert [r.scalars.get("batch_size") for r in records.items] == [16.0, 16.0, 8.0, None]  # + validation
+    # the records go on from the checkpoint's steps (0-based: the first run's were 0, 1, 2)
+    assert [r.step for r in records.items] == [3, 4, 5, 6]
+    assert callback.watch is not None
+    assert callback.watch.start_step == 3
+    assert callback.watch.statistics().steps == 3
     assert len(model.losses) == 5
     assert records.items[0].scalars["loss"] == float(model.losses[0] / 2 + model.losses[1] / 2)
 
@@ -473,6 +478,60 @@ def test_transformers_one_record_per_optimizer_step_with_the_logged_loss(
     assert {k.phase for k in records.items[6].keys} == {"eval"}
     assert watch.closed
     assert _leftover_hooks(model, trainer.optimizer.optimizer) == []
+
+
+def test_transformers_resumed_run_numbers_its_records_from_the_checkpoint(tmp_path: Path) -> None:
+    """A run resumed with ``train(resume_from_checkpoint=...)`` goes on from the checkpoint's step, as
+    the Trainer's own logs do: its records are not numbered from 0 again (a run file appended to, a
+    TensorBoard directory and the dashboards would show the two runs on top of each other)."""
+    transformers = pytest.importorskip("transformers")
+    from streamwatch.integrations.transformers import StreamwatchCallback
+
+    def run(epochs: int, callbacks: list[Any], resume: str | None = None) -> Any:
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=4,  # 3 optimizer steps an epoch
+            num_train_epochs=epochs,
+            learning_rate=0.1,
+            logging_steps=1,
+            save_strategy="epoch",
+            report_to=[],
+            use_cpu=True,
+            disable_tqdm=True,
+            seed=0,
+        )
+        trainer = transformers.Trainer(
+            model=_HFNet(),
+            args=args,
+            train_dataset=[{"x": x, "labels": y} for x, y in _dataset(12, seed=1)],
+            callbacks=callbacks,
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    run(1, [])
+    checkpoint = tmp_path / "checkpoint-3"
+    assert checkpoint.is_dir()
+    records = sw.sinks.collect()
+    callback = StreamwatchCallback(sinks=[records], every=1)
+    trainer = run(2, [callback], resume=str(checkpoint))
+    assert trainer.state.global_step == 6
+    assert [r.step for r in records.items] == [3, 4, 5]
+    # each record carries the loss the Trainer logged for that step (it logs step n + 1 for record n)
+    logged = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+    assert [r.scalars.get("loss") for r in records.items] == [logged[4], logged[5], logged[6]]
+    assert callback.watch is not None
+    assert callback.watch.start_step == 3
+    assert callback.watch.statistics().steps == 3
+
+
+def test_callbacks_refuse_start_step(pl: Any) -> None:
+    """The callbacks take the step to start from from the trainer: a start_step of the user's would
+    be overwritten or contradict it."""
+    from streamwatch.integrations.lightning import StreamwatchCallback
+
+    with pytest.raises(TypeError, match="numbers steps from the trainer's own step count"):
+        StreamwatchCallback(start_step=5)
 
 
 def test_transformers_a_sink_that_failed_during_training_is_warned_not_raised_at_the_end(

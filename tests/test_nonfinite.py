@@ -223,6 +223,19 @@ def test_a_fault_with_every_kind_sampled_is_reported_at_its_origin_at_once(fault
     assert first.phase == "train"
 
 
+def test_a_fault_on_a_resumed_runs_first_step_is_certain() -> None:
+    """A run resumed at step 100 (``start_step=100``): a NaN in its first step's forward is certain to be
+    the first, as nothing unrecorded came before it in this run (it was "uncertain" while only step 0
+    counted as a run's first)."""
+    model, opt = _model()
+    with sw.observe(model, opt, cadence=EVERY_KIND, every=1, start_step=100) as watch:
+        _train(model, opt, 3, "forward", {0}, watch)
+        assert watch.flush()
+        first = watch.statistics().first_nonfinite
+    assert first is not None
+    assert (first.step, first.layer, first.certain) == (100, FAULTY, True)
+
+
 @pytest.mark.parametrize("fault", sorted(CASES))
 def test_with_the_default_cadence_a_recurring_fault_is_pinned_down_by_the_escalation(fault: str) -> None:
     """Updates are sampled on one step in 10 by default: at step 5 the record cannot rule out that step

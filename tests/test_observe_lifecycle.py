@@ -538,6 +538,16 @@ BAD = {
         "Expected `optimizer` to be a torch.optim.Optimizer or None, got 'sgd'",
     ),
     "sinks_not_sink": ({"sinks": [print]}, TypeError, "Expected every entry of `sinks` to be a Sink, got "),
+    "start_step_negative": (
+        {"start_step": -1},
+        ValueError,
+        "Expected `start_step` to be an integer >= 0 (the steps already done when resuming), got -1",
+    ),
+    "start_step_not_int": (
+        {"start_step": 2.0},
+        ValueError,
+        "Expected `start_step` to be an integer >= 0 (the steps already done when resuming), got 2.0",
+    ),
 }
 
 
@@ -568,3 +578,50 @@ def test_a_capacity_below_one_is_refused(capacity: int) -> None:
         sw.observe(model, capacity=capacity, every=1)
     with sw.observe(model, every=1):
         pass
+
+
+def _collected_steps(start: int, every: int, steps: int, set_later: int | None = None) -> list[int]:
+    """The steps of the records with layer rows of ``steps`` training steps numbered from ``start``."""
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = sw.sinks.collect()
+    with sw.observe(model, opt, every=every, start_step=start, sinks=[records]) as watch:
+        if set_later is not None:
+            watch.start_step = set_later
+        for _ in range(steps):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+            watch.step(loss=1.0)
+        assert watch.statistics().steps == steps  # this Watch's calls, whatever they are numbered
+    return [r.step for r in records.items if r.keys]
+
+
+def test_start_step_numbers_the_records_and_every_samples_by_the_steps_index() -> None:
+    """A resumed run (``start_step=10``) goes on from step 10; ``every=3`` samples the steps a run
+    from 0 would have sampled (12 and 15, multiples of 3), so resumed ranks and runs stay aligned."""
+    assert _collected_steps(0, 3, 6) == [0, 3]
+    assert _collected_steps(10, 3, 6) == [12, 15]
+    assert _collected_steps(10, 1, 3) == [10, 11, 12]
+
+
+def test_start_step_set_before_the_first_step_and_refused_after() -> None:
+    """The Lightning callback knows the step to resume from only after ``observe()``: the property
+    can be set until the first step, and refuses afterwards (records already carry the old numbers)."""
+    assert _collected_steps(0, 3, 6, set_later=10) == [12, 15]  # as observe(start_step=10)
+    model = _model()
+    with sw.observe(model, every=1) as watch:
+        with pytest.raises(ValueError, match="`start_step`"):
+            watch.start_step = -3
+        watch.start_step = 4
+        model(torch.randn(2, 4))
+        watch.step()
+        with pytest.raises(
+            RuntimeError, match=r"only before the first watch.step\(\); this Watch has ended 1"
+        ):
+            watch.start_step = 9
+        assert watch.start_step == 4
+        assert repr(watch).count("step=5") == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        watch.start_step = 1

@@ -32,7 +32,7 @@ __all__: list[str] = []
 _OBSERVE_KEYWORDS = frozenset(
     name
     for name, parameter in inspect.signature(observe).parameters.items()
-    if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY and name != "start_step"
 )
 
 
@@ -49,6 +49,11 @@ def _observe_kwargs(kwargs: Mapping[str, Any], owner: str) -> dict[str, Any]:
         ...     print(str(err).split(":")[0])
         StreamwatchCallback got unknown keyword argument(s) ['evry']
     """
+    if "start_step" in kwargs:
+        raise TypeError(
+            f"{owner} numbers steps from the trainer's own step count (a resumed run goes on from its "
+            "checkpoint's): start_step is not one of its arguments"
+        )
     unknown = sorted(set(kwargs) - _OBSERVE_KEYWORDS)
     if unknown:
         raise TypeError(

@@ -29,6 +29,10 @@ What it does, hook by hook:
   batch in which ``trainer.global_step`` advanced (any optimizer stepped), the loss read from what
   ``training_step`` returned (not divided by anything). ``on_train_start`` reads ``global_step`` again,
   because a fit resumed from a checkpoint restores it after ``on_fit_start``.
+* Step numbers: the records count the batches in which an optimizer stepped, the count Lightning's
+  loggers use as their step (``fit_loop.epoch_loop._batches_that_stepped``; ``global_step`` where a
+  Lightning version lacks it). A fit resumed from a checkpoint goes on from the checkpoint's count:
+  ``on_train_start``, after Lightning restored it, sets :attr:`Watch.start_step`.
 * Validation: Lightning runs it under ``model.eval()`` and ``torch.no_grad``/``torch.inference_mode``;
   ``on_validation_batch_start``/``_end`` tell the watch an evaluation pass runs (``validation_step``
   usually calls a submodule, ``self.net(x)``, never the LightningModule, whose call the watch would
@@ -54,6 +58,7 @@ on their own). The callback is for the ``lightning`` package (``lightning.pytorc
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -110,15 +115,32 @@ class StreamwatchCallback(Callback):
         self.close()  # a watch of an earlier fit that was never torn down
         optimizers = trainer.optimizers
         _check_rank(trainer.global_rank, "trainer.global_rank")
-        self.watch = observe(pl_module, optimizers[0] if optimizers else None, **self._kwargs)
+        self.watch = observe(
+            pl_module,
+            optimizers[0] if optimizers else None,
+            start_step=_steps_done(trainer),
+            **self._kwargs,
+        )
         self._global_step = trainer.global_step
         self._reset()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Read ``trainer.global_step`` again: a fit resumed from a checkpoint restores it only after
-        ``on_fit_start``."""
+        """Read ``trainer.global_step`` and the steps done again: a fit resumed from a checkpoint restores
+        them only after ``on_fit_start``. The watch numbers its records from there."""
         self._global_step = trainer.global_step
         self._reset()
+        watch = self.watch
+        done = _steps_done(trainer)
+        if watch is not None and not watch.closed and watch.start_step != done:
+            if watch.statistics().steps:  # (never in a fit: no optimizer step before this hook)
+                warnings.warn(
+                    f"{type(self).__name__}: the trainer resumed at step {done} after the watch recorded "
+                    f"steps numbered from {watch.start_step}; its records keep that numbering",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            else:
+                watch.start_step = done
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -203,6 +225,18 @@ class StreamwatchCallback(Callback):
 
     def _reset(self) -> None:
         self._loss, self._samples = None, 0
+
+
+def _steps_done(trainer: pl.Trainer) -> int:
+    """The batches in which an optimizer stepped so far: what Lightning's loggers number their steps
+    by (its ``LearningRateMonitor`` reads the same attribute); ``global_step`` if this Lightning has no
+    such count (it differs only with several optimizers stepping in one batch)."""
+    count = getattr(
+        getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None), "_batches_that_stepped", None
+    )
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        count = trainer.global_step
+    return int(count)
 
 
 def _loss(outputs: object) -> torch.Tensor | float | None:

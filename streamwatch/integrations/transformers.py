@@ -28,6 +28,10 @@ What it does, event by event:
 
   ``batch_size`` is not reported: the callbacks never see a batch, so ``streamwatch_samples_per_second``
   is absent.
+* Step numbers: the records count the Trainer's optimizer steps from ``state.global_step`` at
+  ``on_train_begin`` (``observe(start_step=)``): 0, or a resumed run's checkpoint step, so a resumed
+  run's records go on where the last one stopped. A record's step is the one the optimizer step ended
+  (``state.global_step - 1``: the Trainer logs that step as ``global_step``).
 * Evaluation needs no event: the Trainer evaluates under ``model.eval()`` and ``torch.no_grad``, and
   ``observe()`` summarises every such forward pass under ``phase="eval"``, in the record of the next
   step. An evaluation after the last optimizer step is sent when the watch closes, as a record of its
@@ -103,7 +107,12 @@ class StreamwatchCallback(TrainerCallback):
                 f"StreamwatchCallback: the Trainer passed no torch.nn.Module as `model`, got {model!r}"
             )
         _check_rank(int(args.process_index), "args.process_index")
-        self.watch = observe(model, _torch_optimizer(kwargs.get("optimizer")), **self._kwargs)
+        self.watch = observe(
+            model,
+            _torch_optimizer(kwargs.get("optimizer")),
+            start_step=int(state.global_step),
+            **self._kwargs,
+        )
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
