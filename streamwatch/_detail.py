@@ -226,7 +226,16 @@ def reduce_record(record: StepRecord) -> StepRecord:
     positions = record.execution_order()  # each total runs where its first layer's row ran
     order = tuple(int(positions[rows].min()) for rows in groups.values())
     return StepRecord(
-        record.step, record.time, record.rank, keys, table, record.scalars, extras, record.edges, order
+        record.step,
+        record.time,
+        record.rank,
+        keys,
+        table,
+        record.scalars,
+        extras,
+        record.edges,
+        order,
+        record.start_step,
     )
 
 

@@ -63,13 +63,14 @@ class Observed(Protocol):
 
 
 def format_value(value: float | None) -> str:
-    """A statistic, compactly: ``1.23e-02``; ``—`` when missing (None or NaN).
+    """A statistic, compactly: ``1.23e-02``; ``—`` when missing (None); ``nan``/``inf`` as they are (a
+    loss or a norm that went non-finite is what the view is for).
 
     Example:
-        >>> format_value(0.0123), format_value(None), format_value(float("nan"))
-        ('1.23e-02', '—', '—')
+        >>> format_value(0.0123), format_value(None), format_value(float("nan")), format_value(-math.inf)
+        ('1.23e-02', '—', 'nan', '-inf')
     """
-    if value is None or math.isnan(value):
+    if value is None:
         return MISSING
     return f"{value:.2e}"
 
@@ -162,10 +163,10 @@ def _layers(samples: Iterable[Sample]) -> dict[str, _Layer]:
 
 
 def _scalar(samples: Iterable[Sample], name: str, **labels: str) -> float | None:
-    """The value of the sample ``name{labels}``, or None."""
+    """The value of the sample ``name{labels}`` (NaN included: a NaN loss is shown), or None."""
     for sample in samples:
         if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-            return None if math.isnan(sample.value) else sample.value
+            return sample.value
     return None
 
 
@@ -245,7 +246,7 @@ class LiveView:
         return header
 
     def _progress(self, step: int, step_seconds: float | None) -> Table:
-        rate = 1.0 / step_seconds if step_seconds is not None and step_seconds > 0 else None
+        rate = 1.0 / step_seconds if step_seconds is not None and step_seconds > 0 else None  # (NaN: None)
         grid = Table.grid(padding=(0, 2))
         grid.add_column(width=40)
         grid.add_column()

@@ -255,8 +255,6 @@ class NonFiniteTracker(Sink):
             :meth:`take_verdict`), a callable (called with it here, on the worker thread; if it raises
             it is stopped, counted in :attr:`failures` and reported like a failing sink), or None
             (no reaction: a replay).
-        start_step: the run's first step (``observe(start_step=)``): a value in it is certain to be
-            the first, as nothing unrecorded came before it.
 
     Example:
         >>> import numpy as np
@@ -273,11 +271,8 @@ class NonFiniteTracker(Sink):
         [('streamwatch_first_nonfinite_info', 1.0), ('streamwatch_first_nonfinite_step', 1.0)]
     """
 
-    def __init__(
-        self, store: SeriesStore | None, reaction: Reaction | None = "warn", start_step: int = 0
-    ) -> None:
+    def __init__(self, store: SeriesStore | None, reaction: Reaction | None = "warn") -> None:
         self.store = store
-        self.start_step = start_step
         self.reaction: Reaction | None = reaction
         self.first: FirstNonFinite | None = None
         self.episode: FirstNonFinite | None = None  # the latest episode's first value
@@ -310,7 +305,7 @@ class NonFiniteTracker(Sink):
         order = DIRECTIONS.index(direction_of(found.kind))
         needed = {kind for kind in self._kinds if DIRECTIONS.index(direction_of(kind)) <= order}
         previous = self._last_full_finite.get(rank)
-        certain = kinds >= needed and (record.step == self.start_step or previous == record.step - 1)
+        certain = kinds >= needed and (record.step == record.start_step or previous == record.step - 1)
         found = dataclasses.replace(found, certain=certain)
         with self._lock:
             if self.first is None or (certain and not self.first.certain):

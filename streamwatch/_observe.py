@@ -269,7 +269,7 @@ class Watch:
             self._reaction = reaction
             self._raises = reaction == "raise"
             self._detectors = chosen_detectors
-            self._tracker = NonFiniteTracker(self._store, reaction, start_step=start_step)
+            self._tracker = NonFiniteTracker(self._store, reaction)
             self._reported_tracker_failures = 0
             self._sentinel = Sentinel(grad_norm="grad_norm" in checks or auto_grad_norm) if checks else None
             self._sentinel_loss = "loss" in checks
@@ -711,6 +711,7 @@ class Watch:
             edges=self._edges,
             stream=self._stream,
             pool=self._pool,
+            start_step=self._start_step,
         )
         if pending is None:
             return  # counted by the slot pool
@@ -1189,7 +1190,6 @@ class Watch:
                 f"{self._start_step}. Pass observe(start_step=) or set it before the first step"
             )
         self._step = self._start_step = step
-        self._tracker.start_step = step
         if self._governor is None:  # a fixed interval samples by the step's index (the governor: by time)
             self._set_sampling(step)
 

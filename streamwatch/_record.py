@@ -96,6 +96,8 @@ class StepRecord:
             as the hooks fired; a key summarised several times in a step takes its first position), one
             integer per row; smaller ran earlier. Empty: the rows are in execution order (records built
             by hand, run files written before it existed). Read it through :meth:`execution_order`.
+        start_step: the first step of the run that sent it (``observe(start_step=)``: 0, or the step a
+            resumed run went on from). A record at that step has nothing unrecorded before it.
 
     Example:
         >>> import numpy as np
@@ -114,6 +116,7 @@ class StepRecord:
     extras: Mapping[tuple[SeriesKey, str], np.ndarray] = field(default_factory=dict)
     edges: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     order: tuple[int, ...] = ()
+    start_step: int = 0
 
     def execution_order(self) -> np.ndarray:
         """Each row's position in the step's execution (:attr:`order`, or the row order without one).
@@ -216,6 +219,7 @@ class PendingRecord:
     event: Any = None  # torch.cuda.Event on CUDA
     release: Callable[[], None] | None = None  # gives the pinned slot back to its pool
     order: list[int] = field(default_factory=list)  # each row's position in the step's execution
+    start_step: int = 0  # StepRecord.start_step
 
     def resolve(self) -> StepRecord:
         """Wait for the copy (on the calling thread — the worker's), then merge and derive."""
@@ -261,7 +265,18 @@ class PendingRecord:
             value.setflags(write=False)
             extras[extra] = value
             start += length
-        return StepRecord(self.step, self.time, self.rank, keys, table, scalars, extras, self.edges, order)  # type: ignore[arg-type]
+        return StepRecord(
+            self.step,
+            self.time,
+            self.rank,
+            keys,  # type: ignore[arg-type]
+            table,
+            scalars,
+            extras,
+            self.edges,
+            order,
+            self.start_step,
+        )
 
     def _finalize(self, flat: np.ndarray, layout: Layout) -> tuple[tuple[Hashable, ...], np.ndarray, int]:
         """The table with numpy (device rows; the reference for the C path): ``(keys, table, where the
@@ -659,6 +674,7 @@ class StepBuffer:
         edges: Mapping[str, tuple[float, ...]] | None = None,
         stream: Any = None,
         pool: SlotPool | None = None,
+        start_step: int = 0,
     ) -> PendingRecord | None:
         """Hand the step over: host rows as they are, device rows stacked with one copy; returns None
         if no pinned slot was free.
@@ -756,6 +772,7 @@ class StepBuffer:
             event,
             release,
             self.order,
+            start_step,
         )
         # The next step's table and arena, fresh (the record keeps these)
         if len(self.keys) > self._rows:

@@ -177,6 +177,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # ValueError includes RunFileError (not a run file, a corrupt line); OSError: a missing or
         # unreadable file, a port in use, an output that cannot be written
         message = _describe(err)
+    except RuntimeError as err:  # (RecursionError, below, is one too)
+        from streamwatch._exceptions import PipelineError
+
+        if isinstance(err, RecursionError):
+            message = "the input is nested too deeply to read (is it a streamwatch run file?)"
+        elif isinstance(err, PipelineError):  # a sink failed (a full disk under the run file): said
+            message = f"training ran, but {err}"  # once on one line, as any other error
+        else:
+            raise
     except RecursionError:  # read_run reports deep nesting as RunFileError; this is a second guard
         message = "the input is nested too deeply to read (is it a streamwatch run file?)"
     except KeyboardInterrupt:  # Ctrl-C before the command's own handling (importing torch, say)
@@ -377,7 +386,14 @@ def _demo(args: argparse.Namespace) -> int:
         )
         step = 0
         with (
-            sw.observe(model, opt, every=args.every, overhead=args.overhead, sinks=[run_file]) as watch,
+            sw.observe(
+                model,
+                opt,
+                every=args.every,
+                overhead=args.overhead,
+                sinks=[run_file],
+                start_step=run_file.next_step,  # a second demo in one --run-dir goes on after the first
+            ) as watch,
             contextlib.ExitStack() as stack,
         ):
             try:

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import pytest
 
 from streamwatch import SeriesKey, StepRecord
 from streamwatch.cli import main
-from streamwatch.sinks._runfile import FORMAT, VERSION, RunFile
+from streamwatch.sinks._runfile import FORMAT, VERSION, RunFile, read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = json.dumps({"format": FORMAT, "version": VERSION, "columns": ["count"], "created": 0.0})
@@ -355,6 +356,34 @@ def test_demo_run_dir_with_a_foreign_run_file_is_one_line_and_left_alone(
     code, _, err = _cli([*_DEMO, "--run-dir", str(run_dir)], capsys)
     _assert_one_error_line(code, err, "demo")
     assert (run_dir / "run.jsonl").read_text() == "not a run file\n"
+
+
+def test_demo_whose_run_file_fails_mid_run_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run file on a full disk (``/dev/full``): the sink's pipeline fails on the worker and close()
+    raises its PipelineError, which ended the demo in a traceback."""
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / "run.jsonl").symlink_to("/dev/full")
+    with warnings.catch_warnings():  # (a step that comes after the failure warns of it, as ever)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        code, _, err = _cli([*_DEMO, "--run-dir", str(run_dir)], capsys)
+    line = _assert_one_error_line(code, err, "demo")
+    assert "training ran, but 1 pipeline failed" in line
+    assert "No space left on device" in line
+
+
+def test_a_second_demo_in_one_run_dir_numbers_its_steps_after_the_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both demos append to one run file: the second's steps restarted at 0, so report printed the last
+    session's range only and plot drew lines running backwards."""
+    run_dir = tmp_path / "r"
+    for _ in range(2):
+        code, _, err = _cli([*_DEMO, "--every", "1", "--run-dir", str(run_dir)], capsys)
+        assert code == 0, err
+    assert [r.step for r in read_run(run_dir / "run.jsonl").records] == [0, 1, 2, 3]
 
 
 def test_demo_model_too_large_to_build_is_one_line_and_leaves_nothing(

@@ -133,7 +133,8 @@ def test_render_every_section(trained: sw.Watch) -> None:
 
 def test_formatting() -> None:
     assert format_value(0.0123) == "1.23e-02"
-    assert format_value(None) == format_value(math.nan) == "—"
+    assert format_value(None) == "—"
+    assert (format_value(math.nan), format_value(math.inf)) == ("nan", "inf")  # shown, not "missing"
     assert format_percent(0.5) == "50.0%"
     assert format_count(2.0) == "2"
     assert format_count(math.inf) == "—"
@@ -171,6 +172,17 @@ def test_nonfinite_counts_sum_over_the_layers_series() -> None:
         )
     assert expected > 0
     assert row(text, "fc_in")[5] == format_count(expected)
+    assert row(text, "fc_in")[1] == "—"  # (the store leaves a non-finite tensor's norms out)
+
+
+def test_a_nan_loss_is_shown_as_nan() -> None:
+    model = MLP()
+    with sw.observe(model, every=1) as watch:
+        model(torch.randn(4, 8))
+        watch.step(loss=math.nan)
+        assert watch.flush()
+        text = text_of(LiveView(watch, total_steps=1).render(1))
+    assert "loss nan" in text
 
 
 def test_more_layers_than_top(train: Train) -> None:

@@ -22,7 +22,7 @@ import torch
 
 import streamwatch as sw
 from streamwatch import StepRecord
-from streamwatch._summary import COLUMNS
+from streamwatch._summary import COLUMNS, derive
 from streamwatch.sinks._runfile import FORMAT, VERSION, RunData, RunFile, RunFileError, read_run, report
 
 NAN_STEP = 3
@@ -315,6 +315,99 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path: Path) -> None:
         child.join(60)
     assert child.exitcode == 0
     assert [r.step for r in read_run(path).records] == [0, 1]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_child_forked_while_the_lock_is_taken_does_not_keep_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first write opens the file, then locks it: a fork in between (DataLoader workers starting
+    while the worker thread writes the first record) left the child a descriptor the fork handler did
+    not know of yet, and the lock outlived the parent's close()."""
+    import multiprocessing
+
+    import streamwatch.sinks._runfile as runfile
+
+    context = multiprocessing.get_context("fork")
+    started, release = context.Event(), context.Event()
+    children = []
+    real_lock = runfile._lock
+
+    def fork_then_lock(f: Any, path: Path) -> None:  # the fork lands between open() and flock
+        child = context.Process(target=_wait_in_child, args=(started, release))
+        child.start()
+        children.append(child)
+        assert started.wait(60)
+        real_lock(f, path)
+
+    monkeypatch.setattr(runfile, "_lock", fork_then_lock)
+    path = tmp_path / "run.jsonl"
+    key = sw.SeriesKey("train", "a", "param", "w")
+    try:
+        first = RunFile(path)
+        first.send(StepRecord(0, 0.0, 0, (key,), np.zeros((1, len(COLUMNS)))))
+        first.close()
+        monkeypatch.setattr(runfile, "_lock", real_lock)
+        second = RunFile(path)  # refused before: "being written by another process"
+        second.send(StepRecord(1, 1.0, 0, (key,), np.ones((1, len(COLUMNS)))))
+        second.close()
+    finally:
+        release.set()
+        for child in children:
+            child.join(60)
+    assert [c.exitcode for c in children] == [0]
+    assert [r.step for r in read_run(path).records] == [0, 1]
+
+
+def test_a_resumed_runs_first_step_is_certain_in_the_report_as_it_was_live(tmp_path: Path) -> None:
+    """``observe(start_step=100)``: a NaN in the first step is certain live (nothing unrecorded came
+    before it); the report, recomputing from the file, said "uncertain" while the file did not hold
+    the run's first step."""
+    path = tmp_path / "run.jsonl"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with sw.observe(model, every=1, start_step=100, sinks=[RunFile(path)]) as watch:
+        for i in range(3):
+            x = torch.randn(5, 4)
+            if i == 0:
+                x[0, 0] = math.nan
+            model(x).sum().backward()
+            watch.step()
+        assert watch.flush()
+        live = watch.statistics().first_nonfinite
+    assert live is not None
+    assert (live.step, live.certain) == (100, True)
+    records = read_run(path).records
+    assert [(r.step, r.start_step) for r in records] == [(100, 100), (101, 100), (102, 100)]
+    text = report(read_run(path))
+    assert "first non-finite: step 100, rank 0, layer '0', kind activation" in text
+    assert "uncertain" not in text
+    assert '"start":100' in path.read_text().splitlines()[-1]
+
+
+def test_the_reports_dead_units_and_gradients_are_the_trainings_not_an_evaluations(tmp_path: Path) -> None:
+    """An evaluation after the last step is sent at close as a record of its own: the report took its
+    activation rows (any phase) as the layers' dead fractions."""
+    path = tmp_path / "run.jsonl"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
+    with sw.observe(model, every=1, sinks=[RunFile(path)]) as watch:
+        for _ in range(2):
+            model(torch.randn(16, 4)).sum().backward()
+            watch.step()
+        with torch.no_grad():
+            model[0].bias.fill_(-100.0)  # every unit dead in the evaluation only
+            model.eval()
+            model(torch.randn(16, 4))
+    records = read_run(path).records
+    assert {k.phase for k in records[-1].keys} == {"eval"}
+    train = next(r for r in reversed(records) if r.rows("activation", "train"))
+    fraction = derive(train.table)["dead_fraction"]
+    expected = {train.keys[i].layer: float(fraction[i]) for i in train.rows("activation", "train")}
+    assert expected["1"] < 1.0
+    text = report(read_run(path))
+    assert f"worst layers by dead fraction (activation, step {train.step}):" in text
+    assert "100.00%" not in text
 
 
 def test_special_floats_round_trip(tmp_path: Path) -> None:

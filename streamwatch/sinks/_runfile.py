@@ -38,6 +38,8 @@ ending with ``\\n``. Three kinds of line exist (and a rare fourth, below):
    ``order`` (optional: written only when the rows are not already in execution order) holds each row's
    position in the step's execution (:attr:`streamwatch.StepRecord.order`), integers, one per row;
    readers that do not know it ignore it, and without it the row order is the execution order.
+   ``start`` (optional: written only when not 0) is the first step of the run that wrote the record
+   (:attr:`streamwatch.StepRecord.start_step`: the step a resumed run went on from).
 
 Numbers: floats are written with ``repr`` (shortest exact round trip); floats that are whole numbers
 below 2**53 in magnitude are written as JSON integers (``256`` rather than ``256.0``; ``-0.0`` keeps its
@@ -53,7 +55,8 @@ Memory is bounded: the sink keeps only the key-id map.
 Appending: a ``RunFile`` on an existing, non-empty run file continues it — every line is checked as
 :func:`read_run` checks it (another format, version or columns, or a corrupt line before the last one, is
 a :class:`RunFileError` naming the file and the line, and nothing is written), the key ids in use are
-read, and new steps follow the old ones. A truncated last line left by a crash is cut off first.
+read, and new steps follow the old ones (their numbers go on from the old ones only if the run resumed
+with ``observe(start_step=)``). A truncated last line left by a crash is cut off first.
 
 Paths are checked when the sink is made: a missing directory, a directory or a file that cannot be
 created or appended to is a :class:`RunFileError` saying what to do. Failures that only show when
@@ -228,6 +231,7 @@ class _Scan:
     good_end: int
     size: int
     edges: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    last_step: int | None = None  # the step of its last complete record
 
 
 def _scan_for_append(path: Path) -> _Scan:
@@ -250,7 +254,7 @@ def _scan_for_append(path: Path) -> _Scan:
             f"cannot append to {path}: the file's columns {columns} differ from this version's "
             f"{list(COLUMNS)}; write to a new file"
         )
-    return _Scan(keys, good_end, size, edges)
+    return _Scan(keys, good_end, size, edges, run.last_good_step)
 
 
 def _check_path(path: Path) -> None:
@@ -317,6 +321,10 @@ def _lock(f: IO[Any], path: Path, shared: bool = False) -> None:
 _WRITERS: weakref.WeakValueDictionary[Path, RunFile] = weakref.WeakValueDictionary()
 """The run files this process writes, by resolved path (a RunFile that is closed or gone writes no more)."""
 _WRITERS_LOCK = threading.Lock()
+_OPENING = threading.Lock()
+"""Held from a RunFile's ``open()`` until the descriptor is where the fork handler looks
+(``_opening``), and by a fork meanwhile: ``open()`` releases the GIL, so without it a fork could copy
+a descriptor the child's handler cannot find, whose lock would outlive the parent's ``close()``."""
 
 
 def _after_fork_in_child() -> None:
@@ -324,26 +332,33 @@ def _after_fork_in_child() -> None:
     ``/dev/null`` (one ``dup2`` each: no Python lock is taken, so a fork in the middle of the worker's
     write cannot hang here), which lets the parent's lock go with the parent's ``close()``. Those
     RunFiles refuse to write in the child (the parent writes them); ones not open yet work as usual."""
-    global _WRITERS_LOCK
+    global _WRITERS_LOCK, _OPENING
     _WRITERS_LOCK = threading.Lock()  # (another thread may have held it at the fork)
+    _OPENING = threading.Lock()  # (the forking thread held the parent's: this copy is never released)
     try:
-        writers = [w for w in list(_WRITERS.values()) if w._file is not None]
+        files = [(w, w._file or w._opening) for w in list(_WRITERS.values())]
     except RuntimeError:  # (changed during the fork: nothing reliable to go by)
         return
+    writers = [(w, f) for w, f in files if f is not None]
     if not writers:
         return
     null = os.open(os.devnull, os.O_WRONLY)
     try:
-        for writer in writers:
+        for writer, f in writers:
             with contextlib.suppress(OSError, ValueError):
-                os.dup2(null, writer._file.fileno())  # type: ignore[union-attr]
+                os.dup2(null, f.fileno())
             writer._forked = True
     finally:
         os.close(null)
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    # the fork waits for an open() in flight (a local file: microseconds); nothing else takes _OPENING
+    os.register_at_fork(
+        before=lambda: _OPENING.acquire(),
+        after_in_parent=lambda: _OPENING.release(),
+        after_in_child=_after_fork_in_child,
+    )
 
 
 class RunFile(Sink):
@@ -383,6 +398,7 @@ class RunFile(Sink):
         self._path = Path(path)
         self._fsync = bool(fsync)
         self._file: IO[bytes] | None = None
+        self._opening: IO[bytes] | None = None  # opened, being locked and checked: not _file yet
         self._forked = False  # this is a forked child's copy of a RunFile its parent had open
         self.closed = False
         _check_path(self._path)
@@ -410,6 +426,26 @@ class RunFile(Sink):
         """Where the run is written."""
         return self._path
 
+    @property
+    def next_step(self) -> int:
+        """The step after the file's last record when this sink was made (0 for a new or empty file):
+        ``observe(start_step=sink.next_step)`` numbers a run appended to it after the one before.
+
+        Example:
+            >>> import tempfile, pathlib, torch, streamwatch as sw
+            >>> path = pathlib.Path(tempfile.mkdtemp()) / "run.jsonl"
+            >>> model = torch.nn.Linear(3, 2)
+            >>> for _ in range(2):  # two sessions, one file
+            ...     sink = RunFile(path)
+            ...     with sw.observe(model, every=1, sinks=[sink], start_step=sink.next_step) as watch:
+            ...         for _ in range(2):
+            ...             watch.step(loss=1.0)
+            >>> [r.step for r in read_run(path).records]
+            [0, 1, 2, 3]
+        """
+        last = self._scan.last_step
+        return 0 if last is None else last + 1
+
     def _open(self, edges: Mapping[str, tuple[float, ...]] | None = None) -> IO[bytes]:
         if self._file is not None:
             return self._file
@@ -417,7 +453,9 @@ class RunFile(Sink):
             raise RuntimeError(f"RunFile({str(self._path)!r}) is closed")
         # unbuffered: each line goes straight to the file (no buffer to flush, nor its lock, which a
         # fork in the middle of a write would leave held in the child)
-        f = open(self._path, "ab", buffering=0)  # noqa: SIM115 - held open until close()
+        # (the fork handler sees it from here: a child forked while the lock is taken gets /dev/null)
+        with _OPENING:
+            self._opening = f = open(self._path, "ab", buffering=0)  # noqa: SIM115 - open until close()
         try:
             _lock(f, self._path)  # (held until close: no other process appends meanwhile)
             size = f.seek(0, os.SEEK_END)
@@ -440,10 +478,11 @@ class RunFile(Sink):
                     self._edges = edges
                 self._write(f, _dumps(header) + "\n")
         except BaseException:
+            self._opening = None
             with contextlib.suppress(OSError):  # its flush would fail again: keep the first error
                 f.close()
             raise
-        self._file = f
+        self._file, self._opening = f, None
         return f
 
     def _write(self, f: IO[bytes], text: str) -> None:
@@ -492,6 +531,8 @@ class RunFile(Sink):
             "scalars": {name: _encode(float(v)) for name, v in item.scalars.items()},
             "extras": extras,
         }
+        if item.start_step:  # (a resumed run's records: 0, the default, is left out)
+            line["start"] = int(item.start_step)
         order = item.order
         if len(order) == len(item.keys) and any(position != i for i, position in enumerate(order)):
             line["order"] = [int(position) for position in order]
@@ -602,6 +643,9 @@ def _parse_step(
         vector = np.array(_values(entry[2], len(entry[2]), "an extra"), dtype=np.float64)
         vector.setflags(write=False)
         extra[(key_of(entry[0]), entry[1])] = vector
+    start = obj.get("start", 0)
+    if not _is_int(start) or start < 0:
+        raise ValueError(f"'start' must be an integer >= 0 (the run's first step), got {start!r}")
     order = obj.get("order", [])
     if not isinstance(order, list) or (order and (len(order) != len(rows) or not all(map(_is_int, order)))):
         raise ValueError(f"'order' must be a list of one integer per row, got {order!r}")
@@ -615,6 +659,7 @@ def _parse_step(
         extras=extra,
         edges=edges,
         order=tuple(order),
+        start_step=start,
     )
 
 
@@ -716,7 +761,8 @@ def _fmt(value: float) -> str:
 
 
 def _last_with(records: Sequence[StepRecord], kind: str) -> StepRecord | None:
-    return next((r for r in reversed(records) if r.rows(kind)), None)
+    """The last record with training rows of ``kind`` (an evaluation pass's are not the training's)."""
+    return next((r for r in reversed(records) if r.rows(kind, "train")), None)
 
 
 def _worst(values: Mapping[str, float], top: int) -> list[tuple[str, float]]:
@@ -758,8 +804,9 @@ def report(run: RunData, *, top: int = 5) -> str:
     lines = [f"streamwatch run: {run.path}"]
     if records:
         ranks = sorted({r.rank for r in records})
+        steps = [r.step for r in records]  # (a run resumed from an older checkpoint repeats steps)
         lines.append(
-            f"steps recorded: {len(records)} (steps {records[0].step}..{records[-1].step}, "
+            f"steps recorded: {len(records)} (steps {min(steps)}..{max(steps)}, "
             f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
         )
     else:
@@ -778,7 +825,7 @@ def report(run: RunData, *, top: int = 5) -> str:
     else:
         sumsq: dict[str, float] = {}
         column = grads.column("sumsq")
-        for i in grads.rows("param_grad"):
+        for i in grads.rows("param_grad", "train"):
             layer = grads.keys[i].layer
             sumsq[layer] = sumsq.get(layer, 0.0) + float(column[i])
         norms = {layer: math.sqrt(v) if v >= 0 else math.nan for layer, v in sumsq.items()}
@@ -792,7 +839,7 @@ def report(run: RunData, *, top: int = 5) -> str:
     dead: dict[str, float] = {}
     if acts is not None:
         fraction = derive(acts.table)["dead_fraction"]
-        for i in acts.rows("activation"):
+        for i in acts.rows("activation", "train"):
             if not math.isnan(fraction[i]):
                 key = acts.keys[i]
                 dead[key.layer + (f"[{key.name}]" if key.name else "")] = float(fraction[i])
