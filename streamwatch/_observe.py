@@ -56,7 +56,7 @@ from streamwatch._nonfinite import (
     log,
 )
 from streamwatch._pipeline import Pipeline, Sink, source
-from streamwatch._record import PendingRecord, Sample, SlotPool
+from streamwatch._record import SKIPPED_UPDATE, PendingRecord, Sample, SlotPool
 from streamwatch._store import SeriesStore, WatchStatistics
 from streamwatch._summary import release_scratch
 from streamwatch._taps import (
@@ -582,6 +582,7 @@ class Watch:
         if failed:
             self._state.buffer.clear()
             self._failed_steps += 1
+            self._taps.found_inf = None  # (with the rows it was for)
         self._last = now
         self._step += 1
         # The governor times the step that ended, the hand-off included; it picks the next step's sampling.
@@ -698,6 +699,10 @@ class Watch:
                     device[name] = lr.detach().reshape(()).to(torch.float32)
                 elif lr is not None:
                     host[name] = float(lr)
+        found_inf = self._taps.found_inf
+        if found_inf is not None:  # a fused step a GradScaler skipped: the worker drops its update rows
+            self._taps.found_inf = None
+            device[SKIPPED_UPDATE] = found_inf
         buffer = self._state.buffer
         if buffer.device is not None and buffer.device.type == "cuda" and self._stream is None:
             self._stream = torch.cuda.Stream(buffer.device)

@@ -71,6 +71,40 @@ class SeriesKey(NamedTuple):
 _PARAM_KINDS = frozenset({"param", "param_grad", "update"})
 
 
+SKIPPED_UPDATE = "_skipped_update"
+"""A step scalar for :meth:`PendingRecord.resolve` only (never in a record): nonzero when a
+``GradScaler`` found Inf/NaN gradients and a fused optimizer's step, called anyway, changed nothing. The
+flag stays on the device (no host sync); the worker drops the step's update rows when it reads it."""
+
+
+def _without_updates(
+    keys: tuple[Any, ...],
+    table: np.ndarray,
+    order: tuple[int, ...],
+    extras: dict[tuple[Any, str], np.ndarray],
+) -> tuple[tuple[Any, ...], np.ndarray, tuple[int, ...], dict[tuple[Any, str], np.ndarray]]:
+    """The record's rows and extras without its ``update`` ones.
+
+    Example:
+        >>> keys = (SeriesKey("train", "fc", "param", "weight"), SeriesKey("train", "fc", "update", "weight"))
+        >>> extras = {(keys[1], "h"): np.ones(1)}
+        >>> k, t, o, e = _without_updates(keys, np.arange(4.0).reshape(2, 2), (0, 1), extras)
+        >>> [key.kind for key in k], t.tolist(), o, e
+        (['param'], [[0.0, 1.0]], (0,), {})
+    """
+    keep = [i for i, key in enumerate(keys) if key.kind != "update"]
+    if len(keep) == len(keys):
+        return keys, table, order, extras
+    kept = table[keep]
+    kept.setflags(write=False)
+    return (
+        tuple(keys[i] for i in keep),
+        kept,
+        tuple(order[i] for i in keep) if len(order) == len(keys) else order,
+        {extra: value for extra, value in extras.items() if extra[0].kind != "update"},
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class StepRecord:
     """One sampled step, as the worker's pipelines see it. Immutable, host-only (no autograd graph).
@@ -265,6 +299,8 @@ class PendingRecord:
             value.setflags(write=False)
             extras[extra] = value
             start += length
+        if scalars.pop(SKIPPED_UPDATE, 0.0):  # the step did not happen: its Δ = 0 is no update
+            keys, table, order, extras = _without_updates(keys, table, order, extras)
         return StepRecord(
             self.step,
             self.time,

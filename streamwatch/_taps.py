@@ -608,6 +608,8 @@ class TapSet:
         # recompile the graph: once a hook runs while compiling, every hook stays in for good.
         self.static = False
         self._before: list[torch.Tensor] | None = None
+        # a GradScaler's found_inf at a fused step whose updates were summarised: for the step's record
+        self.found_inf: torch.Tensor | None = None
         self.has_optimizer = optimizer is not None
         self._grads: list[tuple[SeriesKey, nn.Parameter]] = []  # the param_grad tap's keys and parameters
         self._grad_flags: list[bool] = []  # their requires_grad when their hooks went in (no optimizer)
@@ -1055,6 +1057,9 @@ class TapSet:
         grads, self._grads_after = self._grads_after, None
         if grads is not None:  # (the last closure's: the gradient the step applied last)
             self.summarize_grads(grads)
+        found = getattr(optimizer, "found_inf", None)  # a GradScaler's, for a fused optimizer: a step
+        if self._before is not None and isinstance(found, torch.Tensor):  # it skips inside the kernel
+            self.found_inf = found.detach().reshape(()).to(torch.float32, copy=True)  # (read by the worker)
         self._summarize_updates()
         if state.on.get("param"):
             self.summarize_params(self._split(optimizer)[0])

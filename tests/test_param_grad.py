@@ -6,6 +6,7 @@ hook. Each value is checked against the tensor torch holds at that moment."""
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -204,6 +205,41 @@ def test_a_fused_optimizer_under_a_grad_scaler_is_summarised_unscaled() -> None:
         assert {record.keys[i] for i in record.rows("param_grad")} == set(grads)
         for key, grad in grads.items():
             assert_row(record, key, grad)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_a_step_a_grad_scaler_skips_has_no_update_rows(fused: bool) -> None:
+    """An overflow: ``GradScaler`` skips the step. A plain optimizer's ``step()`` is then not called (its
+    hooks do not run: no update row). A fused one's is, with ``found_inf`` set, and its kernel changes
+    nothing: its update rows were 0, so the layers' update/weight ratio read 0 and
+    ``update_ratio_out_of_band`` -inf. Steps without an overflow keep their rows, equal to the change
+    of the weights."""
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    overflow = {"on": False}
+    model[0].weight.register_hook(lambda grad: grad * math.inf if overflow["on"] else grad)
+    records = sw.sinks.collect()
+    g = torch.Generator().manual_seed(4)
+    changed: list[bool] = []
+    with sw.observe(model, opt, every=1, cadence={"update": 1}, sinks=[records]) as watch:
+        for step in range(3):
+            overflow["on"] = step == 1
+            before = [p.detach().clone() for p in model.parameters()]
+            x, y = _batch(g)
+            opt.zero_grad()
+            scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            changed.append(
+                any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+            )
+            watch.step(loss=1.0)
+        assert watch.flush()
+    assert changed == [True, False, True]  # the overflow step left every weight as it was
+    updates = [len(record.rows("update")) for record in records.items]
+    assert updates == [4, 0, 4]
+    assert all(key not in records.items[1].scalars for key in ("_skipped_update",))  # (internal only)
 
 
 def test_an_optimizer_with_a_closure_is_summarised_after_the_closure() -> None:
