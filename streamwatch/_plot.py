@@ -20,6 +20,7 @@ were left out. A panel with nothing to draw says "no data".
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -153,7 +154,7 @@ def _edges(steps: np.ndarray) -> np.ndarray:
     return np.concatenate(([steps[0] - (mid[0] - steps[0])], mid, [steps[-1] + (steps[-1] - mid[-1])]))
 
 
-def plot(run: RunData, out: str | Path, *, top: int = 12) -> Path:
+def plot(run: RunData, out: str | Path, *, top: int = 12, rank: int | None = None) -> Path:
     """Draw ``run`` as a 2×2 PNG (see the module documentation for the panels) and write it to ``out``.
 
     Args:
@@ -161,13 +162,16 @@ def plot(run: RunData, out: str | Path, *, top: int = 12) -> Path:
         out: the PNG file to write (its directory must exist).
         top: at most this many layers per per-layer panel (the largest values); the rest are counted in
             the panel's title.
+        rank: the rank drawn, of a run file holding several ranks' records (default: the first
+            record's); the title names it. One rank's steps make one line: several ranks' on one would
+            zigzag between them.
 
     Returns:
         ``out``, as a Path.
 
     Raises:
         ImportError: matplotlib is not installed (``pip install 'streamwatch[demo]'``).
-        ValueError: ``top`` is not a positive int.
+        ValueError: ``top`` is not a positive int, or the run file has no record of ``rank``.
 
     Example::
 
@@ -183,13 +187,23 @@ def plot(run: RunData, out: str | Path, *, top: int = 12) -> Path:
     except ImportError as error:  # pragma: no cover - matplotlib is installed in the test environment
         raise ImportError("streamwatch plot needs matplotlib: pip install 'streamwatch[demo]'") from error
 
+    ranks = sorted({r.rank for r in run.records})
+    if rank is not None and rank not in ranks:
+        raise ValueError(
+            f"{run.path} has no record of rank {rank!r}; its ranks: {', '.join(map(str, ranks)) or 'none'}"
+        )
+    title = f"streamwatch run: {run.path.name}"
+    if len(ranks) > 1:
+        chosen = rank if rank is not None else run.records[0].rank
+        run = dataclasses.replace(run, records=[r for r in run.records if r.rank == chosen])
+        title += f", rank {chosen} of {len(ranks)}"
     out = Path(out)
     data = series(run)
     steps = np.asarray(data["steps"], dtype=np.float64)
     fig = Figure(figsize=(14, 9), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     (ax_loss, ax_grad), (ax_ratio, ax_dead) = fig.subplots(2, 2)
-    fig.suptitle(f"streamwatch run: {run.path.name} ({len(steps)} records)")
+    fig.suptitle(f"{title} ({len(steps)} records)")
 
     # (a) loss and accuracy
     ax_loss.set_title("(a) loss and accuracy", fontsize=10)

@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--speed",
         type=_non_negative,
         default=10.0,
-        help="steps per second (0: the last step at once; with --loop it is served until Ctrl-C)",
+        help="recorded steps (records) per second; a run sampled 1 in N advances N training steps "
+        "a record (0: the last record at once; with --loop it is served until Ctrl-C)",
     )
     replay.add_argument("--loop", action="store_true", help="start over at the end")
     replay.add_argument(
@@ -157,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     plot = commands.add_parser("plot", help="draw a recorded run as a PNG")
     plot.add_argument("run", type=Path)
     plot.add_argument("-o", "--output", type=Path, default=Path("run.png"), help="the PNG to write")
+    plot.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="the rank to draw, of a run file with several (default: the first)",
+    )
     return parser
 
 
@@ -265,7 +272,7 @@ def _replay(args: argparse.Namespace) -> int:
             err.errno, f"cannot serve /metrics on {args.host} port {replay.port}: {_describe(err)}"
         ) from err
     with replay:
-        print(f"replaying {len(run.records)} steps on {replay.url} at {args.speed:g} steps/s", flush=True)
+        print(f"replaying {len(run.records)} records on {replay.url} at {args.speed:g} records/s", flush=True)
         if not run.records:
             print(
                 f"note: {path} has no steps recorded: serving only streamwatch_info and the replay's own "
@@ -291,7 +298,17 @@ def _plot(args: argparse.Namespace) -> int:
     from streamwatch._plot import plot
     from streamwatch.sinks._runfile import read_run
 
-    out = plot(read_run(_run_file(args.run)), args.output)
+    run = read_run(_run_file(args.run))
+    ranks = sorted({r.rank for r in run.records})
+    out = plot(run, args.output, rank=args.rank)
+    if len(ranks) > 1:
+        drawn = args.rank if args.rank is not None else run.records[0].rank
+        others = ", ".join(str(r) for r in ranks if r != drawn)
+        print(
+            f"note: {run.path} holds ranks {', '.join(map(str, ranks))}; drew rank {drawn} (--rank picks "
+            f"another: {others})",
+            flush=True,
+        )
     print(f"wrote {out}", flush=True)
     return 0
 

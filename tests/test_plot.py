@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -116,6 +117,42 @@ def test_plot_empty_run(tmp_path: Path) -> None:
     run = read_run(path)
     out = plot(run, tmp_path / "empty.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_file_of_several_ranks_is_drawn_one_rank_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two ranks' records interleaved in one file: drawn together, their steps repeated and the loss
+    zigzagged between the ranks. The first record's rank is drawn unless ``rank=`` picks another."""
+    import streamwatch._plot as plotting
+    from streamwatch import SeriesKey, StepRecord
+    from streamwatch.cli import main
+
+    path = tmp_path / "run.jsonl"
+    sink = RunFile(path)
+    key = SeriesKey("train", "fc", "param_grad", "weight")
+    for step in range(3):
+        for rank, loss in ((1, 5.0), (0, 1.0)):
+            row = np.array([[2, 0, 9, -3, 0, 1, 0, 0, 0, 0, 0.0]])
+            sink.send(StepRecord(step, 0.0, rank, (key,), row, {"loss": loss + step}))
+    sink.close()
+    drawn: list[list[tuple[int, int, float]]] = []
+    real_series = plotting.series
+
+    def spy(run: RunData) -> Any:
+        drawn.append([(r.rank, r.step, r.scalars["loss"]) for r in run.records])
+        return real_series(run)
+
+    monkeypatch.setattr(plotting, "series", spy)
+    run = read_run(path)
+    _check_png(plot(run, tmp_path / "a.png"))
+    _check_png(plot(run, tmp_path / "b.png", rank=0))
+    assert drawn == [[(1, s, 5.0 + s) for s in range(3)], [(0, s, 1.0 + s) for s in range(3)]]
+    with pytest.raises(ValueError, match="has no record of rank 7; its ranks: 0, 1"):
+        plot(run, tmp_path / "c.png", rank=7)
+    assert main(["plot", str(path), "-o", str(tmp_path / "d.png"), "--rank", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "holds ranks 0, 1; drew rank 0 (--rank picks another: 1)" in out
 
 
 def test_importing_streamwatch_does_not_import_matplotlib() -> None:
