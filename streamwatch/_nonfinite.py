@@ -283,6 +283,7 @@ class NonFiniteTracker(Sink):
         self.episodes = 0
         self.failures: list[tuple[str, BaseException]] = []
         self._in_episode: dict[int, bool] = {}
+        self._session: dict[int, tuple[int, int]] = {}  # by rank: (start_step, step) of its last record
         self._lock = threading.Lock()
         self._verdicts: collections.deque[FirstNonFinite] = collections.deque(maxlen=16)
 
@@ -292,8 +293,16 @@ class NonFiniteTracker(Sink):
         kinds = _train_kinds(record.keys)
         self._kinds |= kinds
         full = bool(kinds) and kinds >= self._kinds
-        found = find_first(record)
         rank = record.rank
+        session = (record.start_step, record.step)
+        last = self._session.get(rank)
+        if last is not None and (session[0] != last[0] or session[1] <= last[1]):
+            # a new session of this rank (a resumed run appended to the same file): what the last one
+            # recorded says nothing about what came before this one's records
+            self._last_full_finite.pop(rank, None)
+            self._in_episode[rank] = False
+        self._session[rank] = session
+        found = find_first(record)
         if found is None:
             self._in_episode[rank] = False
             if full:

@@ -236,6 +236,22 @@ def test_a_fault_on_a_resumed_runs_first_step_is_certain() -> None:
     assert (first.step, first.layer, first.certain) == (100, FAULTY, True)
 
 
+def test_a_resumed_session_is_judged_without_the_last_sessions_records() -> None:
+    """A run file holding two sessions: the second resumed at step 4 and recorded step 8 first, with
+    a NaN. Step 7 of the *first* session was recorded in full, which made step 8 look certain; the
+    live watch had said uncertain (steps 4-7 of this session were not recorded)."""
+    from streamwatch import SeriesKey, StepRecord
+    from streamwatch._nonfinite import NonFiniteTracker
+
+    key = SeriesKey("train", "fc", "activation", "")
+    tracker = NonFiniteTracker(None, None)
+    for step in range(8):
+        tracker.send(StepRecord(step, 0.0, 0, (key,), np.array([[4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0]])))
+    tracker.send(StepRecord(8, 0.0, 0, (key,), np.array([[4, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0.0]]), start_step=4))
+    assert tracker.first is not None
+    assert (tracker.first.step, tracker.first.certain) == (8, False)
+
+
 @pytest.mark.parametrize("fault", sorted(CASES))
 def test_with_the_default_cadence_a_recurring_fault_is_pinned_down_by_the_escalation(fault: str) -> None:
     """Updates are sampled on one step in 10 by default: at step 5 the record cannot rule out that step

@@ -410,6 +410,131 @@ def test_the_reports_dead_units_and_gradients_are_the_trainings_not_an_evaluatio
     assert "100.00%" not in text
 
 
+@pytest.mark.parametrize("keep", [1, 6, 30, -1], ids=["1", "6", "30", "all-but-newline"])
+def test_a_header_cut_short_is_a_truncated_empty_run_that_a_writer_starts_again(
+    tmp_path: Path, keep: int
+) -> None:
+    """A disk that fills during the first write leaves part of the header: it read as "not a
+    streamwatch run file", and the run could not be continued."""
+    path = tmp_path / "run.jsonl"
+    RunFile(path).close()
+    whole = path.read_bytes()
+    path.write_bytes(whole[:keep])
+    run = read_run(path)
+    assert (run.truncated, run.records, run.last_good_step) == (True, [], None)
+    assert any("header line was cut short" in problem for problem in run.problems)
+    assert "truncated: yes (no complete step)" in report(run)
+    key = sw.SeriesKey("train", "a", "param", "w")
+    sink = RunFile(path)
+    sink.send(StepRecord(0, 0.0, 0, (key,), np.ones((1, len(COLUMNS)))))
+    sink.close()
+    again = read_run(path)
+    assert (again.truncated, [r.step for r in again.records]) == (False, [0])
+    assert again.header["format"] == FORMAT
+
+
+def test_a_line_that_is_no_header_is_still_refused(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    path.write_bytes(b'{"format":"other"')
+    with pytest.raises(RunFileError, match="line 1: not a streamwatch run file"):
+        read_run(path)
+    with pytest.raises(RunFileError, match="not a streamwatch run file"):
+        RunFile(path)
+
+
+def test_report_names_the_first_value_of_a_resumed_session_in_its_own_record(tmp_path: Path) -> None:
+    """Two sessions in one file, the second resumed from an older checkpoint (its steps repeat the
+    first's): the report's "(+N more rows)" was counted in the first session's finite record of that
+    step number, and the certainty judged on the first session's records."""
+    path = tmp_path / "run.jsonl"
+    keys = tuple(sw.SeriesKey("train", f"l{i}", "activation", "") for i in range(3))
+    finite = np.zeros((3, len(COLUMNS)))
+    finite[:, 0] = 4
+    bad = finite.copy()
+    bad[:, 6] = 1  # every row non-finite
+    sink = RunFile(path)
+    for step in range(8):  # session 1: steps 0..7, every one in full
+        sink.send(StepRecord(step, 0.0, 0, keys, finite))
+    sink.send(StepRecord(6, 1.0, 0, keys, bad, start_step=4))  # session 2 from step 4: 4, 5 unrecorded
+    sink.close()
+    text = report(read_run(path))
+    line = next(line for line in text.splitlines() if line.startswith("first non-finite"))
+    assert line.startswith("first non-finite: step 6, rank 0, layer 'l0', kind activation, name '', ")
+    assert line.endswith(
+        "direction forward (+2 more rows); uncertain: the step before was not recorded in full"
+    )
+
+
+def test_a_pipe_is_refused_as_a_run_file(tmp_path: Path) -> None:
+    """A FIFO: opening it for writing waits for a reader (holding up every fork of the process meanwhile),
+    and a run file is read back and appended to, which a pipe cannot be."""
+    path = tmp_path / "run.jsonl"
+    os.mkfifo(path)
+    with pytest.raises(RunFileError, match="is a pipe"):
+        RunFile(path)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_child_forked_while_an_existing_file_is_scanned_does_not_keep_its_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Appending to an existing (large) file scans it under a shared lock: a child forked meanwhile kept
+    that lock, and the parent's first record was refused as "being written by another process"."""
+    import multiprocessing
+
+    import streamwatch.sinks._runfile as runfile
+
+    path = tmp_path / "run.jsonl"
+    key = sw.SeriesKey("train", "a", "param", "w")
+    first = RunFile(path)
+    first.send(StepRecord(0, 0.0, 0, (key,), np.zeros((1, len(COLUMNS)))))
+    first.close()
+    context = multiprocessing.get_context("fork")
+    started, release = context.Event(), context.Event()
+    children = []
+    real_scan = runfile._scan_for_append
+
+    def fork_then_scan(where: Path) -> Any:
+        child = context.Process(target=_wait_in_child, args=(started, release))
+        child.start()
+        children.append(child)
+        assert started.wait(60)
+        return real_scan(where)
+
+    monkeypatch.setattr(runfile, "_scan_for_append", fork_then_scan)
+    try:
+        second = RunFile(path)
+        second.send(StepRecord(1, 1.0, 0, (key,), np.ones((1, len(COLUMNS)))))
+        second.close()
+    finally:
+        release.set()
+        for child in children:
+            child.join(60)
+    assert [c.exitcode for c in children] == [0]
+    assert [r.step for r in read_run(path).records] == [0, 1]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_fork_while_this_thread_opens_a_run_file_does_not_deadlock() -> None:
+    """A fork from a signal handler that interrupted this thread's open() of a run file: the fork
+    handler takes the lock the open holds, which must be reentrant."""
+    script = textwrap.dedent(
+        """
+        import os
+        import streamwatch.sinks._runfile as runfile
+        with runfile._OPENING:  # as inside RunFile._open, when a signal handler forks
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        print("forked")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "forked"
+
+
 def test_special_floats_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "floats.jsonl"
     values = [0.0, -0.0, 1.0, -3.0, 0.1, 1e-310, 2.0**53, 2.0**60, -math.inf, math.inf, math.nan, 1 / 3]

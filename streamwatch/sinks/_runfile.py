@@ -248,6 +248,8 @@ def _scan_for_append(path: Path) -> _Scan:
             raise RunFileError(
                 f"cannot append to {error}; write to a new file, or remove or repair that line"
             ) from None
+    if good_end == 0:  # (a header cut short: written again from the start)
+        return _Scan({}, 0, size)
     columns = run.header.get("columns")
     if columns != list(COLUMNS):
         raise RunFileError(
@@ -280,8 +282,13 @@ def _check_path(path: Path) -> None:
             f"(pathlib.Path({str(path.parent)!r}).mkdir(parents=True)) or choose another path"
         )
     existed = os.path.lexists(path)
+    if existed and path.is_fifo():
+        raise RunFileError(
+            f"{where}: {path} is a pipe (FIFO): a run file is appended to and read back, which a pipe "
+            "cannot be (and opening it would wait for a reader); pass the path of a regular file"
+        )
     if existed and not path.is_file():
-        return  # a device or a pipe (e.g. /dev/full): opening may block; writes fail on the worker
+        return  # a device (e.g. /dev/full): writes fail on the worker, stopping only the sink
     try:
         with open(path, "ab"):
             pass
@@ -321,10 +328,11 @@ def _lock(f: IO[Any], path: Path, shared: bool = False) -> None:
 _WRITERS: weakref.WeakValueDictionary[Path, RunFile] = weakref.WeakValueDictionary()
 """The run files this process writes, by resolved path (a RunFile that is closed or gone writes no more)."""
 _WRITERS_LOCK = threading.Lock()
-_OPENING = threading.Lock()
+_OPENING = threading.RLock()
 """Held from a RunFile's ``open()`` until the descriptor is where the fork handler looks
 (``_opening``), and by a fork meanwhile: ``open()`` releases the GIL, so without it a fork could copy
-a descriptor the child's handler cannot find, whose lock would outlive the parent's ``close()``."""
+a descriptor the child's handler cannot find, whose lock would outlive the parent's ``close()``.
+Reentrant: a fork from a signal handler that interrupted this thread's ``open()`` does not deadlock."""
 
 
 def _after_fork_in_child() -> None:
@@ -334,7 +342,7 @@ def _after_fork_in_child() -> None:
     RunFiles refuse to write in the child (the parent writes them); ones not open yet work as usual."""
     global _WRITERS_LOCK, _OPENING
     _WRITERS_LOCK = threading.Lock()  # (another thread may have held it at the fork)
-    _OPENING = threading.Lock()  # (the forking thread held the parent's: this copy is never released)
+    _OPENING = threading.RLock()  # (the forking thread held the parent's: this copy is never released)
     try:
         files = [(w, w._file or w._opening) for w in list(_WRITERS.values())]
     except RuntimeError:  # (changed during the fork: nothing reliable to go by)
@@ -392,7 +400,7 @@ class RunFile(Sink):
         [0, 1]
     """
 
-    __slots__ = ("_edges", "_file", "_forked", "_fsync", "_ids", "_path", "_scan", "closed")
+    __slots__ = ("_edges", "_file", "_forked", "_fsync", "_ids", "_opening", "_path", "_scan", "closed")
 
     def __init__(self, path: str | Path, *, fsync: bool = False) -> None:
         self._path = Path(path)
@@ -411,13 +419,21 @@ class RunFile(Sink):
                     "or a second sink), not closed yet: each numbers its series itself, so two writers "
                     "would corrupt the file; give each its own file, or close the other first"
                 )
-            if self._path.is_file():  # another process appending now: said here, not at the first step
-                with open(self._path, "rb") as probe:
-                    _lock(probe, self._path, shared=True)
-                    self._scan = _scan_for_append(self._path)
-            else:
-                self._scan = _Scan({}, 0, 0)
-            _WRITERS[where] = self
+            self._scan = _Scan({}, 0, 0)
+            _WRITERS[where] = self  # (from here the fork handler sees the probe, _opening, below)
+            try:
+                if self._path.is_file():  # another process appending now: said here, not at the first step
+                    with _OPENING:
+                        self._opening = probe = open(self._path, "rb")  # noqa: SIM115 - closed below
+                    try:
+                        _lock(probe, self._path, shared=True)
+                        self._scan = _scan_for_append(self._path)
+                    finally:
+                        self._opening = None
+                        probe.close()
+            except BaseException:
+                del _WRITERS[where]
+                raise
         self._ids: dict[SeriesKey, int] = {key: i for i, key in self._scan.keys.items()}
         self._edges: Mapping[str, tuple[float, ...]] = self._scan.edges
 
@@ -429,7 +445,10 @@ class RunFile(Sink):
     @property
     def next_step(self) -> int:
         """The step after the file's last record when this sink was made (0 for a new or empty file):
-        ``observe(start_step=sink.next_step)`` numbers a run appended to it after the one before.
+        ``observe(start_step=sink.next_step)`` numbers a run appended to it after the one before's
+        records, so the file's step numbers keep increasing. The file knows only recorded steps: steps
+        trained after the last record, unsampled, are not counted. To go on from a trainer's own count,
+        pass its global step instead.
 
         Example:
             >>> import tempfile, pathlib, torch, streamwatch as sw
@@ -663,6 +682,19 @@ def _parse_step(
     )
 
 
+_HEADER_START = b'{"format":"' + FORMAT.encode() + b'"'
+
+
+def _cut_header(line: bytes) -> bool:
+    """Whether ``line``, the file's only and unterminated line, is a header cut short by a crash.
+
+    Example:
+        >>> _cut_header(b'{"format":"streamwatch-run","vers'), _cut_header(b'{"form'), _cut_header(b"hello")
+        (True, True, False)
+    """
+    return not line.endswith(b"\n") and (line.startswith(_HEADER_START) or _HEADER_START.startswith(line))
+
+
 def _read_lines(
     path: Path, f: IO[bytes], size: int, run: RunData, *, keep: bool
 ) -> tuple[dict[int, SeriesKey], int, Mapping[str, tuple[float, ...]]]:
@@ -709,6 +741,10 @@ def _read_lines(
             else:
                 raise ValueError(f"neither a keys nor a step line (fields {sorted(obj)})")
         except (ValueError, UnicodeDecodeError) as error:
+            if lineno == 1 and position >= size and _cut_header(raw):
+                run.truncated = True  # a crash or a full disk during the first write: no step recorded
+                run.problems.append(f"{path}: the header line was cut short: no step was recorded")
+                break
             if lineno == 1:
                 raise RunFileError(f"{path}: line 1: not a streamwatch run file: {error}") from None
             where = f"{path}: line {lineno}: {error} (last good step: {run.last_good_step})"
@@ -812,7 +848,10 @@ def report(run: RunData, *, top: int = 5) -> str:
     else:
         lines.append("steps recorded: 0")
     if run.truncated:
-        lines.append(f"truncated: yes (read up to step {run.last_good_step})")
+        last = run.last_good_step
+        lines.append(
+            "truncated: yes " + ("(no complete step)" if last is None else f"(read up to step {last})")
+        )
     lines.extend(f"problem: {problem}" for problem in run.problems)
     for name in ("loss", "accuracy"):
         found = next(((r.step, r.scalars[name]) for r in reversed(records) if name in r.scalars), None)
@@ -853,13 +892,17 @@ def report(run: RunData, *, top: int = 5) -> str:
 
     lines.append("")
     tracker = NonFiniteTracker(None, None)  # what the live watch's worker computed, from the same records
+    origin: StepRecord | None = None  # the record the first value is in (step numbers may repeat)
     for record in records:
+        before = tracker.first
         tracker.send(record)
+        if tracker.first is not before:
+            origin = record
     first = tracker.first
-    if first is None:
+    if first is None or origin is None:
         lines.append("first non-finite: none")
     else:
-        record = next(r for r in records if r.step == first.step and r.rank == first.rank)
+        record = origin
         bad = int(np.count_nonzero(record.column("nonfinite") > 0)) - (first.kind != "loss")
         more = f" (+{bad} more rows)" if bad > 0 else ""
         sure = "" if first.certain else "; uncertain: the step before was not recorded in full"
