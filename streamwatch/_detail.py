@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import math
 import os
 from collections.abc import Callable
 from typing import Literal, TypeAlias
@@ -42,7 +43,7 @@ from typing import Literal, TypeAlias
 import numpy as np
 import torch
 
-from streamwatch._families import ALL_LAYERS
+from streamwatch._families import ALL_LAYERS, STEPPED_WEIGHT_SUMSQ
 from streamwatch._record import PendingRecord, SeriesKey, StepRecord
 from streamwatch._summary import COLUMNS
 
@@ -67,6 +68,7 @@ DETAIL_MODES: tuple[DetailMode, ...] = ("all", "rank0", "local_rank0", "none")
 
 _ADDED = tuple(COLUMNS.index(c) for c in ("count", "sum", "sumsq", "zeros", "nonfinite", "units", "dead"))
 _MIN, _MAX = COLUMNS.index("min"), COLUMNS.index("max")
+_SUMSQ = COLUMNS.index("sumsq")
 _UNITS, _SAMPLES, _ACTIVE = COLUMNS.index("units"), COLUMNS.index("samples"), COLUMNS.index("active")
 
 
@@ -172,13 +174,36 @@ def this_rank_keeps_detail(detail: object) -> bool:
     return keeps_detail(checked, rank=rank, local_rank=local_rank, world_size=world_size)
 
 
+def _stepped_weight_sumsq(record: StepRecord) -> np.ndarray | None:
+    """Σ sumsq of the training weights with an ``update`` row in ``record`` (None without update rows).
+
+    Example:
+        >>> keys = tuple(SeriesKey("train", layer, kind, "weight")
+        ...              for layer, kind in (("head", "param"), ("body", "param"), ("head", "update")))
+        >>> table = np.zeros((3, len(COLUMNS))); table[:, COLUMNS.index("sumsq")] = [4.0, 100.0, 1e-4]
+        >>> _stepped_weight_sumsq(StepRecord(0, 0.0, 0, keys, table)).tolist()
+        [4.0]
+    """
+    stepped = {(k.layer, k.name) for k in record.keys if k.kind == "update" and k.phase == "train"}
+    if not stepped:
+        return None
+    rows = [
+        i
+        for i, k in enumerate(record.keys)
+        if k.kind == "param" and k.phase == "train" and (k.layer, k.name) in stepped
+    ]
+    column = record.table[rows, _SUMSQ] if rows else np.empty(0)
+    return np.array([float(np.nansum(column)) if rows else math.nan], dtype=np.float64)
+
+
 def reduce_record(record: StepRecord) -> StepRecord:
     """``record`` with one row per ``(phase, kind)`` under ``layer="__all__"`` in place of its per-layer
     rows: ``count``, ``sum``, ``sumsq``, ``zeros``, ``nonfinite``, ``units`` and ``dead`` added over the
     rows, ``min``/``max`` combined, ``active`` added and ``samples`` set so that ``activation_rate`` is the
     fraction of active (sample, unit) pairs over all the layers. Unknown (NaN) values are left out of a
     total, as PromQL's ``sum`` leaves out absent series; a total with no known value is unknown. Opt-in
-    metric values are dropped, except ``histogram`` bucket counts, which are added per ``(phase, kind)``.
+    metric values are dropped, except ``histogram`` bucket counts, which are added per ``(phase, kind)``;
+    the ``update`` total gets :data:`STEPPED_WEIGHT_SUMSQ`, the update/weight ratio's denominator.
     Step-level values (``scalars``) and ``edges`` are kept as they are.
 
     Example:
@@ -221,6 +246,9 @@ def reduce_record(record: StepRecord) -> StepRecord:
             extras[merged] = np.array(vector, dtype=np.float64)
         elif seen.shape == vector.shape:  # the buckets of one kind are the same for every layer
             extras[merged] = seen + vector
+    stepped = _stepped_weight_sumsq(record)
+    if stepped is not None:
+        extras[(SeriesKey("train", ALL_LAYERS, "update", ""), STEPPED_WEIGHT_SUMSQ)] = stepped
     for vector in extras.values():
         vector.setflags(write=False)
     positions = record.execution_order()  # each total runs where its first layer's row ran

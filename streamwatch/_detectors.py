@@ -40,6 +40,7 @@ from streamwatch._families import (
     LAYER_UPDATE_RATIO,
     LOSS_SPIKES,
     LOSS_ZSCORE,
+    STEPPED_WEIGHT_SUMSQ,
     UPDATE_RATIO_OUT_OF_BAND,
     Family,
 )
@@ -585,11 +586,13 @@ class UpdateRatioBand(Detector):
             return None
         sumsq = record.column("sumsq")
         n = len(names)
+        weights = np.bincount(index, weights=sumsq[params], minlength=n)
+        if names == _GLOBAL:  # a rank without per-layer detail: the total of the stepped weights only
+            stepped = record.extras.get((record.keys[updates[0]], STEPPED_WEIGHT_SUMSQ))
+            if stepped is not None and len(stepped):
+                weights = np.asarray(stepped[:1], dtype=np.float64)
         with np.errstate(all="ignore"):
-            ratio = np.sqrt(
-                np.bincount(index, weights=sumsq[updates], minlength=n)
-                / np.bincount(index, weights=sumsq[params], minlength=n)
-            )
+            ratio = np.sqrt(np.bincount(index, weights=sumsq[updates], minlength=n) / weights)
         return Values(names, tuple(ratio.tolist()))
 
     def samples(self, values: Values) -> list[Sample]:

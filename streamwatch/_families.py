@@ -41,6 +41,7 @@ __all__ = [
     "RESERVED_LABELS",
     "SELF_FAMILIES",
     "STEP",
+    "STEPPED_WEIGHT_SUMSQ",
     "TENSOR",
     "TENSOR_VALUES",
     "Family",
@@ -99,6 +100,11 @@ _TENSOR_KEY = ("phase", "layer", "kind", "param", "index")
 ALL_LAYERS = "__all__"
 """The ``layer`` of a row that totals every layer of one phase and kind: what ranks without per-layer
 detail serve (``observe(detail=...)``, docs/scale.md), and a scrape over the series budget falls back to."""
+
+STEPPED_WEIGHT_SUMSQ = "stepped_weight_sumsq"
+"""The ``stat`` of the extra a reduced record's ``update`` total carries: the sum of squares of the
+weights that have an update row, the update/weight ratio's denominator (every weight's would count a
+frozen backbone's, which has no update, and dilute the ratio out of its band)."""
 
 INFO = _gauge("info", "Process identity of a streamwatch exporter", "version")
 TENSOR = _gauge(

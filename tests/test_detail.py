@@ -241,6 +241,41 @@ def test_the_totals_are_torch_over_every_layer() -> None:
     assert {"streamwatch_loss", "streamwatch_step_seconds", "streamwatch_step_phase_seconds"} <= names
 
 
+def test_without_detail_the_update_ratio_is_over_the_stepped_weights_only() -> None:
+    """Fine-tuning a head on a frozen body (left in the optimizer's groups, without gradients: no
+    update row): the ``__all__`` ratio divided the head's update by every weight, the body's too, and
+    read out of band where every layer's was in it."""
+    model, _ = _mlp()
+    body = model[0]
+    for p in body.parameters():
+        p.requires_grad_(False)
+        p.data.mul_(30.0)  # a large pretrained body: the dilution is well out of the band
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with sw.observe(model, opt, detail="none", cadence={"param": 1, "update": 1}, every=1) as watch:
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        stepped = [p for p in model.parameters() if p.requires_grad]  # the layers after the body
+        before = [p.detach().clone() for p in stepped]
+        opt.step()
+        watch.step()
+        assert watch.flush()
+    after = [p.detach().double() for p in stepped]
+    update = sum(float((a - b.double()).pow(2).sum()) for a, b in zip(after, before, strict=True))
+    weight = sum(float(a.pow(2).sum()) for a in after)
+    diluted = weight + sum(float(p.double().pow(2).sum()) for p in body.parameters())
+    ratios = {
+        s.name: s.value
+        for s in watch.snapshot()
+        if s.name in ("streamwatch_layer_update_ratio", "streamwatch_update_ratio_out_of_band")
+        and s.labels["layer"] == ALL_LAYERS
+    }
+    assert ratios["streamwatch_layer_update_ratio"] == pytest.approx((update / weight) ** 0.5, rel=1e-5)
+    assert (update / diluted) ** 0.5 < 0.1 * (update / weight) ** 0.5  # what it read before
+    assert ratios["streamwatch_update_ratio_out_of_band"] == 0.0
+
+
 def test_a_mixed_job_gets_the_same_global_norms_from_either_kind_of_rank() -> None:
     """The same training observed with and without detail: the per-layer sums of squares add up to the
     total (what ``sum by (run, rank)`` over a rank's series returns in PromQL, either way)."""
