@@ -175,7 +175,8 @@ def this_rank_keeps_detail(detail: object) -> bool:
 
 
 def _stepped_weight_sumsq(record: StepRecord) -> np.ndarray | None:
-    """Σ sumsq of the training weights with an ``update`` row in ``record`` (None without update rows).
+    """Σ sumsq of the training weights with an ``update`` row in ``record`` (None without update rows or
+    without their weights' rows; NaN if none of those is known).
 
     Example:
         >>> keys = tuple(SeriesKey("train", layer, kind, "weight")
@@ -192,8 +193,11 @@ def _stepped_weight_sumsq(record: StepRecord) -> np.ndarray | None:
         for i, k in enumerate(record.keys)
         if k.kind == "param" and k.phase == "train" and (k.layer, k.name) in stepped
     ]
-    column = record.table[rows, _SUMSQ] if rows else np.empty(0)
-    return np.array([float(np.nansum(column)) if rows else math.nan], dtype=np.float64)
+    if not rows:
+        return None  # (no weight rows this step, another cadence: the last known value stays served)
+    column = record.table[rows, _SUMSQ]
+    known = ~np.isnan(column)
+    return np.array([float(column[known].sum()) if known.any() else math.nan], dtype=np.float64)
 
 
 def reduce_record(record: StepRecord) -> StepRecord:

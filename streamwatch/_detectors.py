@@ -40,9 +40,9 @@ from streamwatch._families import (
     LAYER_UPDATE_RATIO,
     LOSS_SPIKES,
     LOSS_ZSCORE,
-    STEPPED_WEIGHT_SUMSQ,
     UPDATE_RATIO_OUT_OF_BAND,
     Family,
+    stepped_weight_sumsq,
 )
 from streamwatch._kernel import _module_function
 from streamwatch._pipeline import Operator, Pipeline, Sink, describe, source
@@ -588,9 +588,9 @@ class UpdateRatioBand(Detector):
         n = len(names)
         weights = np.bincount(index, weights=sumsq[params], minlength=n)
         if names == _GLOBAL:  # a rank without per-layer detail: the total of the stepped weights only
-            stepped = record.extras.get((record.keys[updates[0]], STEPPED_WEIGHT_SUMSQ))
-            if stepped is not None and len(stepped):
-                weights = np.asarray(stepped[:1], dtype=np.float64)
+            stepped = stepped_weight_sumsq(record, record.keys[updates[0]])
+            if stepped is not None:
+                weights = np.array([stepped])
         with np.errstate(all="ignore"):
             ratio = np.sqrt(np.bincount(index, weights=sumsq[updates], minlength=n) / weights)
         return Values(names, tuple(ratio.tolist()))

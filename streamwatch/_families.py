@@ -20,12 +20,13 @@ Example:
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from streamwatch._record import Sample
+from streamwatch._record import Sample, SeriesKey, StepRecord
 
 __all__ = [
     "ALL_LAYERS",
@@ -48,6 +49,7 @@ __all__ = [
     "check_served",
     "scalar_sample",
     "served_family",
+    "stepped_weight_sumsq",
 ]
 
 IDENTITY = ("run", "rank", "local_rank", "world_size", "host")
@@ -105,6 +107,28 @@ STEPPED_WEIGHT_SUMSQ = "stepped_weight_sumsq"
 """The ``stat`` of the extra a reduced record's ``update`` total carries: the sum of squares of the
 weights that have an update row, the update/weight ratio's denominator (every weight's would count a
 frozen backbone's, which has no update, and dilute the ratio out of its band)."""
+
+
+def stepped_weight_sumsq(record: StepRecord, key: SeriesKey) -> float | None:
+    """The :data:`STEPPED_WEIGHT_SUMSQ` that ``record``'s update row ``key`` carries (a reduced record's
+    ``__all__`` total), if known: an update/weight ratio divides by it rather than every weight's.
+
+    Example:
+        >>> import numpy as np
+        >>> from streamwatch import SeriesKey, StepRecord
+        >>> key = SeriesKey("train", ALL_LAYERS, "update", "")
+        >>> extras = {(key, STEPPED_WEIGHT_SUMSQ): np.array([4.0])}
+        >>> record = StepRecord(0, 0.0, 0, (key,), np.zeros((1, 11)), extras=extras)
+        >>> empty = StepRecord(0, 0.0, 0, (), np.zeros((0, 11)))
+        >>> stepped_weight_sumsq(record, key), stepped_weight_sumsq(empty, key)
+        (4.0, None)
+    """
+    value = record.extras.get((key, STEPPED_WEIGHT_SUMSQ))
+    if value is None or not len(value):
+        return None
+    total = float(value[0])
+    return total if math.isfinite(total) else None
+
 
 INFO = _gauge("info", "Process identity of a streamwatch exporter", "version")
 TENSOR = _gauge(

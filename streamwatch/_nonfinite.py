@@ -276,7 +276,6 @@ class NonFiniteTracker(Sink):
         self.reaction: Reaction | None = reaction
         self.first: FirstNonFinite | None = None
         self.episode: FirstNonFinite | None = None  # the latest episode's first value
-        self._kinds: set[str] = set()  # the training kinds seen so far: a record with all of them is full
         # by rank (a run file may hold several ranks' records, interleaved): the last step recorded in full
         # with finite values, and whether the rank's last record had a non-finite value
         self._last_full_finite: dict[int, int] = {}
@@ -284,6 +283,8 @@ class NonFiniteTracker(Sink):
         self.failures: list[tuple[str, BaseException]] = []
         self._in_episode: dict[int, bool] = {}
         self._session: dict[int, tuple[int, int]] = {}  # by rank: (start_step, step) of its last record
+        # by rank: the training kinds of its session so far (a record with all of them is full)
+        self._rank_kinds: dict[int, set[str]] = {}
         self._lock = threading.Lock()
         self._verdicts: collections.deque[FirstNonFinite] = collections.deque(maxlen=16)
 
@@ -291,17 +292,19 @@ class NonFiniteTracker(Sink):
         """Look at one record (the worker thread)."""
         record: StepRecord = item
         kinds = _train_kinds(record.keys)
-        self._kinds |= kinds
-        full = bool(kinds) and kinds >= self._kinds
         rank = record.rank
         session = (record.start_step, record.step)
         last = self._session.get(rank)
         if last is not None and (session[0] != last[0] or session[1] <= last[1]):
             # a new session of this rank (a resumed run appended to the same file): what the last one
-            # recorded says nothing about what came before this one's records
+            # recorded says nothing about what came before this one's records, nor which kinds it taps
             self._last_full_finite.pop(rank, None)
             self._in_episode[rank] = False
+            self._rank_kinds[rank] = set()
         self._session[rank] = session
+        seen = self._rank_kinds.setdefault(rank, set())
+        seen |= kinds
+        full = bool(kinds) and kinds >= seen
         found = find_first(record)
         if found is None:
             self._in_episode[rank] = False
@@ -312,7 +315,7 @@ class NonFiniteTracker(Sink):
         # finite values (or this is the first step), and this record holds every kind that runs up to
         # the value's direction (a step may end early: a loop that skips the backward of a NaN loss).
         order = DIRECTIONS.index(direction_of(found.kind))
-        needed = {kind for kind in self._kinds if DIRECTIONS.index(direction_of(kind)) <= order}
+        needed = {kind for kind in seen if DIRECTIONS.index(direction_of(kind)) <= order}
         previous = self._last_full_finite.get(rank)
         certain = kinds >= needed and (record.step == record.start_step or previous == record.step - 1)
         found = dataclasses.replace(found, certain=certain)

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
+from streamwatch._families import ALL_LAYERS, stepped_weight_sumsq
+
 if TYPE_CHECKING:
     from streamwatch.sinks._runfile import RunData
 
@@ -108,6 +110,11 @@ def series(run: RunData) -> Series:
             elif key.kind == "activation" and not math.isnan(dead[i]):
                 name = layer + (f"[{key.name}]" if key.name else "")
                 out["dead"].setdefault(name, [math.nan] * n)[j] = float(dead[i])
+        for key in record.keys:  # a reduced record's total: over the stepped weights
+            if key.kind == "update" and key.layer == ALL_LAYERS and key.phase == "train":
+                stepped = stepped_weight_sumsq(record, key)
+                if stepped is not None:
+                    params[(_layer_name(key.layer), key.name)] = stepped
         totals: dict[str, list[float]] = {}
         for (layer, name), u in updates.items():
             if (layer, name) in params:

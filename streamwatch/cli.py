@@ -239,9 +239,9 @@ def _report(args: argparse.Namespace) -> int:
     run = read_run(path)
     print(report(run, top=args.top))
     if run.truncated:
-        print(
-            f"note: {path} ends in a truncated record; read up to step {run.last_good_step}", file=sys.stderr
-        )
+        last = run.last_good_step
+        where = "no complete step" if last is None else f"read up to step {last}"
+        print(f"note: {path} ends in a truncated record; {where}", file=sys.stderr)
     return 0
 
 

@@ -241,17 +241,23 @@ def test_the_totals_are_torch_over_every_layer() -> None:
     assert {"streamwatch_loss", "streamwatch_step_seconds", "streamwatch_step_phase_seconds"} <= names
 
 
-def test_without_detail_the_update_ratio_is_over_the_stepped_weights_only() -> None:
+def test_without_detail_the_update_ratio_is_over_the_stepped_weights_only(tmp_path: Path) -> None:
     """Fine-tuning a head on a frozen body (left in the optimizer's groups, without gradients: no
     update row): the ``__all__`` ratio divided the head's update by every weight, the body's too, and
     read out of band where every layer's was in it."""
+    from streamwatch._plot import series
+
+    path = tmp_path / "run.jsonl"
     model, _ = _mlp()
     body = model[0]
     for p in body.parameters():
         p.requires_grad_(False)
         p.data.mul_(30.0)  # a large pretrained body: the dilution is well out of the band
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with sw.observe(model, opt, detail="none", cadence={"param": 1, "update": 1}, every=1) as watch:
+    observed = sw.observe(
+        model, opt, detail="none", cadence={"param": 1, "update": 1}, every=1, sinks=[RunFile(path)]
+    )
+    with observed as watch:
         g = torch.Generator().manual_seed(1)
         x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
         opt.zero_grad()
@@ -271,9 +277,46 @@ def test_without_detail_the_update_ratio_is_over_the_stepped_weights_only() -> N
         if s.name in ("streamwatch_layer_update_ratio", "streamwatch_update_ratio_out_of_band")
         and s.labels["layer"] == ALL_LAYERS
     }
-    assert ratios["streamwatch_layer_update_ratio"] == pytest.approx((update / weight) ** 0.5, rel=1e-5)
+    served = [
+        s.value
+        for s in watch.snapshot()
+        if s.name == "streamwatch_tensor"
+        and s.labels["layer"] == ALL_LAYERS
+        and s.labels["stat"] == "update_ratio"
+    ]
+    want = pytest.approx((update / weight) ** 0.5, rel=1e-5)
+    assert ratios["streamwatch_layer_update_ratio"] == want  # the detector
+    assert served == [want]  # the derived metric (the layers dashboard's panel)
+    assert series(read_run(path))["update_ratio"] == {ALL_LAYERS: [want]}  # streamwatch plot
     assert (update / diluted) ** 0.5 < 0.1 * (update / weight) ** 0.5  # what it read before
     assert ratios["streamwatch_update_ratio_out_of_band"] == 0.0
+
+
+def test_the_stepped_weights_stay_served_between_weight_samples_and_are_unknown_when_no_weight_is() -> None:
+    """Updates sampled every step, weights one step in 10: a record with update rows and no weight
+    rows carried NaN, which replaced the last known value (the series flapped); weights whose sums are all
+    unknown gave 0, not unknown."""
+    from streamwatch._detail import _stepped_weight_sumsq
+
+    model, opt = _mlp()
+    with sw.observe(model, opt, detail="none", cadence={"update": 1, "param": 10}, every=1) as watch:
+        for step in range(12):
+            _train(model, opt, watch)
+            assert watch.flush()
+            served = [
+                s.value
+                for s in watch.snapshot()
+                if s.labels.get("layer") == ALL_LAYERS and s.labels.get("stat") == "stepped_weight_sumsq"
+            ]
+            assert len(served) == 1, step
+            assert served[0] > 0
+    keys = (SeriesKey("train", "a", "param", "w"), SeriesKey("train", "a", "update", "w"))
+    table = np.zeros((2, len(COLUMNS)))
+    table[0, COLUMNS.index("sumsq")] = np.nan
+    stepped = _stepped_weight_sumsq(StepRecord(0, 0.0, 0, keys, table))
+    assert stepped is not None
+    assert np.isnan(stepped).tolist() == [True]
+    assert _stepped_weight_sumsq(StepRecord(0, 0.0, 0, keys[1:], table[1:])) is None
 
 
 def test_a_mixed_job_gets_the_same_global_norms_from_either_kind_of_rank() -> None:

@@ -252,6 +252,30 @@ def test_a_resumed_session_is_judged_without_the_last_sessions_records() -> None
     assert (tracker.first.step, tracker.first.certain) == (8, False)
 
 
+def test_a_resumed_session_is_full_with_its_own_kinds() -> None:
+    """The first session tapped the opt-in ``input`` kind, the resumed one does not: judged with the run's
+    kinds, none of the second session's records was "full", and its first NaN, at its start, read as
+    uncertain where the live watch had said certain."""
+    from streamwatch import SeriesKey, StepRecord
+    from streamwatch._nonfinite import NonFiniteTracker
+
+    def record(step: int, start: int, kinds: tuple[str, ...], bad: bool = False) -> StepRecord:
+        keys = tuple(SeriesKey("train", "fc", kind, "") for kind in kinds)
+        table = np.zeros((len(keys), 11))
+        table[:, 0] = 4
+        if bad:
+            table[kinds.index("activation"), 6] = 1
+        return StepRecord(step, 0.0, 0, keys, table, start_step=start)
+
+    tracker = NonFiniteTracker(None, None)
+    for step in range(4):
+        tracker.send(record(step, 0, ("input", "activation", "param_grad")))
+    for step in range(4, 8):
+        tracker.send(record(step, 4, ("activation", "param_grad"), bad=step == 6))
+    assert tracker.first is not None
+    assert (tracker.first.step, tracker.first.certain) == (6, True)
+
+
 @pytest.mark.parametrize("fault", sorted(CASES))
 def test_with_the_default_cadence_a_recurring_fault_is_pinned_down_by_the_escalation(fault: str) -> None:
     """Updates are sampled on one step in 10 by default: at step 5 the record cannot rule out that step

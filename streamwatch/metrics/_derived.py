@@ -18,15 +18,18 @@ from collections.abc import Callable
 
 import numpy as np
 
-from streamwatch._families import ALL_LAYERS, LAYER_MEAN, TENSOR
+from streamwatch._families import ALL_LAYERS, LAYER_MEAN, TENSOR, stepped_weight_sumsq
 from streamwatch._record import Sample, SeriesKey, StepRecord
 
 __all__ = ["DEFAULT_METRICS", "DERIVED", "layer_mean", "update_ratio"]
 
 
 @functools.lru_cache(maxsize=16)
-def _ratio_rows(keys: tuple[SeriesKey, ...]) -> tuple[np.ndarray, np.ndarray, list[dict[str, str]]]:
-    """(update rows, their weight rows, the update rows' labels) of a record layout (cached)."""
+def _ratio_rows(
+    keys: tuple[SeriesKey, ...],
+) -> tuple[np.ndarray, np.ndarray, list[dict[str, str]], tuple[int, ...]]:
+    """(update rows, their weight rows, the update rows' labels, the positions among them of
+    ``__all__`` totals) of a record layout (cached)."""
     weights = {(k.layer, k.name): i for i, k in enumerate(keys) if k.kind == "param"}
     pairs = [
         (i, weights[(k.layer, k.name)])
@@ -35,7 +38,8 @@ def _ratio_rows(keys: tuple[SeriesKey, ...]) -> tuple[np.ndarray, np.ndarray, li
     ]
     updates = np.array([i for i, _ in pairs], dtype=np.intp)
     params = np.array([j for _, j in pairs], dtype=np.intp)
-    return updates, params, [{**keys[i].labels(), "stat": "update_ratio"} for i, _ in pairs]
+    totals = tuple(n for n, (i, _) in enumerate(pairs) if keys[i].layer == ALL_LAYERS)
+    return updates, params, [{**keys[i].labels(), "stat": "update_ratio"} for i, _ in pairs], totals
 
 
 def update_ratio(record: StepRecord) -> list[Sample]:
@@ -50,12 +54,17 @@ def update_ratio(record: StepRecord) -> list[Sample]:
         >>> [(s.labels["kind"], s.labels["stat"], round(s.value, 6)) for s in samples]
         [('update', 'update_ratio', 0.001)]
     """
-    updates, params, labels = _ratio_rows(record.keys)
+    updates, params, labels, totals = _ratio_rows(record.keys)
     if not updates.size:
         return []
     sumsq = record.column("sumsq")
+    weights = sumsq[params]  # (a copy: fancy indexing)
+    for n in totals:  # a reduced record's total: over the weights that were stepped
+        stepped = stepped_weight_sumsq(record, record.keys[int(updates[n])])
+        if stepped is not None:
+            weights[n] = stepped
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratios = np.sqrt(sumsq[updates] / sumsq[params])
+        ratios = np.sqrt(sumsq[updates] / weights)
     # 0/0 (an empty or all-zero weight): absent, never NaN
     return [Sample(TENSOR.name, lab, float(r)) for lab, r in zip(labels, ratios, strict=True) if r == r]
 
