@@ -20,7 +20,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -111,7 +110,8 @@ frozen backbone's, which has no update, and dilute the ratio out of its band).""
 
 def stepped_weight_sumsq(record: StepRecord, key: SeriesKey) -> float | None:
     """The :data:`STEPPED_WEIGHT_SUMSQ` that ``record``'s update row ``key`` carries (a reduced record's
-    ``__all__`` total), if known: an update/weight ratio divides by it rather than every weight's.
+    ``__all__`` total); None if it carries none. An update/weight ratio divides by it rather than every
+    weight's; a NaN (no stepped weight's sum known) makes the ratio unknown, never the diluted one.
 
     Example:
         >>> import numpy as np
@@ -126,8 +126,7 @@ def stepped_weight_sumsq(record: StepRecord, key: SeriesKey) -> float | None:
     value = record.extras.get((key, STEPPED_WEIGHT_SUMSQ))
     if value is None or not len(value):
         return None
-    total = float(value[0])
-    return total if math.isfinite(total) else None
+    return float(value[0])
 
 
 INFO = _gauge("info", "Process identity of a streamwatch exporter", "version")

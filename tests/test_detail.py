@@ -317,6 +317,18 @@ def test_the_stepped_weights_stay_served_between_weight_samples_and_are_unknown_
     assert stepped is not None
     assert np.isnan(stepped).tolist() == [True]
     assert _stepped_weight_sumsq(StepRecord(0, 0.0, 0, keys[1:], table[1:])) is None
+    # a reduced record whose stepped weights' sum is unknown has no ratio (not the all-weights one)
+    from streamwatch.metrics._derived import update_ratio
+
+    totals = (SeriesKey("train", ALL_LAYERS, "param", ""), SeriesKey("train", ALL_LAYERS, "update", ""))
+    reduced = np.zeros((2, len(COLUMNS)))
+    reduced[:, COLUMNS.index("sumsq")] = [900.0, 4e-6]
+    unknown = {(totals[1], "stepped_weight_sumsq"): np.array([np.nan])}
+    assert update_ratio(StepRecord(0, 0.0, 0, totals, reduced, extras=unknown)) == []
+    known = {(totals[1], "stepped_weight_sumsq"): np.array([4.0])}
+    assert [s.value for s in update_ratio(StepRecord(0, 0.0, 0, totals, reduced, extras=known))] == [
+        pytest.approx(1e-3)
+    ]
 
 
 def test_a_mixed_job_gets_the_same_global_norms_from_either_kind_of_rank() -> None:
