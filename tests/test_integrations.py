@@ -418,38 +418,57 @@ class _HFNet(nn.Module):
         return out
 
 
+def _hf_trainer(
+    tmp_path: Path,
+    callbacks: list[Any],
+    train: TensorDataset,
+    val: TensorDataset | None = None,
+    model: nn.Module | None = None,
+    **arguments: Any,
+) -> Any:
+    """A CPU ``transformers.Trainer`` of ``model`` (an ``_HFNet``) on ``train`` (and ``val``): batches of 4,
+    learning rate 0.1, no checkpoints, no report, seed 0, unless ``arguments`` say otherwise."""
+    transformers = pytest.importorskip("transformers")
+    settings: dict[str, Any] = {
+        "output_dir": str(tmp_path),
+        "per_device_train_batch_size": 4,
+        "learning_rate": 0.1,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "seed": 0,
+    }
+    return transformers.Trainer(
+        model=model if model is not None else _HFNet(),
+        args=transformers.TrainingArguments(**(settings | arguments)),
+        train_dataset=[{"x": x, "labels": y} for x, y in train],
+        eval_dataset=None if val is None else [{"x": x, "labels": y} for x, y in val],
+        callbacks=callbacks,
+    )
+
+
 @pytest.mark.parametrize("logging_steps", [1, 2])
 def test_transformers_one_record_per_optimizer_step_with_the_logged_loss(
     tmp_path: Path, logging_steps: int
 ) -> None:
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from streamwatch.integrations.transformers import StreamwatchCallback
 
     records = sw.sinks.collect()
     callback = StreamwatchCallback(sinks=[records], every=1)
-    train, val = _dataset(20, seed=1), _dataset(8, seed=2)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,  # 5 micro-batches an epoch: optimizer steps after 2, 2 and 1
+    model = _HFNet()
+    trainer = _hf_trainer(  # 5 micro-batches of 4 an epoch: optimizer steps after 2, 2 and 1
+        tmp_path,
+        [callback],
+        _dataset(20, seed=1),
+        _dataset(8, seed=2),
+        model,
         gradient_accumulation_steps=2,
         num_train_epochs=2,
-        learning_rate=0.1,
         logging_steps=logging_steps,
         eval_strategy="steps",
         eval_steps=2,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-    )
-    model = _HFNet()
-    trainer = transformers.Trainer(
-        model=model,
-        args=args,
-        train_dataset=[{"x": x, "labels": y} for x, y in train],
-        eval_dataset=[{"x": x, "labels": y} for x, y in val],
-        callbacks=[callback],
     )
     trainer.train()
     watch = callback.watch
@@ -489,27 +508,17 @@ def test_transformers_resumed_run_numbers_its_records_from_the_checkpoint(tmp_pa
     """A run resumed with ``train(resume_from_checkpoint=...)`` goes on from the checkpoint's step, as
     the Trainer's own logs do: its records are not numbered from 0 again (a run file appended to, a
     TensorBoard directory and the dashboards would show the two runs on top of each other)."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from streamwatch.integrations.transformers import StreamwatchCallback
 
     def run(epochs: int, callbacks: list[Any], resume: str | None = None) -> Any:
-        args = transformers.TrainingArguments(
-            output_dir=str(tmp_path),
-            per_device_train_batch_size=4,  # 3 optimizer steps an epoch
+        trainer = _hf_trainer(  # 3 optimizer steps an epoch
+            tmp_path,
+            callbacks,
+            _dataset(12, seed=1),
             num_train_epochs=epochs,
-            learning_rate=0.1,
             logging_steps=1,
             save_strategy="epoch",
-            report_to=[],
-            use_cpu=True,
-            disable_tqdm=True,
-            seed=0,
-        )
-        trainer = transformers.Trainer(
-            model=_HFNet(),
-            args=args,
-            train_dataset=[{"x": x, "labels": y} for x, y in _dataset(12, seed=1)],
-            callbacks=callbacks,
         )
         trainer.train(resume_from_checkpoint=resume)
         return trainer
@@ -544,29 +553,14 @@ def test_transformers_a_sink_that_failed_during_training_is_warned_not_raised_at
 ) -> None:
     """As with Lightning: ``trainer.train()`` raised the PipelineError after training had finished, so a
     script's ``trainer.save_model()`` after it never ran."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from streamwatch.integrations.transformers import StreamwatchCallback
 
     def broken(record: sw.StepRecord) -> None:
         raise ValueError("the sink broke")
 
     callback = StreamwatchCallback(sinks=[sw.sinks.callback(broken)], every=1)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_train_epochs=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-    )
-    trainer = transformers.Trainer(
-        model=_HFNet(),
-        args=args,
-        train_dataset=[{"x": x, "labels": y} for x, y in _dataset(12, seed=1)],
-        callbacks=[callback],
-    )
+    trainer = _hf_trainer(tmp_path, [callback], _dataset(12, seed=1), num_train_epochs=1)
     with pytest.warns(RuntimeWarning) as warned:
         trainer.train()
     assert any("the run finished, but part of its monitoring failed" in str(w.message) for w in warned)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -317,6 +318,38 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path: Path) -> None:
     assert [r.step for r in read_run(path).records] == [0, 1]
 
 
+@contextlib.contextmanager
+def _a_child_forked_in(monkeypatch: pytest.MonkeyPatch, name: str) -> Iterator[None]:
+    """Within: the first call of the run-file module's function ``name`` forks a child first (as a
+    ``DataLoader`` starting its workers would), which lives on until the end of the block; every child
+    must then exit cleanly."""
+    import multiprocessing
+
+    import streamwatch.sinks._runfile as runfile
+
+    context = multiprocessing.get_context("fork")
+    started, release = context.Event(), context.Event()
+    children: list[Any] = []
+    real = getattr(runfile, name)
+
+    def forking(*args: Any, **kwargs: Any) -> Any:
+        if not children:
+            child = context.Process(target=_wait_in_child, args=(started, release))
+            child.start()
+            children.append(child)
+            assert started.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runfile, name, forking)
+    try:
+        yield
+    finally:
+        release.set()
+        for child in children:
+            child.join(60)
+    assert [c.exitcode for c in children] == [0]
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
 def test_a_child_forked_while_the_lock_is_taken_does_not_keep_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -324,38 +357,15 @@ def test_a_child_forked_while_the_lock_is_taken_does_not_keep_it(
     """The first write opens the file, then locks it: a fork in between (DataLoader workers starting
     while the worker thread writes the first record) left the child a descriptor the fork handler did
     not know of yet, and the lock outlived the parent's close()."""
-    import multiprocessing
-
-    import streamwatch.sinks._runfile as runfile
-
-    context = multiprocessing.get_context("fork")
-    started, release = context.Event(), context.Event()
-    children = []
-    real_lock = runfile._lock
-
-    def fork_then_lock(f: Any, path: Path) -> None:  # the fork lands between open() and flock
-        child = context.Process(target=_wait_in_child, args=(started, release))
-        child.start()
-        children.append(child)
-        assert started.wait(60)
-        real_lock(f, path)
-
-    monkeypatch.setattr(runfile, "_lock", fork_then_lock)
     path = tmp_path / "run.jsonl"
     key = sw.SeriesKey("train", "a", "param", "w")
-    try:
+    with _a_child_forked_in(monkeypatch, "_lock"):  # the fork lands between open() and flock
         first = RunFile(path)
         first.send(StepRecord(0, 0.0, 0, (key,), np.zeros((1, len(COLUMNS)))))
         first.close()
-        monkeypatch.setattr(runfile, "_lock", real_lock)
         second = RunFile(path)  # refused before: "being written by another process"
         second.send(StepRecord(1, 1.0, 0, (key,), np.ones((1, len(COLUMNS)))))
         second.close()
-    finally:
-        release.set()
-        for child in children:
-            child.join(60)
-    assert [c.exitcode for c in children] == [0]
     assert [r.step for r in read_run(path).records] == [0, 1]
 
 
@@ -480,37 +490,15 @@ def test_a_child_forked_while_an_existing_file_is_scanned_does_not_keep_its_lock
 ) -> None:
     """Appending to an existing (large) file scans it under a shared lock: a child forked meanwhile kept
     that lock, and the parent's first record was refused as "being written by another process"."""
-    import multiprocessing
-
-    import streamwatch.sinks._runfile as runfile
-
     path = tmp_path / "run.jsonl"
     key = sw.SeriesKey("train", "a", "param", "w")
     first = RunFile(path)
     first.send(StepRecord(0, 0.0, 0, (key,), np.zeros((1, len(COLUMNS)))))
     first.close()
-    context = multiprocessing.get_context("fork")
-    started, release = context.Event(), context.Event()
-    children = []
-    real_scan = runfile._scan_for_append
-
-    def fork_then_scan(where: Path) -> Any:
-        child = context.Process(target=_wait_in_child, args=(started, release))
-        child.start()
-        children.append(child)
-        assert started.wait(60)
-        return real_scan(where)
-
-    monkeypatch.setattr(runfile, "_scan_for_append", fork_then_scan)
-    try:
+    with _a_child_forked_in(monkeypatch, "_scan_for_append"):
         second = RunFile(path)
         second.send(StepRecord(1, 1.0, 0, (key,), np.ones((1, len(COLUMNS)))))
         second.close()
-    finally:
-        release.set()
-        for child in children:
-            child.join(60)
-    assert [c.exitcode for c in children] == [0]
     assert [r.step for r in read_run(path).records] == [0, 1]
 
 
