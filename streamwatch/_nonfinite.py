@@ -34,6 +34,7 @@ import functools
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -376,11 +377,15 @@ class Sentinel:
     """A finite check of the loss (and optionally the global gradient norm) on every step.
 
     :meth:`check` returns the steps whose check failed, as soon as that is known: at once on the CPU (or
-    for a Python number), a few steps later on CUDA, where the flag is copied without blocking into a
-    pinned ring slot and read once its event has completed (``event.query()``: the training thread
-    never waits). When every slot is still in flight (the host more than ``slots`` steps ahead of the
-    device), the step's flag is OR-ed into a carry on the device and the whole range is reported at the
-    step of its first member.
+    for a Python number), later on CUDA. There a step leaves a *probe* (the loss itself, a view: no
+    kernel; with ``grad_norm``, the gradients' largest magnitude too), non-finite exactly when the step
+    failed. Probes are checked in batches, one ``isfinite`` over ``batch`` steps (or the steps of
+    ``batch_seconds``, whichever is first): a launch-bound step pays a few kernel launches per batch, not
+    per step. The batch's flags are copied without blocking into a pinned ring slot and read once its
+    event has completed (``event.query()``: the training thread never waits). When every slot is still
+    in flight (the host more than ``slots`` batches ahead of the device), the batch is folded into a
+    carry on the device and the whole range is reported at the step of its first member.
+    :meth:`drain` (at ``close()``) checks what is left, waiting for the device.
 
     Example:
         >>> sentinel = Sentinel(grad_norm=False)
@@ -390,15 +395,19 @@ class Sentinel:
         ([], 1)
     """
 
-    def __init__(self, grad_norm: bool, slots: int = 8) -> None:
+    def __init__(self, grad_norm: bool, slots: int = 8, batch: int = 16, batch_seconds: float = 0.05) -> None:
         self.grad_norm = grad_norm
         self.slots = slots
+        self.batch = batch
+        self.batch_seconds = batch_seconds
         self.trips = 0
-        self._pinned: torch.Tensor | None = None
+        self._pinned: torch.Tensor | None = None  # (slots, batch + 1): a batch's flags, after a carry's
         self._events: list[Any] = []
         self._free: list[int] = []
-        self._pending: collections.deque[tuple[int, int]] = collections.deque()  # (slot, first step)
-        self._carry: torch.Tensor | None = None
+        self._pending: collections.deque[tuple[int, list[int]]] = collections.deque()  # (slot, steps)
+        self._probes: list[tuple[int, torch.Tensor]] = []  # (step, probe) not yet checked
+        self._since = 0.0  # when the first of ``_probes`` came
+        self._carry: torch.Tensor | None = None  # (1,) bool on the device: every carried step finite
         self._carry_first = 0
         self.grads_tripped = False
         """Whether the last :meth:`check` tripped on its gradients (CPU), its loss being finite or not
@@ -407,95 +416,148 @@ class Sentinel:
     @property
     def idle(self) -> bool:
         """Whether a step with a finite CPU loss (or none) has nothing for :meth:`check` to do: no
-        gradient-norm check, no device flag in flight."""
-        return not self.grad_norm and not self._pending and self._carry is None
+        gradient-norm check, no device probe waiting or in flight."""
+        return not self.grad_norm and not self._pending and not self._probes and self._carry is None
 
     def check(self, step: int, loss: torch.Tensor | float | None, grads: Iterable[torch.Tensor]) -> list[int]:
         """Check ``step``'s loss (and gradients, if ``grad_norm``); the steps now known to have failed."""
-        flag: torch.Tensor | None = None
+        probes: list[torch.Tensor] = []
         tripped: list[int] = []
         if isinstance(loss, torch.Tensor):
             if loss.is_cpu:
                 if not math.isfinite(loss.item()):  # a CPU scalar: reading it waits for nothing
                     tripped.append(step)
             else:
-                flag = ~torch.isfinite(loss.detach().reshape(()))
+                probes.append(loss.detach().reshape(()))
         elif loss is not None and not math.isfinite(loss):
             tripped.append(step)
         self.grads_tripped = False
         if self.grad_norm:
-            flag = self._check_grads(step, grads, flag, tripped)
-        if self._pending:  # earlier steps' flags whose copy completed (frees their slots first)
+            probes.extend(self._check_grads(step, grads, tripped))
+        if self._pending:  # earlier batches whose copy completed (frees their slots first)
             tripped.extend(self._poll())
-        if flag is not None:
-            self._queue(step, flag)
+        if probes:
+            self._push(step, probes[0] if len(probes) == 1 else _largest(probes))
+        return self._count(tripped)
+
+    def drain(self) -> list[int]:
+        """Check every probe left and wait for the copies in flight (``close()``: the training is over,
+        waiting is allowed); the steps found to have failed."""
+        if self._probes:
+            self._queue()
+        tripped: list[int] = []
+        while self._pending or self._carry is not None:
+            for slot, _ in self._pending:
+                self._wait(self._events[slot])
+            tripped.extend(self._poll())
+            if self._carry is not None:
+                self._queue()
+        return self._count(tripped)
+
+    def _count(self, tripped: list[int]) -> list[int]:
         if tripped:
             tripped = sorted(set(tripped))
             self.trips += len(tripped)
         return tripped
 
     def _check_grads(
-        self, step: int, grads: Iterable[torch.Tensor], flag: torch.Tensor | None, tripped: list[int]
-    ) -> torch.Tensor | None:
+        self, step: int, grads: Iterable[torch.Tensor], tripped: list[int]
+    ) -> list[torch.Tensor]:
+        """The gradients' largest magnitude per device and dtype: checked at once on the CPU (a trip goes
+        to ``tripped``), returned as probes on a device."""
         by_group: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for grad in grads:
             if grad.layout is not torch.strided:  # sparse (an Embedding(sparse=True)): its stored values
                 grad = grad._values() if grad.layout is torch.sparse_coo else grad.values()
             if grad.numel():  # (an empty gradient holds nothing to check: its max-norm is an error)
                 by_group.setdefault((grad.device, grad.dtype), []).append(grad.detach())
+        probes: list[torch.Tensor] = []
         for (device, _), tensors in by_group.items():
             with torch.no_grad():  # the largest |g|, in the gradients' own dtype: finite exactly when
                 # every element is, and it cannot overflow (a float16 2-norm does at 65504)
                 total = torch.stack(torch._foreach_norm(tensors, math.inf)).amax()
-            if device.type == "cpu":
-                if not math.isfinite(total.item()) and step not in tripped:
-                    tripped.append(step)  # (the loss was finite, or not checked: the gradients tripped)
-                    self.grads_tripped = True
-            else:
-                bad = ~torch.isfinite(total)
-                flag = bad if flag is None else flag | bad.to(flag.device, non_blocking=True)
-        return flag
+            if device.type != "cpu":
+                probes.append(total)
+            elif not math.isfinite(total.item()) and step not in tripped:
+                tripped.append(step)  # (the loss was finite, or not checked: the gradients tripped)
+                self.grads_tripped = True
+        return probes
 
-    def _queue(self, step: int, flag: torch.Tensor) -> None:
-        """Copy ``flag`` (a device bool) into a free pinned slot with an event; no slot: carry it."""
+    def _push(self, step: int, probe: torch.Tensor) -> None:
+        """Add ``step``'s probe; check the batch when it is full or old enough."""
+        now = time.perf_counter()
+        if self._pinned is None:  # at the first probe (a warm-up step), not at the first batch's end
+            self._pinned, self._events = self._allocate()
+            self._free = list(range(self.slots))
+        if not self._probes:
+            self._since = now
+        self._probes.append((step, probe))
+        if len(self._probes) >= self.batch or now - self._since >= self.batch_seconds:
+            self._queue()
+
+    def _queue(self) -> None:
+        """One ``isfinite`` over the waiting probes (and the carry), copied without blocking into a free
+        pinned slot with an event; no free slot: folded into the carry."""
         if self._pinned is None:
             self._pinned, self._events = self._allocate()
             self._free = list(range(self.slots))
+        batch, self._probes = self._probes, []
+        steps = [step for step, _ in batch]
+        parts: list[torch.Tensor] = []
+        if batch:
+            device = batch[0][1].device
+            probes = [p if p.device == device else p.to(device, non_blocking=True) for _, p in batch]
+            parts.append(torch.isfinite(torch.stack(probes)))
         if self._carry is not None:
-            flag, first = flag | self._carry, self._carry_first
-        else:
-            first = step
+            parts.insert(0, self._carry if not parts else self._carry.to(parts[0].device, non_blocking=True))
+            steps.insert(0, self._carry_first)
+        if not parts:
+            return
+        finite = parts[0] if len(parts) == 1 else torch.cat(parts)
         if not self._free:
-            self._carry, self._carry_first = flag, first
+            if self._carry is None:
+                self._carry_first = steps[0]
+            self._carry = finite.all().reshape(1)
             return
         self._carry = None
         slot = self._free.pop()
-        self._pinned[slot].copy_(flag, non_blocking=True)
-        self._record(self._events[slot], flag.device)  # after the copy, on its stream
-        self._pending.append((slot, first))
+        self._pinned[slot, : len(steps)].copy_(finite, non_blocking=True)
+        self._record(self._events[slot], finite.device)  # after the copy, on its stream
+        self._pending.append((slot, steps))
 
     def _allocate(self) -> tuple[torch.Tensor, list[Any]]:
-        """The ring: ``slots`` pinned host flags and an event per slot (the device seam tests replace)."""
-        return torch.zeros(self.slots, dtype=torch.bool, pin_memory=True), [
+        """The ring: ``slots`` pinned rows of flags and an event per slot (the device seam tests replace)."""
+        return torch.zeros((self.slots, self.batch + 1), dtype=torch.bool, pin_memory=True), [
             torch.cuda.Event() for _ in range(self.slots)
         ]
 
     def _record(self, event: Any, device: torch.device) -> None:
         event.record(torch.cuda.current_stream(device))
 
+    def _wait(self, event: Any) -> None:
+        event.synchronize()
+
     def _poll(self) -> list[int]:
-        """Read the slots whose copy completed (in order); the first steps of those that were set."""
+        """Read the slots whose copy completed (in order); the steps whose flag says non-finite."""
         found: list[int] = []
         pinned = self._pinned
         while self._pending and pinned is not None:
-            slot, first = self._pending[0]
+            slot, steps = self._pending[0]
             if not self._events[slot].query():
                 break
             self._pending.popleft()
-            if bool(pinned[slot]):
-                found.append(first)
+            flags = pinned[slot, : len(steps)].tolist()
+            found.extend(step for step, finite in zip(steps, flags, strict=True) if not finite)
             self._free.append(slot)
         return found
+
+
+def _largest(probes: list[torch.Tensor]) -> torch.Tensor:
+    """One probe for several (a loss and gradients; gradients on several devices or in several dtypes):
+    their largest magnitude, non-finite exactly when one of them is (``amax`` propagates NaN)."""
+    device = probes[0].device
+    on_one = [p if p.device == device else p.to(device, non_blocking=True) for p in probes]
+    return torch.stack(on_one).abs().amax()
 
 
 # -- argument checks --------------------------------------------------------------------------------------

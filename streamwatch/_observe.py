@@ -791,6 +791,27 @@ class Watch:
                     self._escalate,
                 )
 
+    def _drain_sentinel(self) -> None:
+        """``close()``: the sentinel's device probes not yet read (the last batch, copies in flight) are
+        checked now, waiting for the device. A failed step is counted and logged: too late to escalate,
+        and never raised out of ``close()``."""
+        sentinel = self._sentinel
+        if sentinel is None:
+            return
+        try:
+            tripped = sentinel.drain()
+        except Exception as exc:
+            self._state.fail(exc)
+            return
+        if tripped:
+            log.warning(
+                "streamwatch: non-finite %s at step %d (sentinel, read at close(): the last steps' device "
+                "checks are read there)%s",
+                "gradients or loss" if sentinel.grad_norm else "loss",
+                tripped[0],
+                f", and at {len(tripped) - 1} later step(s)" if len(tripped) > 1 else "",
+            )
+
     def _sentinel_checks(self) -> tuple[str, ...]:
         sentinel = self._sentinel
         if sentinel is None:
@@ -1277,6 +1298,7 @@ class Watch:
                 deferred = raised
         self._closed = True
         self._state.quiet = 0
+        self._drain_sentinel()
         self._taps.remove()
         for exporter in self._exporters:  # the final values stay readable through snapshot()
             exporter.close()

@@ -10,6 +10,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from syncs import no_host_sync
 
 import streamwatch as sw
 
@@ -42,13 +43,9 @@ def test_a_monitored_training_step_makes_no_host_sync() -> None:
     records = sw.sinks.collect()
     watch = sw.observe(model, opt, sinks=[records], cadence={"param": 1, "update": 1}, every=1)
     train_step(model, opt, watch, x, y)  # warm-up: lazy CUDA init, stream and pinned slots
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         for _ in range(3):
             train_step(model, opt, watch, x, y)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     watch.close()
     assert watch.statistics().hook_errors == 0
     assert [r.step for r in records.items] == [0, 1, 2, 3]
@@ -104,13 +101,9 @@ def test_opt_in_tensor_metrics_make_no_host_sync_and_reach_the_worker() -> None:
     ]
     watch = sw.observe(model, opt, sinks=[records], metrics=[*sw.DEFAULT_METRICS, *metrics], every=1)
     train_step(model, opt, watch, x, y)  # warm-up
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         for _ in range(3):
             train_step(model, opt, watch, x, y)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     watch.close()
     assert watch.statistics().hook_errors == 0
     last = records.items[-1]
@@ -124,23 +117,19 @@ def test_opt_in_tensor_metrics_make_no_host_sync_and_reach_the_worker() -> None:
 
 
 def test_the_nonfinite_sentinel_makes_no_host_sync_and_reports_the_step_later() -> None:
-    """The loss of step 3 is NaN on the device: the sentinel's flag is copied without blocking into a
-    pinned slot and read once its event completed, so the trip (and the escalation) is known a few steps
-    later, on a training thread that never waited for the device."""
+    """The loss of step 3 is NaN on the device: the sentinel checks its probes in batches, copies the
+    flags without blocking into a pinned slot and reads them once its event completed, so the trip (and
+    the escalation) is known some steps later, on a training thread that never waited for the device."""
     model, opt = make()
     x = torch.randn(32, 64, device="cuda")
     y = torch.randint(0, 10, (32,), device="cuda")
     watch = sw.observe(model, opt, every=50, escalate=4, on_nonfinite=lambda value: None)
     train_step(model, opt, watch, x, y)  # warm-up: lazy CUDA init, the sentinel's pinned ring and events
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for step in range(1, 6):
+    with no_host_sync():
+        for step in range(1, 21):  # (more than a batch: its check has been queued)
             logits = model(x)
             loss = torch.nn.functional.cross_entropy(logits, y) * (float("nan") if step == 3 else 1.0)
             watch.step(loss=loss)  # no backward: the weights stay finite
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     logits = model(x)
     watch.step(loss=torch.nn.functional.cross_entropy(logits, y))  # the copies are done: read them
@@ -149,3 +138,201 @@ def test_the_nonfinite_sentinel_makes_no_host_sync_and_reports_the_step_later() 
     assert stats.sentinel_trips == 1
     assert stats.escalations == 1
     assert stats.hook_errors == 0
+
+
+def test_a_nonfinite_loss_in_the_last_steps_is_read_at_close(caplog: pytest.LogCaptureFixture) -> None:
+    """The last batch of device checks is not full when training ends: close() reads it, waiting."""
+    model, opt = make()
+    x = torch.randn(32, 64, device="cuda")
+    y = torch.randint(0, 10, (32,), device="cuda")
+    watch = sw.observe(model, opt, every=1000)
+    train_step(model, opt, watch, x, y)
+    with no_host_sync():
+        for step in range(1, 4):
+            loss = torch.nn.functional.cross_entropy(model(x), y) * (float("nan") if step == 2 else 1.0)
+            watch.step(loss=loss)
+    watch.close()
+    assert watch.statistics().sentinel_trips == 1
+    assert "non-finite loss at step 2 (sentinel" in caplog.text  # (at close(), or a step after it)
+
+
+def test_the_default_overhead_governor_makes_no_host_sync() -> None:
+    """The default watch (the governor: quiet steps with a scalar record, sampled steps, the loss every
+    second) never waits for the device, from its very first step on."""
+    model, opt = make()
+    x = torch.randn(32, 64, device="cuda")
+    y = torch.randint(0, 10, (32,), device="cuda")
+    records = sw.sinks.collect()
+    watch = sw.observe(model, opt, sinks=[records])
+    with no_host_sync():
+        for _ in range(300):
+            train_step(model, opt, watch, x, y)
+    watch.close()
+    stats = watch.statistics()
+    assert stats.hook_errors == 0
+    assert stats.steps == 300
+    assert stats.sampling_interval >= 1
+    assert stats.sampled >= 1
+    sampled = [r for r in records.items if r.keys]
+    assert sampled
+    assert sampled[0].step == 0
+    losses = [r.scalars["loss"] for r in records.items if "loss" in r.scalars]
+    assert losses
+    assert all(np.isfinite(losses))
+
+
+def test_a_fused_adam_step_a_grad_scaler_skipped_has_no_update_rows_and_no_host_sync() -> None:
+    """fp16 autocast, ``GradScaler`` and a fused Adam: the scaler's ``found_inf`` goes to the worker on
+    the device; the step it skipped (a first scale of 2**40 overflows) records no update, the next does."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**40)
+    x = torch.randn(32, 64, device="cuda")
+    y = torch.randint(0, 10, (32,), device="cuda")
+    records = sw.sinks.collect()
+    watch = sw.observe(model, opt, sinks=[records], cadence={"param": 1, "update": 1}, every=1)
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        watch.step(loss=loss)
+
+    before = [p.detach().clone() for p in model.parameters()]
+    with no_host_sync():
+        step()  # step 0: 2**40 overflows in fp16, the optimizer skips it
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters(), strict=True))
+    for _ in range(40):  # the scale halves each overflowing step until the step is taken
+        with no_host_sync():
+            step()
+    watch.close()
+    assert watch.statistics().hook_errors == 0
+    kinds = [{key.kind for key in r.keys} for r in records.items]
+    assert "update" not in kinds[0]
+    assert any("update" in k for k in kinds[1:])
+    taken = next(r for r in records.items if "update" in {key.kind for key in r.keys})
+    rows = [i for i, key in enumerate(taken.keys) if key.kind == "update"]
+    assert all(taken.table[i, 2] > 0 for i in rows)  # a real step: a nonzero sum of squares
+
+
+def test_bf16_autocast_activations_match_a_reference() -> None:
+    model, opt = make()
+    captured: dict[str, torch.Tensor] = {}
+    model[1].register_forward_hook(lambda m, a, out: captured.__setitem__("h", out.detach().clone()))
+    records = sw.sinks.collect()
+    x = torch.randn(32, 64, device="cuda")
+    y = torch.randint(0, 10, (32,), device="cuda")
+    with sw.observe(model, opt, sinks=[records], every=1) as watch:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(x)
+            loss = torch.nn.functional.cross_entropy(logits, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        watch.step(loss=loss)
+    assert captured["h"].dtype == torch.bfloat16
+    record = records.items[0]
+    row = record.keys.index(sw.SeriesKey("train", "1", "activation", ""))
+    h = captured["h"].double().cpu().numpy()
+    expected = [h.size, h.sum(), (h * h).sum(), h.min(), h.max(), np.sum(h == 0)]
+    np.testing.assert_allclose(record.table[row, :6], expected, rtol=1e-4)
+    assert record.scalars["loss"] == pytest.approx(float(loss.detach().float()), rel=1e-6)
+
+
+class _ConvNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, padding=1),
+            torch.nn.BatchNorm2d(16),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(16, 32, 3, padding=1),
+            torch.nn.BatchNorm2d(32),
+            torch.nn.GELU(),
+        )
+        self.encoder = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.1)
+        self.head = torch.nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.features(x).flatten(2).transpose(1, 2)  # (batch, 64 positions, 32 channels)
+        return self.head(self.encoder(h).mean(1))
+
+
+def test_every_tap_kind_on_convolutions_norms_and_attention_makes_no_host_sync(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every kind, every step, with dead units and exact non-finite counts, on convolutions, batch norm
+    (buffers), dropout and attention; the training itself is bit-identical to an unwatched copy's. Under
+    torch's deterministic algorithms (cuDNN's and attention's default backward kernels are not), which
+    streamwatch's own summaries must also run under."""
+    from streamwatch._taps import KINDS
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    torch.use_deterministic_algorithms(True)
+
+    def run(watched: bool) -> tuple[list[torch.Tensor], list[sw.StepRecord]]:
+        torch.manual_seed(0)
+        model = _ConvNet().cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randn(16, 3, 16, 16, device="cuda")
+        y = torch.randint(0, 10, (16,), device="cuda")
+        records = sw.sinks.collect()
+        watch = (
+            sw.observe(
+                model,
+                opt,
+                sinks=[records],
+                taps=KINDS,
+                cadence=dict.fromkeys(KINDS, 1),
+                stats=("dead", "nonfinite"),
+                every=1,
+            )
+            if watched
+            else None
+        )
+
+        def steps() -> None:
+            for _ in range(4):
+                logits = model(x)
+                loss = torch.nn.functional.cross_entropy(logits, y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                if watch is not None:
+                    watch.step(loss=loss, outputs=logits, targets=y, batch_size=16)
+
+        torch.manual_seed(1)
+        torch.cuda.manual_seed(1)
+        if watch is not None:
+            with no_host_sync():
+                steps()
+            watch.close()
+            assert watch.statistics().hook_errors == 0
+        else:
+            steps()
+        state = [*model.state_dict().values(), torch.cuda.get_rng_state()]
+        return state, records.items
+
+    try:
+        plain, _ = run(False)
+        again, _ = run(False)
+        watched, items = run(True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+    def differing(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[int]:
+        return [i for i, (u, v) in enumerate(zip(a, b, strict=True)) if not torch.equal(u.cpu(), v.cpu())]
+
+    assert differing(plain, again) == []  # (the comparison means something: training is deterministic)
+    assert differing(plain, watched) == []
+    assert [r.step for r in items] == [0, 1, 2, 3]
+    kinds = {key.kind for key in items[-1].keys}
+    assert set(KINDS) <= kinds
+    assert all(np.isfinite(r.table[:, :6]).all() for r in items)

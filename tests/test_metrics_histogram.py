@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from syncs import no_host_sync
 
 from streamwatch.metrics._histogram import Buckets, histogram
 
@@ -221,12 +222,8 @@ def test_on_cuda_without_a_host_sync() -> None:
     buckets = Buckets(lo=-4, hi=3, per_decade=3)
     values = torch.from_numpy(spread(5000, buckets, seed=9))
     on_device = {dtype: values.to(dtype).cuda() for dtype in (torch.float64, torch.float32, torch.float16)}
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         counts = {dtype: histogram(x, buckets) for dtype, x in on_device.items()}
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     for dtype, got in counts.items():
         assert got.device.type == "cuda"
         expected = reference(values.to(dtype).double().numpy(), buckets)

@@ -8,6 +8,7 @@ streamwatch, with torch's own hooks recording each non-finite tensor in the orde
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -933,54 +934,76 @@ class _FakeEvent:
 
 
 class _RingOnCpu(Sentinel):
-    """The CUDA ring path run on CPU tensors: the flags go through ``_queue`` (as a device's would),
-    into a plain host tensor, with fake events."""
+    """The CUDA ring path run on CPU tensors: probes go through ``_push`` (as a device loss's would),
+    their flags into a plain host tensor, with fake events; ``_wait`` completes one."""
 
     def _allocate(self) -> tuple[torch.Tensor, list[Any]]:
         self.fakes = [_FakeEvent() for _ in range(self.slots)]
-        return torch.zeros(self.slots, dtype=torch.bool), list(self.fakes)
+        return torch.zeros((self.slots, self.batch + 1), dtype=torch.bool), list(self.fakes)
 
     def _record(self, event: Any, device: torch.device) -> None:
         event.done = False
         event.recorded += 1
 
+    def _wait(self, event: Any) -> None:
+        event.done = True
 
-def test_the_device_ring_reports_a_trip_once_its_copy_completed_and_carries_when_full() -> None:
-    ring = _RingOnCpu(grad_norm=False, slots=2)
+    def complete(self) -> list[int]:
+        for event in self.fakes:
+            event.done = True
+        return self._poll()
 
-    def step(index: int, bad: bool) -> list[int]:
-        ring._queue(index, torch.tensor(bad))
+
+def test_the_device_ring_checks_batches_reports_a_trip_once_its_copy_completed_and_carries_when_full() -> (
+    None
+):
+    ring = _RingOnCpu(grad_norm=False, slots=2, batch=2, batch_seconds=math.inf)
+
+    def step(index: int, value: float) -> list[int]:
+        ring._push(index, torch.tensor(value))
         return ring._poll() if ring._pending else []
 
-    assert step(0, False) == []
-    assert step(1, True) == []  # both slots in flight: nothing known yet
-    assert step(2, False) == []  # no free slot: carried on the "device"
-    assert step(3, False) == []  # still carried (OR-ed with step 2's flag, reported at step 2)
-    for event in ring.fakes:
-        event.done = True
-    assert ring._poll() == [1]  # step 1's copy completed: the trip is known now, a few steps late
-    assert step(4, False) == []  # the carry (steps 2-4, finite) takes a freed slot
-    for event in ring.fakes:
-        event.done = True
-    assert ring._poll() == []
-    assert step(5, True) == []
-    assert step(6, False) == []
-    for event in ring.fakes:
-        event.done = True
-    assert ring._poll() == [5]
-    # a trip while every slot is in flight: carried, and reported at the carry's first step
-    assert step(7, False) == []
-    assert step(8, False) == []
-    assert step(9, True) == []
-    assert step(10, False) == []
-    for event in ring.fakes:
-        event.done = True
-    assert ring._poll() == []  # steps 7 and 8 were finite
-    assert step(11, False) == []  # the carry of steps 9-11 takes a slot
-    for event in ring.fakes:
-        event.done = True
-    assert ring._poll() == [9]
+    assert step(0, 1.0) == []  # waits for its batch: nothing checked yet
+    assert ring._pending == collections.deque()
+    assert step(1, math.nan) == []  # the batch of steps 0-1 is checked: its copy in flight
+    assert [steps for _, steps in ring._pending] == [[0, 1]]
+    assert step(2, 1.0) == []
+    assert step(3, 1.0) == []  # both slots in flight
+    assert step(4, math.inf) == []
+    assert step(5, 1.0) == []  # no free slot: steps 4-5 folded into a carry on the "device"
+    assert step(6, 1.0) == []
+    assert step(7, 1.0) == []  # still carried (reported at step 4, its first)
+    assert ring.complete() == [1]  # step 1's copy completed: the trip is known now, a batch late
+    assert step(8, 1.0) == []
+    assert step(9, -math.inf) == []  # the carry (steps 4-7) and steps 8-9 take a freed slot
+    assert [steps for _, steps in ring._pending] == [[4, 8, 9]]
+    assert ring.complete() == [4, 9]
+    assert step(10, 1.0) == []
+    assert step(11, 1.0) == []
+    assert ring.complete() == []
     assert all(e.recorded for e in ring.fakes)
+    # close(): the half batch left and the copies in flight are read, waiting for them
+    assert step(12, math.nan) == []
+    assert ring.drain() == [12]
+    assert ring.trips == 1  # (drain counts; the polls above were called by hand)
+    assert ring.idle
+
+
+def test_the_device_ring_checks_at_once_when_the_batch_is_old() -> None:
+    ring = _RingOnCpu(grad_norm=False, slots=4, batch=16, batch_seconds=0.0)
+    ring._push(0, torch.tensor(1.0))
+    ring._push(1, torch.tensor(math.nan, dtype=torch.bfloat16))
+    assert [steps for _, steps in ring._pending] == [[0], [1]]
+    assert ring.complete() == [1]
+    # a loss and gradients in several dtypes: one probe, non-finite exactly when one of them is
+    from streamwatch._nonfinite import _largest
+
+    big = torch.tensor(60000.0, dtype=torch.float16)
+    assert math.isfinite(float(_largest([torch.tensor(1.0), big, torch.tensor(1e300, dtype=torch.float64)])))
+    assert not math.isfinite(
+        float(_largest([torch.tensor(1.0), torch.tensor(math.nan, dtype=torch.float16)]))
+    )
+    assert not math.isfinite(float(_largest([torch.tensor(-math.inf), big])))
 
 
 def test_ranks_interleaved_in_one_record_stream_are_judged_each_on_its_own() -> None:
