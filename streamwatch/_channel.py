@@ -538,8 +538,19 @@ class Sender(_Endpoint, Generic[T_contra]):
         lock = state.lock
         lock.acquire()
         try:
-            if self._try_token(item):
-                state.put(item)
+            if self._closed or state.receiver_closed:
+                raise self._closed_error(item)
+            tokens = state.tokens
+            if tokens:  # a free slot (the common case, written out: _try_token and put, one frame)
+                tokens.pop()
+                buffer = state.buffer
+                buffer.put(item)
+                state.sent += 1
+                n = buffer.qsize()
+                if n > state.high_water:
+                    state.high_water = n
+                if state.async_recv:
+                    _wake_all(state.async_recv)
                 return True
             if policy == "drop_oldest":
                 try:

@@ -433,7 +433,7 @@ class Watch:
             state.busy = 0.0
             self._tail = end - self._ticked  # (after the governor's reading: the next step's own time)
             if timed or state.timed:  # (untimed steps leave the boundaries at 0: their hooks are out)
-                state.times.reset(state.times.clock())  # the next step's data wait starts after our work
+                state.times.reset(end)  # the next step's data wait starts after our work
 
     def _quiet_step(
         self, now: float, loss: object, outputs: object, targets: object, batch_size: object
@@ -597,7 +597,7 @@ class Watch:
         else:
             sampled = None
         self._set_sampling(self._step, sampled)
-        self._state.quiet = self._quiet_window()
+        self._state.quiet = 0 if self._sampling_now else self._quiet_window()
         self._quiet_until = self._last_record + SCALAR_SECONDS
         governor = self._governor
         if governor is not None and governor.dark:
@@ -631,7 +631,15 @@ class Watch:
                 value = self._loss_value(checked.loss)
                 self._send(seconds, checked, device, full=False, now=now, loss_value=value)
             failed = False
-            if self._sentinel is not None:
+            sentinel = self._sentinel
+            if sentinel is not None and not (
+                type(value) is float  # (read for the record: a finite CPU loss is all there is to check)
+                and math.isfinite(value)
+                and self._sentinel_loss
+                and not self._tripped
+                and self._grad_norm_trial is None
+                and sentinel.idle
+            ):
                 self._run_sentinel(checked, seconds, value)
         except (Full, SendTimeout):
             raise  # overflow="error" / a blocking send that timed out: the policy the user chose
@@ -661,7 +669,7 @@ class Watch:
             host["step_seconds"] = seconds
             if full:
                 times = self._state.times
-                times.parts(times.clock(), host, "part/")
+                times.parts(times.clock() if now is None else now, host, "part/")
         if checked.batch_size is not None and seconds is not None:
             host["batch_size"] = float(checked.batch_size)
             if seconds > 0:
@@ -1638,7 +1646,9 @@ def _check_step(loss: object, outputs: object, targets: object, batch_size: obje
     """Check every argument of ``watch.step()`` before the step is touched (shapes and types only:
     nothing is read from the device)."""
     checked_loss: torch.Tensor | float | None = None
-    if isinstance(loss, torch.Tensor):
+    if type(loss) is _Tensor and loss.dtype is _F32 and not loss.ndim:
+        checked_loss = loss  # (the common loss, by what _loss_value reads: a cold step touches less)
+    elif isinstance(loss, torch.Tensor):
         if loss.numel() != 1 or loss.is_complex():
             what = "a complex tensor" if loss.is_complex() else f"a tensor of shape {list(loss.shape)}"
             raise ValueError(

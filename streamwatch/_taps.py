@@ -756,13 +756,15 @@ class TapSet:
         static = self.static or state.compiled
         self.static = static
         self._eval_armed = False
-        self._release_leaves()
+        if self._leaf_hooks:
+            self._release_leaves()
         self.grads_taken = self.params_taken = False
         self._grads_after = None
         armed = self._armed  # (a group already as wanted is left alone: the every-step case)
         forward, grads, step = (
             static or state.forward,
-            static or state.on.get("param_grad", False),
+            # (with an optimizer the group is empty: its gradients are read at the pre-step hook)
+            bool(self._registrations["param_grad"]) and (static or state.on.get("param_grad", False)),
             static or state.timed,
         )
         if forward != bool(armed["forward"]):
