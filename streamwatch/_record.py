@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -197,6 +198,11 @@ class Sample(NamedTuple):
     value: float
 
 
+_NO_EDGES: Mapping[str, tuple[float, ...]] = MappingProxyType({})
+
+_new_record = tuple.__new__  # (a PendingRecord from a tuple of its fields, in one C call)
+
+
 class SlotPool:
     """Pinned host slots for CUDA step copies, reused only after the worker released them.
 
@@ -223,13 +229,13 @@ class SlotPool:
             self._free.append(slot)
 
 
-@dataclass(slots=True)
-class PendingRecord:
+class PendingRecord(NamedTuple):
     """A sealed step in flight to the worker: host rows, device rows (copied or being copied), metadata.
 
     Rows summarised by the fused CPU kernel are already in ``host`` (float64, one line per row, the
     kernel wrote them in place); rows summarised with torch ops (CUDA, half precision, tensor subclasses,
-    compiled code) are in ``data``, stacked once at the step boundary.
+    compiled code) are in ``data``, stacked once at the step boundary. A named tuple: :meth:`StepBuffer.seal`
+    makes one with a single C call (``tuple.__new__``), no Python frame on a cold step boundary.
     """
 
     step: int
@@ -249,10 +255,10 @@ class PendingRecord:
     host_scalars: dict[str, float]
     data: torch.Tensor  # flat: device rows x 5 (6) stats, step scalars, then per-unit counts per unit-row
     nonfinite_counted: bool  # exact non-finite counts asked for (fused rows always have them; else a flag)
-    edges: Mapping[str, tuple[float, ...]] = field(default_factory=dict)  # StepRecord.edges
+    edges: Mapping[str, tuple[float, ...]] = _NO_EDGES  # StepRecord.edges
     event: Any = None  # torch.cuda.Event on CUDA
     release: Callable[[], None] | None = None  # gives the pinned slot back to its pool
-    order: list[int] = field(default_factory=list)  # each row's position in the step's execution
+    order: Sequence[int] = ()  # each row's position in the step's execution
     start_step: int = 0  # StepRecord.start_step
 
     def resolve(self) -> StepRecord:
@@ -377,7 +383,7 @@ class Layout(tuple):  # type: ignore[type-arg]
     _hash: int
     unique: bool
     """No two keys are equal (nothing to merge)."""
-    _order: tuple[list[int], tuple[int, ...]]
+    _order: tuple[Sequence[int], tuple[int, ...]]
     """The last execution order resolved with this layout, and :func:`_merged_order` of it."""
 
     def __new__(cls, keys: Any) -> Layout:
@@ -390,7 +396,7 @@ class Layout(tuple):  # type: ignore[type-arg]
     def __hash__(self) -> int:
         return self._hash
 
-    def ordered(self, order: list[int], merged: int) -> tuple[int, ...]:
+    def ordered(self, order: Sequence[int], merged: int) -> tuple[int, ...]:
         """:func:`_merged_order` of these keys, remembered for the last ``order`` (a step's order repeats
         with its layout; ``order`` is a handed-over list, never changed after)."""
         seen, result = self._order
@@ -430,7 +436,7 @@ def layout_of(keys: list[Hashable]) -> Layout:
     return layout
 
 
-def _merged_order(keys: Sequence[Hashable], order: list[int], merged: int) -> tuple[int, ...]:
+def _merged_order(keys: Sequence[Hashable], order: Sequence[int], merged: int) -> tuple[int, ...]:
     """The execution position of each row after :func:`finalize` merged equal keys (each key keeps its
     first row's place and position; keys are merged in order of first appearance, as ``finalize`` does);
     ``()`` when the rows are in execution order already (the common case, and what a run file holds)."""
@@ -463,41 +469,49 @@ _NO_DEVICE_VALUES.setflags(write=False)
 
 
 class _Slab:
-    """Fresh float64 arrays of one shape, cut from larger blocks: each step's host table and arena, with
-    their addresses for the kernel. A block of ``PIECES`` is allocated and cut into views at once, so a
-    step takes a ready view and its address from a list: on a step that evicts the interpreter's caches,
-    a fresh numpy array or view and its address cost microseconds each (~30 µs a step, allocated per step).
+    """Each step's fresh host table and arena (float64, zeroed), cut from larger blocks, with their
+    addresses for the kernel. A block of ``PIECES`` is allocated and cut into views at once, so a step
+    takes its ready views and addresses from a list in one call: on a step that evicts the interpreter's
+    caches, a fresh numpy array or view and its address cost microseconds each (~30 µs a step,
+    allocated per step).
 
     A piece is never handed out twice; a block lives as long as a record holds a piece of it. Asking for
-    another shape starts a new block (callers round their sizes up and keep the largest: rarely).
+    other sizes starts a new block (callers round their sizes up and keep the largest: rarely).
 
     Example:
-        >>> slab = _Slab(zeroed=True)
-        >>> a, address_a = slab.take((2, 3))
-        >>> b, address_b = slab.take((2, 3))
-        >>> a.tolist(), address_b - address_a
-        ([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]], 48)
+        >>> slab = _Slab()
+        >>> table, table_address, arena, arena_address = slab.take(2, 3)
+        >>> table.shape, float(table.sum()), arena.tolist(), arena_address - table_address
+        ((2, 6), 0.0, [0.0, 0.0, 0.0], 96)
+        >>> slab.take(2, 3)[1] - table_address  # the next piece: (2 * 6 + 3) * 8 bytes on
+        120
     """
 
     PIECES = 64
-    __slots__ = ("_pieces", "_shape", "_zeroed")
+    __slots__ = ("_pieces", "_sizes")
 
-    def __init__(self, zeroed: bool) -> None:
-        self._zeroed = zeroed
-        self._shape: tuple[int, ...] = ()
-        self._pieces: list[tuple[np.ndarray, int]] = []
+    def __init__(self) -> None:
+        self._sizes = (0, 0)
+        self._pieces: list[tuple[np.ndarray, int, np.ndarray, int]] = []
 
-    def take(self, shape: tuple[int, ...]) -> tuple[np.ndarray, int]:
-        """A fresh array of ``shape`` (zeros if ``zeroed``) and the address of its first value."""
+    def take(self, rows: int, units: int) -> tuple[np.ndarray, int, np.ndarray, int]:
+        """A fresh zeroed ``(rows, NSTATS)`` table and ``(units,)`` arena, each with the address of its
+        first value."""
         pieces = self._pieces
-        if not pieces or shape != self._shape:
-            n = self.PIECES
-            block = np.zeros((n, *shape)) if self._zeroed else np.empty((n, *shape))
+        if not pieces or (rows, units) != self._sizes:
+            n, cells = self.PIECES, rows * NSTATS
+            block = np.zeros((n, cells + units))
             base, stride = int(block.ctypes.data), block.strides[0]
-            self._pieces = pieces = list(
-                zip(block[::-1], range(base + (n - 1) * stride, base - 1, -stride), strict=True)
-            )
-            self._shape = shape
+            self._pieces = pieces = [
+                (
+                    block[i, :cells].reshape(rows, NSTATS),
+                    base + i * stride,
+                    block[i, cells:],
+                    base + i * stride + cells * 8,
+                )
+                for i in range(n - 1, -1, -1)
+            ]
+            self._sizes = (rows, units)
         return pieces.pop()
 
 
@@ -519,10 +533,9 @@ class StepBuffer:
     __slots__ = (
         "_arena_address",
         "_arena_used",
-        "_arenas",
         "_host_address",
         "_rows",
-        "_tables",
+        "_slab",
         "_units",
         "arena",
         "counts",
@@ -552,14 +565,15 @@ class StepBuffer:
     device: torch.device | None
 
     def __init__(self, rows: int = 64, units: int = 4096) -> None:
-        self._tables = _Slab(zeroed=False)  # each step's host table and arena are cut from these
-        self._arenas = _Slab(zeroed=True)
+        self._slab = _Slab()  # each step's host table and arena are cut from it
         # Sizes of the next table and arena: the largest a step needed so far, rounded up (a scalar
         # record's empty step does not shrink them, so the next sampled step does not grow them).
         self._rows = _capacity(rows, 16)
         self._units = _capacity(units, 64)
-        self.host, self._host_address = self._tables.take((self._rows, NSTATS))
-        self.arena, self._arena_address = self._arenas.take((self._units,))  # per-unit active samples
+        # the host table, and the arena: per-unit active samples
+        self.host, self._host_address, self.arena, self._arena_address = self._slab.take(
+            self._rows, self._units
+        )
         self._arena_used = 0
         self.clear()
 
@@ -786,37 +800,41 @@ class StepBuffer:
             data = flat  # (resolve() recognises it: nothing to copy)
         else:
             data = flat.detach().cpu() if flat.device.type != "cpu" else flat.detach()
-        record = PendingRecord(  # (positional, in field order: keywords cost ~2x on a cold step)
-            step,
-            time.time(),
-            rank,
-            self.keys,
-            self.counts,
-            self.units,
-            self.samples,
-            self.host,
-            host_units,
-            self.arena,
-            list(self.device_rows),
-            unit_rows,
-            extra_layout,
-            tuple(names),
-            host_scalars,
-            data,
-            nonfinite_counted,
-            edges if edges is not None else {},
-            event,
-            release,
-            self.order,
-            start_step,
+        record: PendingRecord = _new_record(  # (its fields in order)
+            PendingRecord,
+            (
+                step,
+                time.time(),
+                rank,
+                self.keys,
+                self.counts,
+                self.units,
+                self.samples,
+                self.host,
+                host_units,
+                self.arena,
+                list(self.device_rows),
+                unit_rows,
+                extra_layout,
+                tuple(names),
+                host_scalars,
+                data,
+                nonfinite_counted,
+                edges if edges is not None else _NO_EDGES,
+                event,
+                release,
+                self.order,
+                start_step,
+            ),
         )
         # The next step's table and arena, fresh (the record keeps these)
         if len(self.keys) > self._rows:
             self._rows = _capacity(len(self.keys), 16)
         if self._arena_used > self._units:
             self._units = _capacity(self._arena_used, 64)
-        self.host, self._host_address = self._tables.take((self._rows, NSTATS))
-        self.arena, self._arena_address = self._arenas.take((self._units,))
+        self.host, self._host_address, self.arena, self._arena_address = self._slab.take(
+            self._rows, self._units
+        )
         self._arena_used = 0  # (a fresh arena: nothing for clear() to zero)
         self.clear()
         return record

@@ -576,7 +576,7 @@ def test_a_layouts_remembered_order_follows_each_steps_order() -> None:
         (list(range(30)), ()),
         ([*range(1, 30), 30], ()),  # increasing, but not 0..n-1: still execution order
     ):
-        pending.order = order
+        pending = pending._replace(order=order)
         assert pending.resolve().order == expected
 
 
