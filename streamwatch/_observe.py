@@ -97,6 +97,7 @@ _governor_clock: Clock = time.perf_counter
 which monkeypatch it with a :class:`streamwatch.testing.FakeClock` before ``observe()``."""
 _Tensor = torch.Tensor  # (read on every quiet step: one global lookup, not two)
 _F32 = torch.float32
+_CPU = torch.device("cpu")
 _LR_NAMES = tuple(f"lr/{i}" for i in range(64))  # (param groups' scalar names, made once)
 _CYCLE_MAX = 4096  # cadences whose lcm is longer: each sampled step's flags are looked up by pattern
 _OBSERVED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -418,7 +419,7 @@ class Watch:
         timed = self._state.timed  # this step's parts were timed
         try:
             try:
-                checked = _check_step(loss, outputs, targets, batch_size)
+                checked = _check_step(loss, outputs, targets, batch_size, self._read_f32)
             except (TypeError, ValueError):
                 self._end_step(now, failed=True)
                 raise
@@ -613,7 +614,6 @@ class Watch:
         failed = True
         try:
             device: dict[str, torch.Tensor] = {}
-            value = None  # the loss's value, once read (_loss_value)
             if self._step_metrics:
                 self._run_step_metrics(device)
             buffer = state.buffer
@@ -623,24 +623,23 @@ class Watch:
                     taps.summarize_rest()  # parameters it does not step)
                 elif state.on.get("param"):
                     taps.summarize_params()
-                value = self._loss_value(checked.loss)
-                self._send(seconds, checked, device, full=True, now=now, loss_value=value)
+                self._send(seconds, checked, device, True, now)
             elif now - self._last_record >= SCALAR_SECONDS:
                 # Between sampled steps, the cheap values (loss, lr, step time, throughput) still go out
                 # at least once a second: a scalar record, no layer rows.
-                value = self._loss_value(checked.loss)
-                self._send(seconds, checked, device, full=False, now=now, loss_value=value)
+                self._send(seconds, checked, device, False, now)
             failed = False
             sentinel = self._sentinel
+            value = checked.loss
             if sentinel is not None and not (
-                type(value) is float  # (read for the record: a finite CPU loss is all there is to check)
+                type(value) is float  # (read by _check_step: a finite CPU loss is all there is to check)
                 and math.isfinite(value)
                 and self._sentinel_loss
                 and not self._tripped
                 and self._grad_norm_trial is None
                 and sentinel.idle
             ):
-                self._run_sentinel(checked, seconds, value)
+                self._run_sentinel(checked, seconds)
         except (Full, SendTimeout):
             raise  # overflow="error" / a blocking send that timed out: the policy the user chose
         except Exception as exc:  # streamwatch's own failure: training goes on; warned, raised at close
@@ -656,20 +655,20 @@ class Watch:
         device: dict[str, torch.Tensor],
         full: bool,
         now: float | None = None,
-        loss_value: float | None = None,
         timeout: float | None = None,
     ) -> None:
         """Seal this step's record and offer it to the worker: ``full`` for a sampled step (or one with
         rows: an evaluation pass, a metric), else a scalar record between sampled steps. ``seconds``
         None: not a step's end (evaluation rows handed over at close), so no step time and no parts.
-        ``loss_value``: the loss's value if :meth:`_loss_value` read it. ``timeout``: how long
+        ``timeout``: how long
         ``overflow="block"`` may wait for room (None: as long as it takes)."""
         host: dict[str, float] = {}
+        marks: tuple[float, ...] = ()  # a sampled step's clock marks: the worker makes its parts
         if seconds is not None:
             host["step_seconds"] = seconds
             if full:
                 times = self._state.times
-                times.parts(times.clock() if now is None else now, host, "part/")
+                marks = times.marks(times.clock() if now is None else now)
         if checked.batch_size is not None and seconds is not None:
             host["batch_size"] = float(checked.batch_size)
             if seconds > 0:
@@ -677,13 +676,8 @@ class Watch:
         loss = checked.loss
         if isinstance(loss, torch.Tensor):
             if loss.is_cpu:  # read at once, nothing to wait for (as float32, like a device loss)
-                if loss_value is not None:  # (read already: _loss_value)
-                    host["loss"] = loss_value
-                else:
-                    scalar = loss.detach()
-                    host["loss"] = float(
-                        scalar if scalar.dtype == torch.float32 else scalar.to(torch.float32)
-                    )
+                scalar = loss.detach()
+                host["loss"] = float(scalar if scalar.dtype == torch.float32 else scalar.to(torch.float32))
             else:
                 device["loss"] = loss.detach().reshape(()).to(torch.float32)
         elif loss is not None:
@@ -696,9 +690,14 @@ class Watch:
             else:  # counted on the host already (a CPU batch of class scores)
                 host["correct"] = correct
             host["total"] = float(total)
-        if self._optimizer is not None:
+        optimizer = self._optimizer
+        groups = () if optimizer is None else optimizer.param_groups
+        lr = groups[0].get("lr") if len(groups) == 1 else None
+        if type(lr) is float:  # (the common case: one group, a float)
+            host["lr/0"] = lr
+        elif groups:
             names = _LR_NAMES
-            for i, group in enumerate(self._optimizer.param_groups):
+            for i, group in enumerate(groups):
                 lr = group.get("lr")
                 name = names[i] if i < len(names) else f"lr/{i}"
                 if type(lr) is float:
@@ -715,16 +714,17 @@ class Watch:
         if buffer.device is not None and buffer.device.type == "cuda" and self._stream is None:
             self._stream = torch.cuda.Stream(buffer.device)
             self._pool = SlotPool(self._tx.statistics().capacity + 2)
-        pending = buffer.seal(
-            step=self._step,
-            rank=self._rank,
-            step_scalars=device,
-            host_scalars=host,
-            nonfinite_counted=self._state.count_nonfinite,
-            edges=self._edges,
-            stream=self._stream,
-            pool=self._pool,
-            start_step=self._start_step,
+        pending = buffer.seal(  # (positional: keywords cost more on a cold boundary)
+            self._step,
+            self._rank,
+            device,
+            host,
+            self._state.count_nonfinite,
+            self._edges,
+            self._stream,
+            self._pool,
+            self._start_step,
+            marks,
         )
         if pending is None:
             return  # counted by the slot pool
@@ -755,10 +755,9 @@ class Watch:
             return None
         return read(loss.data_ptr())
 
-    def _run_sentinel(self, checked: _StepArgs, seconds: float, value: float | None = None) -> None:
+    def _run_sentinel(self, checked: _StepArgs, seconds: float) -> None:
         """The per-step finite check (every step, sampled or not); a trip may escalate the sampling.
-        Never raises into the step: a failure is counted like a hook's. ``value``: the loss's value if
-        :meth:`_loss_value` read it."""
+        Never raises into the step: a failure is counted like a hook's."""
         sentinel = self._sentinel
         assert sentinel is not None
         if self._tripped:
@@ -769,10 +768,7 @@ class Watch:
             grads = (
                 [p.grad for _, _, p in self._taps.params if p.grad is not None] if sentinel.grad_norm else ()
             )
-            loss = checked.loss if self._sentinel_loss else None
-            if loss is not None:  # (a record's read it already, else one C call now where it can)
-                value = self._loss_value(loss) if value is None else value
-                loss = loss if value is None else value
+            loss = checked.loss if self._sentinel_loss else None  # (a plain CPU loss: its value, read)
             tripped = sentinel.check(self._step, loss, grads)
         except Exception as exc:
             self._state.fail(exc)
@@ -1632,6 +1628,9 @@ class _StepArgs(NamedTuple):
     batch_size: int | None
 
 
+_new_args = tuple.__new__
+
+
 def _dark_ready(loss: object) -> bool:
     """Whether a dark pair may follow a step with this (checked) loss: its first step reads the loss
     when it is called, and can only where the loss is none, a number or a plain 0-d float32 CPU tensor
@@ -1642,12 +1641,21 @@ def _dark_ready(loss: object) -> bool:
     return type(loss) is _Tensor and loss.dtype is _F32 and loss.is_cpu and not loss.ndim
 
 
-def _check_step(loss: object, outputs: object, targets: object, batch_size: object) -> _StepArgs:
+def _check_step(
+    loss: object,
+    outputs: object,
+    targets: object,
+    batch_size: object,
+    read: Callable[[int], float] | None = None,
+) -> _StepArgs:
     """Check every argument of ``watch.step()`` before the step is touched (shapes and types only:
-    nothing is read from the device)."""
+    nothing is read from the device). A plain 0-d float32 CPU loss is read at once with ``read`` (the
+    compiled reader, one C call): the record and the sentinel need its value, and a loop may overwrite a
+    loss buffer in place."""
     checked_loss: torch.Tensor | float | None = None
-    if type(loss) is _Tensor and loss.dtype is _F32 and not loss.ndim:
-        checked_loss = loss  # (the common loss, by what _loss_value reads: a cold step touches less)
+    if type(loss) is _Tensor and loss.dtype is _F32 and not loss.ndim:  # the common loss
+        # (a lazily negated view, z.conj().imag, holds -value in its memory: read by torch later)
+        checked_loss = loss if read is None or not loss.is_cpu or loss.is_neg() else read(loss.data_ptr())
     elif isinstance(loss, torch.Tensor):
         if loss.numel() != 1 or loss.is_complex():
             what = "a complex tensor" if loss.is_complex() else f"a tensor of shape {list(loss.shape)}"
@@ -1684,21 +1692,26 @@ def _check_step(loss: object, outputs: object, targets: object, batch_size: obje
                 f"{'targets' if outputs is None else 'outputs'} alone"
             )
         accuracy = _accuracy(outputs, targets)
-    return _StepArgs(checked_loss, accuracy, None if batch_size is None else int(batch_size))
+    # (one C call: a NamedTuple's own __new__ is a Python frame, and this runs on cold step boundaries)
+    return _new_args(_StepArgs, (checked_loss, accuracy, None if batch_size is None else int(batch_size)))
 
 
 def _accuracy(outputs: object, targets: object) -> tuple[Callable[[], torch.Tensor | float], int]:
     """How to count the correct predictions (a device scalar, computed later) and how many are scored,
     for the layouts documented in :meth:`Watch.step`; anything else is refused, naming the shapes. The
     layout is decided once per combination of shapes, dtypes and devices (this runs on every step)."""
-    for name, value in (("outputs", outputs), ("targets", targets)):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"Expected `{name}` to be a torch.Tensor (for train accuracy), got {value!r}")
-    assert isinstance(outputs, torch.Tensor)
-    assert isinstance(targets, torch.Tensor)
-    score, n = _layout(
-        outputs.shape, targets.shape, outputs.dtype, targets.dtype, outputs.device, targets.device
-    )
+    if type(outputs) is _Tensor and type(targets) is _Tensor and outputs.is_cpu and targets.is_cpu:
+        # the common case, read without making device objects (a cold step boundary touches less)
+        score, n = _layout(outputs.shape, targets.shape, outputs.dtype, targets.dtype, _CPU, _CPU)
+    else:
+        for name, value in (("outputs", outputs), ("targets", targets)):
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"Expected `{name}` to be a torch.Tensor (for train accuracy), got {value!r}")
+        assert isinstance(outputs, torch.Tensor)
+        assert isinstance(targets, torch.Tensor)
+        score, n = _layout(
+            outputs.shape, targets.shape, outputs.dtype, targets.dtype, outputs.device, targets.device
+        )
     if type(score) is _ClassesLastFused:  # (reads addresses: nothing to detach)
         return functools.partial(score, outputs, targets), n
     return functools.partial(_count_correct, score, outputs, targets), n
@@ -1742,15 +1755,16 @@ class _ClassesLastFused:
     is not contiguous goes through torch. Takes the tensors as passed (reading their addresses needs no
     ``detach()``, a dispatch through torch)."""
 
-    __slots__ = ("count",)
+    __slots__ = ("classes", "count", "rows")
 
-    def __init__(self, count: Callable[[int, int, int, int], float]) -> None:
+    def __init__(self, count: Callable[[int, int, int, int], float], rows: int, classes: int) -> None:
         self.count = count
+        self.rows = rows  # (the layout it scores is one shape: _layout's cache key)
+        self.classes = classes
 
     def __call__(self, o: torch.Tensor, t: torch.Tensor) -> torch.Tensor | float:
         if o.is_contiguous() and t.is_contiguous() and type(o) is _Tensor and type(t) is _Tensor:
-            rows, classes = o.shape
-            return self.count(o.data_ptr(), t.data_ptr(), rows, classes)
+            return self.count(o.data_ptr(), t.data_ptr(), self.rows, self.classes)
         return _classes_last(o.detach(), t.detach())
 
 
@@ -1828,7 +1842,7 @@ def _layout(
         if last:
             count = _CORRECT.get(o_dtype)
             if count is not None and o_dim == 2 and o_device.type == "cpu" and t_dtype == torch.int64:
-                return _ClassesLastFused(count), n
+                return _ClassesLastFused(count, o_shape[0], o_shape[1]), n
             return _classes_last, n
         if first:
             return _classes_first, n

@@ -200,6 +200,35 @@ class Sample(NamedTuple):
 
 _NO_EDGES: Mapping[str, tuple[float, ...]] = MappingProxyType({})
 
+_PARTS = ("part/data_wait", "part/forward", "part/backward", "part/optimizer")
+
+
+def step_parts(marks: Sequence[float], out: dict[str, float]) -> dict[str, float]:
+    """A sampled step's parts from its host clock marks (``StepTimes.marks``: the previous step's end,
+    forward start and end, optimizer start and end, this step's end; 0 where not seen), in seconds, into
+    ``out`` (a record's scalars): data wait (previous end → first training forward), forward, backward
+    (forward end → optimizer step, or → the step's end without one), optimizer. Computed on the worker:
+    the training thread only hands the marks over.
+
+    Example:
+        >>> step_parts((1.0, 1.5, 2.0, 3.0, 3.25, 3.5), {"loss": 2.0})  # doctest: +NORMALIZE_WHITESPACE
+        {'loss': 2.0, 'part/data_wait': 0.5, 'part/forward': 0.5, 'part/backward': 1.0,
+         'part/optimizer': 0.25}
+        >>> step_parts((1.0, 1.5, 2.0, 0.0, 0.0, 3.5), {})  # no optimizer seen: backward ends with the step
+        {'part/data_wait': 0.5, 'part/forward': 0.5, 'part/backward': 1.5}
+    """
+    step_end, forward_start, forward_end, optimizer_start, optimizer_end, now = marks
+    if step_end and forward_start:
+        out[_PARTS[0]] = forward_start - step_end
+    if forward_start and forward_end:
+        out[_PARTS[1]] = forward_end - forward_start
+    if forward_end:
+        out[_PARTS[2]] = (optimizer_start or now) - forward_end
+    if optimizer_start and optimizer_end:
+        out[_PARTS[3]] = optimizer_end - optimizer_start
+    return out
+
+
 _new_record = tuple.__new__  # (a PendingRecord from a tuple of its fields, in one C call)
 
 
@@ -260,6 +289,7 @@ class PendingRecord(NamedTuple):
     release: Callable[[], None] | None = None  # gives the pinned slot back to its pool
     order: Sequence[int] = ()  # each row's position in the step's execution
     start_step: int = 0  # StepRecord.start_step
+    marks: Sequence[float] = ()  # a sampled step's clock marks (step_parts), its parts made here
 
     def resolve(self) -> StepRecord:
         """Wait for the copy (on the calling thread — the worker's), then merge and derive."""
@@ -294,6 +324,8 @@ class PendingRecord(NamedTuple):
         table.setflags(write=False)
         order = layout.ordered(self.order, len(keys))
         scalars = dict(self.host_scalars)
+        if self.marks:
+            step_parts(self.marks, scalars)
         nd = len(self.device_rows) * (NSTATS if self.nonfinite_counted else NSTATS - 1)
         for i, name in enumerate(self.scalar_names):
             scalars[name] = float(flat[nd + i])
@@ -715,7 +747,6 @@ class StepBuffer:
 
     def seal(
         self,
-        *,
         step: int,
         rank: int,
         step_scalars: Mapping[str, torch.Tensor],
@@ -725,15 +756,76 @@ class StepBuffer:
         stream: Any = None,
         pool: SlotPool | None = None,
         start_step: int = 0,
+        marks: Sequence[float] = (),
     ) -> PendingRecord | None:
         """Hand the step over: host rows as they are, device rows stacked with one copy; returns None
-        if no pinned slot was free.
+        if no pinned slot was free. ``marks``: a sampled step's clock marks (:func:`step_parts`).
 
         Layout of the device copy: every device row's scalars, then the device step scalars, then each
         device unit-row's per-unit activity counts (small vectors: dead units and active pairs are
         counted on the worker). CPU step scalars are read directly (no device to wait for). Everything
         else is handed over as is — numpy work happens on the worker.
         """
+        if step_scalars or self.device_rows or self.device is not None or self.extras:
+            device = self._device_part(step_scalars, host_scalars, stream, pool)
+            if device is None:
+                self.clear()
+                return None
+            host_units, unit_rows, extra_layout, names, host_scalars, data, event, release = device
+        else:  # every row the fused kernel's, every scalar read (the common CPU step): nothing to copy
+            host_units, unit_rows, extra_layout, names = list(self.unit_counts.values()), [], [], ()
+            data, event, release = _NO_DEVICE_DATA, None, None  # (resolve() knows it: nothing to copy)
+        record: PendingRecord = _new_record(  # (its fields in order; one C call)
+            PendingRecord,
+            (
+                step,
+                time.time(),
+                rank,
+                self.keys,
+                self.counts,
+                self.units,
+                self.samples,
+                self.host,
+                host_units,
+                self.arena,
+                list(self.device_rows),
+                unit_rows,
+                extra_layout,
+                names,
+                host_scalars,
+                data,
+                nonfinite_counted,
+                edges if edges is not None else _NO_EDGES,
+                event,
+                release,
+                self.order,
+                start_step,
+                marks,
+            ),
+        )
+        # The next step's table and arena, fresh (the record keeps these)
+        if len(self.keys) > self._rows:
+            self._rows = _capacity(len(self.keys), 16)
+        if self._arena_used > self._units:
+            self._units = _capacity(self._arena_used, 64)
+        self.host, self._host_address, self.arena, self._arena_address = self._slab.take(
+            self._rows, self._units
+        )
+        self._arena_used = 0  # (a fresh arena: nothing for clear() to zero)
+        self.clear()
+        return record
+
+    def _device_part(
+        self,
+        step_scalars: Mapping[str, torch.Tensor],
+        host_scalars: dict[str, float],
+        stream: Any,
+        pool: SlotPool | None,
+    ) -> tuple[Any, ...] | None:
+        """:meth:`seal` of a step with device rows, device scalars or opt-in metric values: one stack
+        of them and its copy (on CUDA into a pinned slot, with an event). Returns the record's fields
+        ``(host_units, unit_rows, extra_layout, scalar_names, host_scalars, data, event, release)``;
+        None if no pinned slot was free."""
         extra: list[torch.Tensor] = []
         names: list[str] = []
         if step_scalars:
@@ -749,7 +841,7 @@ class StepBuffer:
             vectors = [v for _, v in self.unit_counts.values() if isinstance(v, torch.Tensor)]
             host_units = [(first, v) for first, v in self.unit_counts.values() if isinstance(v, int)]
             unit_rows = [first for first, v in self.unit_counts.values() if isinstance(v, torch.Tensor)]
-        else:  # every row from the fused kernel (the common CPU step): unit counts are arena offsets
+        else:  # every row from the fused kernel: unit counts are arena offsets
             parts, vectors, unit_rows = extra, [], []
             host_units = list(self.unit_counts.values())  # type: ignore[arg-type]
         device = self.device if self.device is not None else (extra[0].device if extra else None)
@@ -767,7 +859,7 @@ class StepBuffer:
         elif self.extras:
             flat = torch.empty(0, dtype=torch.float64, device=device)
         else:
-            flat = _NO_DEVICE_DATA  # every row on the host (the fused kernel's), every scalar read
+            flat = _NO_DEVICE_DATA  # every row on the host, every scalar read (CPU step scalars)
         extra_layout: list[tuple[tuple[Any, str], int]] = []
         if self.extras:  # opt-in metric values: float64 (histogram counts stay exact), after the rest
             values = [
@@ -781,7 +873,6 @@ class StepBuffer:
         if flat is not _NO_DEVICE_DATA and flat.device.type == "cuda" and pool is not None:
             slot = pool.acquire(flat.numel(), flat.dtype)
             if slot is None:
-                self.clear()
                 return None
             host = slot[: flat.numel()]
             main = torch.cuda.current_stream(flat.device)
@@ -800,44 +891,7 @@ class StepBuffer:
             data = flat  # (resolve() recognises it: nothing to copy)
         else:
             data = flat.detach().cpu() if flat.device.type != "cpu" else flat.detach()
-        record: PendingRecord = _new_record(  # (its fields in order)
-            PendingRecord,
-            (
-                step,
-                time.time(),
-                rank,
-                self.keys,
-                self.counts,
-                self.units,
-                self.samples,
-                self.host,
-                host_units,
-                self.arena,
-                list(self.device_rows),
-                unit_rows,
-                extra_layout,
-                tuple(names),
-                host_scalars,
-                data,
-                nonfinite_counted,
-                edges if edges is not None else _NO_EDGES,
-                event,
-                release,
-                self.order,
-                start_step,
-            ),
-        )
-        # The next step's table and arena, fresh (the record keeps these)
-        if len(self.keys) > self._rows:
-            self._rows = _capacity(len(self.keys), 16)
-        if self._arena_used > self._units:
-            self._units = _capacity(self._arena_used, 64)
-        self.host, self._host_address, self.arena, self._arena_address = self._slab.take(
-            self._rows, self._units
-        )
-        self._arena_used = 0  # (a fresh arena: nothing for clear() to zero)
-        self.clear()
-        return record
+        return host_units, unit_rows, extra_layout, tuple(names), host_scalars, data, event, release
 
     def clear(self) -> None:
         """Forget the current step's rows (the host table is reused)."""

@@ -235,29 +235,21 @@ def resolve_select(select: object) -> Select:
     )
 
 
-def _part_names(prefix: str) -> tuple[str, str, str, str]:
-    return tuple(prefix + part for part in ("data_wait", "forward", "backward", "optimizer"))  # type: ignore[return-value]
-
-
-_PART_NAMES = _part_names("part/")
-
-
 @dataclass(slots=True)
 class StepTimes:
     """Host wall-clock boundaries of the current training step (``perf_counter`` seconds; 0: not seen).
 
-    Set by the root module's forward hooks and the optimizer's step hooks, read at ``watch.step()``:
-    reading the clock never waits for the device. On CUDA the host runs ahead of the device, so a part
-    is when the host got through it — a rank that waits (the gradient all-reduce, a data loader) shows it.
+    Set by the root module's forward hooks and the optimizer's step hooks, read at ``watch.step()``
+    (:meth:`marks`): reading the clock never waits for the device. On CUDA the host runs ahead of the
+    device, so a part is when the host got through it — a rank that waits (the gradient all-reduce, a
+    data loader) shows it. The worker turns the marks into the step's parts
+    (:func:`~streamwatch._record.step_parts`).
 
     Example:
         >>> t = StepTimes(step_end=1.0, forward_start=1.5, forward_end=2.0)
         >>> t.optimizer_start, t.optimizer_end = 3.0, 3.25
-        >>> t.parts(now=3.5)
-        {'data_wait': 0.5, 'forward': 0.5, 'backward': 1.0, 'optimizer': 0.25}
-        >>> host = {"loss": 2.0}
-        >>> t.parts(3.5, host, "part/") is host, sorted(host)[:2]
-        (True, ['loss', 'part/backward'])
+        >>> t.marks(now=3.5)
+        (1.0, 1.5, 2.0, 3.0, 3.25, 3.5)
     """
 
     step_end: float = 0.0
@@ -266,25 +258,16 @@ class StepTimes:
     optimizer_start: float = 0.0
     optimizer_end: float = 0.0
 
-    def parts(self, now: float, out: dict[str, float] | None = None, prefix: str = "") -> dict[str, float]:
-        """Seconds in each part of the step seen so far: data wait (previous step's end → first training
-        forward), forward, backward (forward end → optimizer step, or → now without one), optimizer.
-        Written into ``out`` (a new dict by default) under ``prefix`` + the part's name (``"part/"``:
-        the record's host scalars, filled in place at the step boundary)."""
-        if out is None:
-            out = {}
-        step_end, forward_start, forward_end = self.step_end, self.forward_start, self.forward_end
-        optimizer_start, optimizer_end = self.optimizer_start, self.optimizer_end
-        names = _PART_NAMES if prefix == "part/" else _part_names(prefix)
-        if step_end and forward_start:
-            out[names[0]] = forward_start - step_end
-        if forward_start and forward_end:
-            out[names[1]] = forward_end - forward_start
-        if forward_end:
-            out[names[2]] = (optimizer_start or now) - forward_end
-        if optimizer_start and optimizer_end:
-            out[names[3]] = optimizer_end - optimizer_start
-        return out
+    def marks(self, now: float) -> tuple[float, float, float, float, float, float]:
+        """The boundaries seen so far and ``now``, the step's end: what :func:`step_parts` reads."""
+        return (
+            self.step_end,
+            self.forward_start,
+            self.forward_end,
+            self.optimizer_start,
+            self.optimizer_end,
+            now,
+        )
 
     @staticmethod
     def clock() -> float:
@@ -514,6 +497,9 @@ class _NoHook:
 
 _NO_HOOK = _NoHook()
 
+_GROUPS = ("forward", "param_grad", "step")
+"""The hook groups :meth:`TapSet.arm` installs and removes, in the order of its flags."""
+
 
 def _grad_hook_on(param: nn.Parameter, hook: Callable[[nn.Parameter], None]) -> Any:
     """Install ``hook`` after ``param``'s gradient is accumulated, if it requires one (torch refuses a
@@ -599,6 +585,8 @@ class TapSet:
             "param_grad": [],
             "step": [],
         }
+        self._armed_now = (False, False, False)  # whether each of _GROUPS has its hooks in
+        self._has_group = (False, False, False)  # whether each of _GROUPS has registrations
         self._eval_armed = False  # the forward hooks are in for an evaluation pass only
         # Gradient hooks on leaf tensors (a parameter a module returns as is, an input made with
         # requires_grad): such a tensor outlives the step and keeps its hooks, so they are held here,
@@ -671,6 +659,7 @@ class TapSet:
             after = _guarded(state, self._after_optimizer_step)
             step.append(functools.partial(optimizer.register_step_pre_hook, before))
             step.append(functools.partial(optimizer.register_step_post_hook, after))
+        self._has_group = tuple(bool(self._registrations[group]) for group in _GROUPS)  # type: ignore[assignment]
         for group in self._registrations:  # every hook once: torch refuses now, not on a later step
             self._set_group(group, True)
 
@@ -739,6 +728,8 @@ class TapSet:
             for handle in handles:
                 handle.remove()
             handles.clear()
+        armed = self._armed
+        self._armed_now = (bool(armed["forward"]), bool(armed["param_grad"]), bool(armed["step"]))
 
     def arm(self) -> None:
         """Install or remove the per-module and per-parameter hooks for the step that begins: only the
@@ -760,31 +751,25 @@ class TapSet:
             self._release_leaves()
         self.grads_taken = self.params_taken = False
         self._grads_after = None
-        armed = self._armed  # (a group already as wanted is left alone: the every-step case)
-        forward, grads, step = (
-            static or state.forward,
-            # (with an optimizer the group is empty: its gradients are read at the pre-step hook)
-            bool(self._registrations["param_grad"]) and (static or state.on.get("param_grad", False)),
-            static or state.timed,
+        has = self._has_group  # (a group without registrations stays empty: with an optimizer,
+        wanted = (  # param_grad's, whose gradients are read at its pre-step hook)
+            has[0] and (static or state.forward),
+            has[1] and (static or state.on.get("param_grad", False)),
+            has[2] and (static or state.timed),
         )
-        if forward != bool(armed["forward"]):
-            self._set_group("forward", forward)
-        if grads != bool(armed["param_grad"]):
-            self._set_group("param_grad", grads)
-        elif (
-            grads
-            and armed["param_grad"]
-            and self._grad_flags != [param.requires_grad for _, param in self._grads]
-        ):  # a parameter frozen or unfrozen since its hooks went in (a fine-tuning schedule): an
+        if wanted != self._armed_now:  # (groups already as wanted are left alone: the every-step case)
+            for group, on, now in zip(_GROUPS, wanted, self._armed_now, strict=True):
+                if on != now:
+                    self._set_group(group, on)
+        elif wanted[1] and self._grad_flags != [param.requires_grad for _, param in self._grads]:
+            # a parameter frozen or unfrozen since its hooks went in (a fine-tuning schedule): an
             # unfrozen one gets its hook now (a frozen one keeps its own: it fires if it is unfrozen)
-            handles = armed["param_grad"]
+            handles = self._armed["param_grad"]
             registrations = self._registrations["param_grad"]
             for i, (_, param) in enumerate(self._grads):
                 if handles[i] is _NO_HOOK and param.requires_grad:
                     handles[i] = registrations[i]()
             self._grad_flags = [param.requires_grad for _, param in self._grads]
-        if step != bool(armed["step"]):
-            self._set_group("step", step)
 
     @property
     def pending(self) -> bool:
@@ -1097,6 +1082,7 @@ class TapSet:
         for group in self._armed:
             self._set_group(group, False)
         self._registrations = {group: [] for group in self._registrations}
+        self._has_group = (False, False, False)
         self._before = None
         self._before_params = self._owned_params = self._other_params = []
         self._owned_grads = self._other_grads = []

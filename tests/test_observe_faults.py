@@ -120,11 +120,11 @@ def test_an_error_inside_step_drops_the_step_warns_and_is_raised_at_close(
     seal = streamwatch._record.StepBuffer.seal
     calls = {"n": 0}
 
-    def flaky(self: Any, **kwargs: Any) -> Any:
+    def flaky(self: Any, *args: Any, **kwargs: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == 2:
             raise Boom("sealing failed")
-        return seal(self, **kwargs)
+        return seal(self, *args, **kwargs)
 
     monkeypatch.setattr(streamwatch._record.StepBuffer, "seal", flaky)
     recs = sw.sinks.collect()
