@@ -424,7 +424,7 @@ class Watch:
                 self._end_step(now, failed=True)
                 raise
             self._step_boundary(now, checked)
-            if self._reaction == "raise" and (self._tripped or self._tracker.pending):
+            if self._raises and (self._tripped or self._tracker.pending):
                 self._raise_nonfinite()
         finally:
             state = self._state
@@ -666,15 +666,18 @@ class Watch:
         marks: tuple[float, ...] = ()  # a sampled step's clock marks: the worker makes its parts
         if seconds is not None:
             host["step_seconds"] = seconds
-            if full:
-                times = self._state.times
-                marks = times.marks(times.clock() if now is None else now)
+            if full:  # (the boundaries the hooks saw, and the step's end)
+                t = self._state.times
+                end = t.clock() if now is None else now
+                marks = (t.step_end, t.forward_start, t.forward_end, t.optimizer_start, t.optimizer_end, end)
         if checked.batch_size is not None and seconds is not None:
             host["batch_size"] = float(checked.batch_size)
             if seconds > 0:
                 host["samples_per_second"] = checked.batch_size / seconds
         loss = checked.loss
-        if isinstance(loss, torch.Tensor):
+        if type(loss) is float:  # (a number, or a plain CPU loss _check_step read)
+            host["loss"] = loss
+        elif isinstance(loss, torch.Tensor):
             if loss.is_cpu:  # read at once, nothing to wait for (as float32, like a device loss)
                 scalar = loss.detach()
                 host["loss"] = float(scalar if scalar.dtype == torch.float32 else scalar.to(torch.float32))
@@ -685,10 +688,10 @@ class Watch:
         if checked.accuracy is not None:
             count_correct, total = checked.accuracy
             correct = count_correct()
-            if isinstance(correct, torch.Tensor):
-                device["correct"] = correct
-            else:  # counted on the host already (a CPU batch of class scores)
+            if type(correct) is float:  # counted on the host already (a CPU batch of class scores)
                 host["correct"] = correct
+            else:
+                device["correct"] = correct  # type: ignore[assignment]
             host["total"] = float(total)
         optimizer = self._optimizer
         groups = () if optimizer is None else optimizer.param_groups
@@ -735,8 +738,10 @@ class Watch:
             raise
         if sent:  # (``now``: the step's boundary, which a dark pair's first step runs late)
             self._last_record = time.perf_counter() if now is None else now
-            self._sampled += full and seconds is not None  # (not the evaluation record of close())
-            self._scalar_records += not full
+            if not full:
+                self._scalar_records += 1
+            elif seconds is not None:  # (not the evaluation record of close())
+                self._sampled += 1
             self._sent_steps.append(self._step)  # its loss is there for the worker's non-finite verdict
 
     def _loss_value(self, loss: object) -> float | None:
@@ -880,11 +885,12 @@ class Watch:
             self._sample_count += sampled
         if self._metrics:
             self._set_metrics(step, k if sampled else None)
-        if self._escalated_until is not None and step >= self._escalated_until:
-            self._escalated_until = None  # the escalation is over
+        escalated = self._escalated_until
+        if escalated is not None and step >= escalated:
+            self._escalated_until = escalated = None  # the escalation is over
         # an escalated step is sampled in full whatever the governor said: its time measures nothing
-        self._forced = self._escalated_until is not None
-        if self._escalated_until is not None:  # a sentinel trip: every step, every tapped kind
+        self._forced = escalated is not None
+        if escalated is not None:  # a sentinel trip: every step, every tapped kind
             sampled = True
             state.on = self._all_on
             state.forward = any(self._all_on[kind] for kind in _FORWARD_KINDS)

@@ -239,17 +239,17 @@ def resolve_select(select: object) -> Select:
 class StepTimes:
     """Host wall-clock boundaries of the current training step (``perf_counter`` seconds; 0: not seen).
 
-    Set by the root module's forward hooks and the optimizer's step hooks, read at ``watch.step()``
-    (:meth:`marks`): reading the clock never waits for the device. On CUDA the host runs ahead of the
-    device, so a part is when the host got through it — a rank that waits (the gradient all-reduce, a
-    data loader) shows it. The worker turns the marks into the step's parts
-    (:func:`~streamwatch._record.step_parts`).
+    Set by the root module's forward hooks and the optimizer's step hooks, read at ``watch.step()``,
+    which hands them with the step's end to the worker: reading the clock never waits for the device.
+    On CUDA the host runs ahead of the device, so a part is when the host got through it — a rank that
+    waits (the gradient all-reduce, a data loader) shows it. The worker turns them into the step's
+    parts (:func:`~streamwatch._record.step_parts`).
 
     Example:
         >>> t = StepTimes(step_end=1.0, forward_start=1.5, forward_end=2.0)
-        >>> t.optimizer_start, t.optimizer_end = 3.0, 3.25
-        >>> t.marks(now=3.5)
-        (1.0, 1.5, 2.0, 3.0, 3.25, 3.5)
+        >>> t.reset(now=4.0)
+        >>> t.step_end, t.forward_start
+        (4.0, 0.0)
     """
 
     step_end: float = 0.0
@@ -257,17 +257,6 @@ class StepTimes:
     forward_end: float = 0.0
     optimizer_start: float = 0.0
     optimizer_end: float = 0.0
-
-    def marks(self, now: float) -> tuple[float, float, float, float, float, float]:
-        """The boundaries seen so far and ``now``, the step's end: what :func:`step_parts` reads."""
-        return (
-            self.step_end,
-            self.forward_start,
-            self.forward_end,
-            self.optimizer_start,
-            self.optimizer_end,
-            now,
-        )
 
     @staticmethod
     def clock() -> float:
@@ -930,6 +919,8 @@ class TapSet:
         parameters it does not step (another optimizer's may step after its hooks). Their gradients are
         read at its pre-step hook, as they are then: a loop may zero them before ``watch.step()``."""
         on = self.state.on
+        if self.grads_taken and not on.get("param"):
+            return  # (the common step: its hooks read everything)
         if on.get("param_grad") and self._grads and not self.grads_taken:
             self.summarize_grads()
         if on.get("param") and self.params:

@@ -130,6 +130,8 @@ class Worker:
         self._pipelines: tuple[Pipeline, ...] = ()  # copy-on-write: the thread reads a snapshot per batch
         self._lock = threading.Lock()
         self._errors: list[tuple[str, BaseException]] = []  # not yet reported to the owner
+        self.has_errors = False
+        """Whether failures await :meth:`check` (an attribute: a lock-free read, for hot paths)."""
         self._failed = 0
         self._items = 0
         self._batches = 0
@@ -227,6 +229,7 @@ class Worker:
     def _record(self, name: str, exc: BaseException) -> None:
         with self._lock:
             self._errors.append((name, exc))
+            self.has_errors = True
 
     @property
     def stopped(self) -> bool:
@@ -235,11 +238,6 @@ class Worker:
         thread = self._thread
         return thread is not None and not thread.is_alive()
 
-    @property
-    def has_errors(self) -> bool:
-        """Whether failures await :meth:`check` (a lock-free read, for hot paths)."""
-        return bool(self._errors)
-
     def check(self) -> None:
         """Raise failures not yet reported, as one :class:`~streamwatch.PipelineError`. Thread-safe.
 
@@ -247,6 +245,7 @@ class Worker:
         """
         with self._lock:
             errors, self._errors = self._errors, []
+            self.has_errors = False
         if errors:
             raise PipelineError(errors) from errors[0][1]
 
