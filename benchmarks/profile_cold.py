@@ -52,14 +52,14 @@ def pieces() -> dict[str, Callable[[], object]]:
     scores = torch.randn(128, 10, generator=gen)
     labels = torch.randint(0, 10, (128,), generator=gen)
     loss = torch.tensor(1.0)
-    count, _ = _observe._accuracy(scores, labels)
+    scorer, outputs, targets, _ = _observe._accuracy(scores, labels)
     key = (scores.shape, labels.shape, scores.dtype, labels.dtype, scores.device, labels.device)
     return {
         "empty call": lambda: None,
         "tensor.shape": lambda: scores.shape,
         "tensor.sum()": lambda: scores.sum(),
         "accuracy layout lookup": lambda: _observe._layout(*key),
-        "accuracy count (compiled)": count,
+        "accuracy count (compiled)": lambda: scorer(outputs, targets),
         "step checks, loss only": lambda: _observe._check_step(loss, None, None, 128),
         "step checks with accuracy": lambda: _observe._check_step(loss, scores, labels, 128),
     }

@@ -434,7 +434,9 @@ class Watch:
             state.busy = 0.0
             self._tail = end - self._ticked  # (after the governor's reading: the next step's own time)
             if timed or state.timed:  # (untimed steps leave the boundaries at 0: their hooks are out)
-                state.times.reset(end)  # the next step's data wait starts after our work
+                times = state.times  # the next step's data wait starts after our work
+                times.step_end = end
+                times.forward_start = times.forward_end = times.optimizer_start = times.optimizer_end = 0.0
 
     def _quiet_step(
         self, now: float, loss: object, outputs: object, targets: object, batch_size: object
@@ -646,7 +648,13 @@ class Watch:
             state.fail(exc)
         finally:
             self._end_step(now, failed, checked.loss)
-        self._surface_errors()
+        if (  # anything new to warn about (the common step has nothing: no call)
+            self._worker.has_errors
+            or len(state.errors) != self._reported_hook_errors
+            or len(self._store.failures) != self._reported_store_failures
+            or len(self._tracker.failures) != self._reported_tracker_failures
+        ):
+            self._surface_errors()
 
     def _send(
         self,
@@ -686,8 +694,8 @@ class Watch:
         elif loss is not None:
             host["loss"] = loss
         if checked.accuracy is not None:
-            count_correct, total = checked.accuracy
-            correct = count_correct()
+            scorer, outputs, targets, total = checked.accuracy
+            correct = scorer(outputs, targets)
             if type(correct) is float:  # counted on the host already (a CPU batch of class scores)
                 host["correct"] = correct
             else:
@@ -967,13 +975,6 @@ class Watch:
         """Warn (once each) about new hook and pipeline errors; they are raised again at close()."""
         failures = self._store.failures
         callback_failures = self._tracker.failures
-        if (
-            not self._worker.has_errors
-            and len(self._state.errors) == self._reported_hook_errors
-            and len(failures) == self._reported_store_failures
-            and len(callback_failures) == self._reported_tracker_failures
-        ):
-            return  # the common case, without taking the worker's lock
         new: list[tuple[str, BaseException]] = []
         try:
             self._worker.check()
@@ -1629,8 +1630,9 @@ class _StepArgs(NamedTuple):
     """``watch.step()``'s arguments, checked: nothing in them can fail later."""
 
     loss: torch.Tensor | float | None
-    # (count the correct ones: a device scalar, or a host float; predictions scored)
-    accuracy: tuple[Callable[[], torch.Tensor | float], int] | None
+    # (the scorer of their layout, outputs, targets, predictions scored): scorer(outputs, targets) counts
+    # the correct ones (a device scalar, or a host float) for a step that sends a record
+    accuracy: tuple[_Score, torch.Tensor, torch.Tensor, int] | None
     batch_size: int | None
 
 
@@ -1692,39 +1694,45 @@ def _check_step(
         )
     accuracy = None
     if outputs is not None or targets is not None:
-        if outputs is None or targets is None:
-            raise ValueError(
-                "Expected `outputs` and `targets` together (both for train accuracy, or neither), got "
-                f"{'targets' if outputs is None else 'outputs'} alone"
-            )
         accuracy = _accuracy(outputs, targets)
     # (one C call: a NamedTuple's own __new__ is a Python frame, and this runs on cold step boundaries)
     return _new_args(_StepArgs, (checked_loss, accuracy, None if batch_size is None else int(batch_size)))
 
 
-def _accuracy(outputs: object, targets: object) -> tuple[Callable[[], torch.Tensor | float], int]:
-    """How to count the correct predictions (a device scalar, computed later) and how many are scored,
-    for the layouts documented in :meth:`Watch.step`; anything else is refused, naming the shapes. The
-    layout is decided once per combination of shapes, dtypes and devices (this runs on every step)."""
+def _accuracy(outputs: object, targets: object) -> tuple[_Score, torch.Tensor, torch.Tensor, int]:
+    """``(scorer, outputs, targets, n)``: ``scorer(outputs, targets)`` counts the correct predictions (a
+    device scalar, or a host float; called for a step that sends a record), ``n`` the predictions
+    scored, for the layouts documented in :meth:`Watch.step`; anything else is refused, naming the
+    shapes. The layout is decided once per combination of shapes, dtypes and devices (this runs on every
+    step).
+
+    Example:
+        >>> scorer, o, t, n = _accuracy(torch.tensor([[0.1, 0.9], [0.8, 0.2]]), torch.tensor([1, 1]))
+        >>> scorer(o, t), n
+        (1.0, 2)
+    """
     if type(outputs) is _Tensor and type(targets) is _Tensor and outputs.is_cpu and targets.is_cpu:
         # the common case, read without making device objects (a cold step boundary touches less)
-        score, n = _layout(outputs.shape, targets.shape, outputs.dtype, targets.dtype, _CPU, _CPU)
-    else:
-        for name, value in (("outputs", outputs), ("targets", targets)):
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"Expected `{name}` to be a torch.Tensor (for train accuracy), got {value!r}")
-        assert isinstance(outputs, torch.Tensor)
-        assert isinstance(targets, torch.Tensor)
-        score, n = _layout(
-            outputs.shape, targets.shape, outputs.dtype, targets.dtype, outputs.device, targets.device
+        scorer, n = _layout(outputs.shape, targets.shape, outputs.dtype, targets.dtype, _CPU, _CPU)
+        return scorer, outputs, targets, n
+    if outputs is None or targets is None:
+        raise ValueError(
+            "Expected `outputs` and `targets` together (both for train accuracy, or neither), got "
+            f"{'targets' if outputs is None else 'outputs'} alone"
         )
-    if type(score) is _ClassesLastFused:  # (reads addresses: nothing to detach)
-        return functools.partial(score, outputs, targets), n
-    return functools.partial(_count_correct, score, outputs, targets), n
+    for name, value in (("outputs", outputs), ("targets", targets)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"Expected `{name}` to be a torch.Tensor (for train accuracy), got {value!r}")
+    assert isinstance(outputs, torch.Tensor)
+    assert isinstance(targets, torch.Tensor)
+    scorer, n = _layout(
+        outputs.shape, targets.shape, outputs.dtype, targets.dtype, outputs.device, targets.device
+    )
+    return scorer, outputs, targets, n
 
 
 def _count_correct(score: _Score, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | float:
-    """Score detached tensors: called only for a step that sends a record."""
+    """Score detached tensors (a torch scorer, bound by :func:`_layout`)."""
     return score(outputs.detach(), targets.detach())
 
 
@@ -1792,7 +1800,22 @@ def _layout(
     t_device: torch.device,
 ) -> tuple[_Score, int]:
     """The scorer and the number of predictions scored for one layout of ``outputs`` and ``targets``
-    (cached: a training loop repeats its layout; a refusal is not cached and raises every time)."""
+    (cached: a training loop repeats its layout; a refusal is not cached and raises every time). The
+    scorer takes the tensors as passed: the compiled count reads their addresses, torch's scorers get
+    them detached."""
+    score, n = _score_of(o_shape, t_shape, o_dtype, t_dtype, o_device, t_device)
+    return (score if type(score) is _ClassesLastFused else functools.partial(_count_correct, score)), n
+
+
+def _score_of(
+    o_shape: torch.Size,
+    t_shape: torch.Size,
+    o_dtype: torch.dtype,
+    t_dtype: torch.dtype,
+    o_device: torch.device,
+    t_device: torch.device,
+) -> tuple[_Score, int]:
+    """:func:`_layout`'s decision, uncached."""
 
     def refuse(why: str) -> ValueError:
         return ValueError(

@@ -803,7 +803,8 @@ class StepBuffer:
                 marks,
             ),
         )
-        # The next step's table and arena, fresh (the record keeps these)
+        # The next step's table and arena, fresh (the record keeps these), and its rows: clear() written
+        # out (the arena is fresh: nothing to zero)
         if len(self.keys) > self._rows:
             self._rows = _capacity(len(self.keys), 16)
         if self._arena_used > self._units:
@@ -811,8 +812,10 @@ class StepBuffer:
         self.host, self._host_address, self.arena, self._arena_address = self._slab.take(
             self._rows, self._units
         )
-        self._arena_used = 0  # (a fresh arena: nothing for clear() to zero)
-        self.clear()
+        self._arena_used = 0
+        self.keys, self.order, self.counts, self.units, self.samples = [], [], [], [], []
+        self.device_rows, self.extras, self.unit_counts, self.latest = {}, {}, {}, {}
+        self.device = None
         return record
 
     def _device_part(
@@ -895,15 +898,8 @@ class StepBuffer:
 
     def clear(self) -> None:
         """Forget the current step's rows (the host table is reused)."""
-        self.keys = []
-        self.order = []
-        self.counts = []
-        self.units = []
-        self.samples = []
-        self.device_rows = {}
-        self.extras = {}
-        self.unit_counts = {}
-        self.latest = {}
+        self.keys, self.order, self.counts, self.units, self.samples = [], [], [], [], []
+        self.device_rows, self.extras, self.unit_counts, self.latest = {}, {}, {}, {}
         self.device = None
         if self._arena_used:
             self.arena[: self._arena_used] = 0

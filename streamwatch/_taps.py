@@ -247,9 +247,11 @@ class StepTimes:
 
     Example:
         >>> t = StepTimes(step_end=1.0, forward_start=1.5, forward_end=2.0)
-        >>> t.reset(now=4.0)
-        >>> t.step_end, t.forward_start
-        (4.0, 0.0)
+        >>> t.optimizer_start, t.optimizer_end = 3.0, 3.25
+        >>> from streamwatch._record import step_parts
+        >>> marks = (t.step_end, t.forward_start, t.forward_end, t.optimizer_start, t.optimizer_end, 3.5)
+        >>> step_parts(marks, {})
+        {'part/data_wait': 0.5, 'part/forward': 0.5, 'part/backward': 1.0, 'part/optimizer': 0.25}
     """
 
     step_end: float = 0.0
@@ -262,11 +264,6 @@ class StepTimes:
     def clock() -> float:
         """The clock every boundary is read from (``time.perf_counter``; tests may fake it)."""
         return perf_counter()
-
-    def reset(self, now: float) -> None:
-        """A step ended at ``now``."""
-        self.step_end = now
-        self.forward_start = self.forward_end = self.optimizer_start = self.optimizer_end = 0.0
 
 
 @dataclass(slots=True)

@@ -632,20 +632,21 @@ def test_train_accuracy_takes_the_compiled_count_only_where_it_is_torchs() -> No
 
     scores, targets = torch.randn(16, 5), torch.randint(0, 5, (16,))
     expected = float((scores.argmax(-1) == targets).sum())
-    count, total = _observe._accuracy(scores, targets)
-    assert total == 16
-    assert count() == expected
-    assert isinstance(count(), float)  # the C call: a host float, no torch op
-    count, _ = _observe._accuracy(scores.clone().requires_grad_(), targets)  # (read in place: no detach)
-    assert count() == expected
+
+    def count(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | float:
+        scorer, o, t, total = _observe._accuracy(outputs, targets)
+        assert total == 16
+        return scorer(o, t)
+
+    assert count(scores, targets) == expected
+    assert isinstance(count(scores, targets), float)  # the C call: a host float, no torch op
+    assert count(scores.clone().requires_grad_(), targets) == expected  # (read in place: no detach)
     # a transposed (non-contiguous) batch and int32 targets go through torch, with the same answer
     strided = scores.t().contiguous().t()
-    count, _ = _observe._accuracy(strided, targets)
     assert not strided.is_contiguous()
-    assert float(count()) == expected
-    count, _ = _observe._accuracy(scores, targets.int())
-    assert isinstance(count(), torch.Tensor)
-    assert float(count()) == expected
+    assert float(count(strided, targets)) == expected
+    assert isinstance(count(scores, targets.int()), torch.Tensor)
+    assert float(count(scores, targets.int())) == expected
 
 
 def test_the_correct_count_refuses_a_null_batch_clearly() -> None:
