@@ -23,6 +23,10 @@ thread (median over the steps after the first tenth), with no worker competing f
 ``--step-args loss`` or ``none`` passes it the loss alone or nothing (no train accuracy, no batch size),
 to show what the arguments cost. Not a test and not part of ``make bench``: it prints a table.
 
+``--governed`` observes with the default overhead governor instead of ``every=1`` and times the
+boundaries that end a sampled step apart from the others (median of each; a sampled step's boundary
+there also takes the hooks out for the unsampled steps after it, and ticks the governor).
+
 ``--main-thread`` measures the work without the thread: the worker never starts, the queued records are
 taken from the channel and resolved and pushed through the watch's pipelines on the main thread, several
 passes over the same records, each stage's best pass reported. On a shared VM, where the worker thread's
@@ -99,32 +103,36 @@ def instrument(timers: dict[str, float], gate: threading.Event) -> None:
     _record.PendingRecord.resolve = timed_resolve  # type: ignore[method-assign]
 
 
-def time_steps(durations: list[float]) -> None:
-    """Append each ``watch.step()``'s wall time to ``durations``."""
+def time_steps(durations: list[float], unsampled: list[float] | None = None) -> None:
+    """Append each ``watch.step()``'s wall time to ``durations``; with ``unsampled``, those that end an
+    unsampled step go there instead."""
     step = sw.Watch.step
     clock = time.perf_counter
 
     def timed_step(self: sw.Watch, *args: Any, **kwargs: Any) -> None:
+        sampled = unsampled is None or self._sampling_now
         start = clock()
         try:
             step(self, *args, **kwargs)
         finally:
-            durations.append(clock() - start)
+            (durations if sampled or unsampled is None else unsampled).append(clock() - start)
 
     sw.Watch.step = timed_step  # type: ignore[method-assign]
 
 
-def profile(name: str, steps: int, step_args: str = "full") -> list[str]:
+def profile(name: str, steps: int, step_args: str = "full", governed: bool = False) -> list[str]:
     timers: dict[str, float] = defaultdict(float)
     gate = threading.Event()
     instrument(timers, gate)
     durations: list[float] = []
-    time_steps(durations)
+    unsampled: list[float] = []
+    time_steps(durations, unsampled if governed else None)
     spec = bench.SPECS[name]
     x, y = spec.data()
     model = bench.build(spec)
     opt = torch.optim.SGD(model.parameters(), lr=bench.LR)
-    with sw.observe(model, opt, every=1, capacity=steps + 8) as watch:
+    cadence: dict[str, Any] = {} if governed else {"every": 1}
+    with sw.observe(model, opt, capacity=steps + 8, **cadence) as watch:
         run_steps(model, opt, watch, steps, x, y, [], step_args)
         gc.collect()
         gc.freeze()
@@ -136,13 +144,18 @@ def profile(name: str, steps: int, step_args: str = "full") -> list[str]:
         busy = watch._worker.statistics().busy_seconds
         rows = watch.snapshot() and len(watch.store.table()[1])
     gc.unfreeze()
-    us = 1e6 / steps
-    sampled = statistics.median(durations[steps // 10 :]) * 1e6
+    records = watch.statistics().sampled + watch.statistics().scalar_records
+    us = 1e6 / records
+    sampled = statistics.median(durations[len(durations) // 10 :]) * 1e6
+    how = f"the default governor, {len(durations)} sampled" if governed else "every=1"
     lines = [
-        f"{name}: {steps} records of {rows} rows, drained alone (every=1)",
+        f"{name}: {records} records of {rows} rows, drained alone ({how})",
         f"  {f'sampled watch.step({step_args}), median':<34}{sampled:>8.1f} µs   (the worker held back)",
         f"  {'worker busy per record':<34}{busy * us:>8.1f} µs   (drain wall time {drained * us:.1f} µs)",
     ]
+    if governed:
+        quiet = statistics.median(unsampled[len(unsampled) // 10 :]) * 1e6
+        lines.append(f"  {'unsampled watch.step(), median':<34}{quiet:>8.1f} µs")
     for stage, seconds in sorted(timers.items(), key=lambda kv: -kv[1]):
         lines.append(f"    {stage:<32}{seconds * us:>8.1f} µs")
     return lines
@@ -211,12 +224,15 @@ def main(argv: list[str] | None = None) -> None:
         default="full",
         help="what watch.step() is given: loss, outputs, targets, batch size (full); the loss alone; nothing",
     )
+    parser.add_argument(
+        "--governed", action="store_true", help="the default overhead governor instead of every=1"
+    )
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     if args.main_thread:
         print("\n".join(profile_main_thread(args.model, args.steps, args.passes)))
     else:
-        print("\n".join(profile(args.model, args.steps, args.step_args)))
+        print("\n".join(profile(args.model, args.steps, args.step_args, args.governed)))
 
 
 if __name__ == "__main__":

@@ -46,9 +46,11 @@ removed before the error propagates. TorchScript modules are refused up front (:
 
 from __future__ import annotations
 
+import collections
 import fnmatch
 import functools
 import itertools
+import operator
 import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -487,6 +489,100 @@ _GROUPS = ("forward", "param_grad", "step")
 """The hook groups :meth:`TapSet.arm` installs and removes, in the order of its flags."""
 
 
+_CALL = operator.methodcaller("__call__")
+
+
+def _consume(calls: Iterator[Any]) -> None:
+    """Run an iterator to its end in C (the ``consume`` recipe of itertools' documentation)."""
+    collections.deque(calls, maxlen=0)
+
+
+def _entries_of(handles: list[Any]) -> list[tuple[dict[int, Any], int, Any]] | None:
+    """Where torch keeps each registered hook: ``(dict, key, value)`` for the hook dict and every extra
+    dict (``with_kwargs``, ``always_call``) a handle names; None where a handle does not show them."""
+    entries: list[tuple[dict[int, Any], int, Any]] = []
+    for handle in handles:
+        try:
+            refs = (handle.hooks_dict_ref, *handle.extra_dict_ref)
+            key = handle.id
+        except (AttributeError, TypeError):
+            return None
+        for ref in refs:
+            hooks = ref() if callable(ref) else None
+            if not isinstance(hooks, dict):
+                if hooks is None:
+                    continue
+                return None
+            if key in hooks:
+                entries.append((hooks, key, hooks[key]))
+    return entries
+
+
+class _HookGroup:
+    """One group of hooks that :meth:`TapSet.arm` puts in and takes out as steps are sampled or not.
+
+    The first time they go in they are registered through torch's API. From then on, with ``switched``
+    and where torch's handles show the dicts the hooks live in (``RemovableHandle.hooks_dict_ref`` and
+    ``extra_dict_ref``, every torch 2.x), they are put back into and taken out of those dicts under
+    the same keys, the way registering and removing them does: a dict operation per hook, where
+    registering and removing again run ~50 bytecodes of torch's Python per hook, on the boundaries
+    around every sampled step. Otherwise (``switched`` false: hooks whose registration depends on the
+    moment, a parameter that may be frozen) they are registered and removed each time.
+
+    Example:
+        >>> m = torch.nn.Linear(2, 2)
+        >>> group = _HookGroup([functools.partial(m.register_forward_hook, lambda *a: None)], switched=True)
+        >>> group.set(True); len(m._forward_hooks)
+        1
+        >>> group.set(False); len(m._forward_hooks), group.entries is not None
+        (0, True)
+        >>> group.set(True); len(m._forward_hooks)
+        1
+    """
+
+    __slots__ = ("entries", "handles", "on", "put_in", "registrations", "switched", "take_out")
+
+    def __init__(self, registrations: list[Callable[[], Any]], switched: bool) -> None:
+        self.registrations = registrations
+        self.switched = switched
+        self.handles: list[Any] = []  # (registered: the handles; empty once switched)
+        self.entries: list[tuple[dict[int, Any], int, Any]] | None = None
+        # once switched: a call per dict entry to put it back (a re-inserted key goes last, the order
+        # registering gives) and to take it out, run in one C loop
+        self.put_in: tuple[Callable[[], Any], ...] = ()
+        self.take_out: tuple[Callable[[], Any], ...] = ()
+        self.on = False
+
+    def set(self, on: bool) -> None:
+        """Put the hooks in (``on``) or take them out; nothing if they are so already."""
+        if on == self.on:
+            return
+        if self.entries is not None:
+            _consume(map(_CALL, self.put_in if on else self.take_out))
+        elif on:
+            handles: list[Any] = []
+            try:
+                for register in self.registrations:
+                    handles.append(register())
+            except BaseException:  # all or nothing: a registration torch refused leaves none in
+                for handle in handles:
+                    handle.remove()
+                raise
+            self.handles = handles
+            entries = _entries_of(handles) if self.switched else None
+            if entries is not None:
+                self.entries, self.handles = entries, []
+                self.put_in = tuple(
+                    functools.partial(hooks.__setitem__, key, value) for hooks, key, value in entries
+                )
+                self.take_out = tuple(functools.partial(hooks.pop, key, None) for hooks, key, _ in entries)
+        else:
+            for handle in self.handles:
+                handle.remove()
+            self.handles = []
+        self.on = on
+
+
 def _grad_hook_on(param: nn.Parameter, hook: Callable[[nn.Parameter], None]) -> Any:
     """Install ``hook`` after ``param``'s gradient is accumulated, if it requires one (torch refuses a
     hook on a tensor that does not: a parameter frozen mid-run is passed over until it is unfrozen)."""
@@ -566,10 +662,9 @@ class TapSet:
             "param_grad": [],
             "step": [],
         }
-        self._armed: dict[str, list[RemovableHandle | _NoHook]] = {
-            "forward": [],
-            "param_grad": [],
-            "step": [],
+        # (post-accumulate hooks are registered each time: torch refuses one on a frozen parameter)
+        self._groups = {
+            group: _HookGroup(self._registrations[group], group != "param_grad") for group in _GROUPS
         }
         self._armed_now = (False, False, False)  # whether each of _GROUPS has its hooks in
         self._has_group = (False, False, False)  # whether each of _GROUPS has registrations
@@ -704,18 +799,13 @@ class TapSet:
             self._root_in(model)
 
     def _set_group(self, group: str, on: bool) -> None:
-        handles = self._armed[group]
-        if on and not handles:
-            if group == "param_grad":  # which parameters get a hook: those that require a gradient now
-                self._grad_flags = [param.requires_grad for _, param in self._grads]
-            for register in self._registrations[group]:
-                handles.append(register())
-        elif not on and handles:
-            for handle in handles:
-                handle.remove()
-            handles.clear()
-        armed = self._armed
-        self._armed_now = (bool(armed["forward"]), bool(armed["param_grad"]), bool(armed["step"]))
+        hooks = self._groups[group]
+        if on and not hooks.on and group == "param_grad":
+            # which parameters get a hook: those that require a gradient now
+            self._grad_flags = [param.requires_grad for _, param in self._grads]
+        hooks.set(on)
+        groups = self._groups
+        self._armed_now = (groups["forward"].on, groups["param_grad"].on, groups["step"].on)
 
     def arm(self) -> None:
         """Install or remove the per-module and per-parameter hooks for the step that begins: only the
@@ -750,7 +840,7 @@ class TapSet:
         elif wanted[1] and self._grad_flags != [param.requires_grad for _, param in self._grads]:
             # a parameter frozen or unfrozen since its hooks went in (a fine-tuning schedule): an
             # unfrozen one gets its hook now (a frozen one keeps its own: it fires if it is unfrozen)
-            handles = self._armed["param_grad"]
+            handles = self._groups["param_grad"].handles
             registrations = self._registrations["param_grad"]
             for i, (_, param) in enumerate(self._grads):
                 if handles[i] is _NO_HOOK and param.requires_grad:
@@ -950,7 +1040,7 @@ class TapSet:
         state.root_training = training = module.training and torch.is_grad_enabled()
         if not training:
             state.quiet = 0  # an evaluation pass records: the step ends at a full boundary
-            if not self._armed["forward"] and not state.paused and self._registrations["forward"]:
+            if not self._armed_now[0] and not state.paused and self._has_group[0]:
                 # An evaluation pass is summarised whatever the step samples: its hooks go in for it.
                 try:
                     self._set_group("forward", True)
@@ -1067,9 +1157,10 @@ class TapSet:
         """Remove every hook. Idempotent."""
         self._root_out()
         self._release_leaves()
-        for group in self._armed:
+        for group in _GROUPS:
             self._set_group(group, False)
         self._registrations = {group: [] for group in self._registrations}
+        self._groups = {group: _HookGroup([], False) for group in _GROUPS}
         self._has_group = (False, False, False)
         self._before = None
         self._before_params = self._owned_params = self._other_params = []
