@@ -434,8 +434,8 @@ class Watch:
             state.busy = 0.0
             self._tail = end - self._ticked  # (after the governor's reading: the next step's own time)
             if timed or state.timed:  # (untimed steps leave the boundaries at 0: their hooks are out)
-                times = state.times  # the next step's data wait starts after our work
-                times.step_end = end
+                times = state.times  # the next step's data wait starts after our work (on its clock)
+                times.step_end = times.clock()
                 times.forward_start = times.forward_end = times.optimizer_start = times.optimizer_end = 0.0
 
     def _quiet_step(
@@ -674,10 +674,16 @@ class Watch:
         marks: tuple[float, ...] = ()  # a sampled step's clock marks: the worker makes its parts
         if seconds is not None:
             host["step_seconds"] = seconds
-            if full:  # (the boundaries the hooks saw, and the step's end)
+            if full:  # (the boundaries the hooks saw, and the step's end, on their clock)
                 t = self._state.times
-                end = t.clock() if now is None else now
-                marks = (t.step_end, t.forward_start, t.forward_end, t.optimizer_start, t.optimizer_end, end)
+                marks = (
+                    t.step_end,
+                    t.forward_start,
+                    t.forward_end,
+                    t.optimizer_start,
+                    t.optimizer_end,
+                    t.clock(),
+                )
         if checked.batch_size is not None and seconds is not None:
             host["batch_size"] = float(checked.batch_size)
             if seconds > 0:

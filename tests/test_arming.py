@@ -5,6 +5,7 @@ parameter. Under ``torch.compile`` they stay in for good (no recompilation per s
 from __future__ import annotations
 
 import copy
+import functools
 import pickle
 from collections.abc import Callable, Iterator
 
@@ -411,3 +412,73 @@ def test_a_failure_where_the_root_call_is_seen_is_counted_not_raised(monkeypatch
     assert watch.statistics().hook_errors == 1
     with pytest.raises(sw.PipelineError, match="1 hook call failed on the training thread"):
         watch.close()
+
+
+def test_switched_hooks_go_back_in_after_the_users_and_run_as_registered_ones() -> None:
+    """A group's hooks are registered once, then put back into torch's own hook dicts and taken out of
+    them: they run after a hook the user registered in between (as a new registration would), with
+    the same keyword flags, and each sampled step is summarised as with hooks registered anew."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = next(m for m in model.modules() if len(list(m.children())) == 0)
+    records = sw.sinks.collect()
+    with sw.observe(model, opt, every=2, taps=("activation", "input"), sinks=[records]) as watch:
+        train_step(model, opt, watch)  # sampled; its boundary takes the hooks out for step 1
+        assert module_hooks(model) == 0
+        first.register_forward_hook(lambda *args: None)  # the user's, registered in between
+        hooks = watch._taps._groups["forward"]
+        assert hooks.entries is not None
+        assert hooks.handles == []
+        original = hooks.registrations[0]
+        hooks.registrations[0] = lambda: pytest.fail("a switched group registers only once")
+        try:
+            for _ in range(5):  # steps 1-5: the hooks back in for 2 and 4, and for 6 at the end
+                train_step(model, opt, watch)
+        finally:
+            hooks.registrations[0] = original
+        # the activation hook (and the input pre-hook, with its with_kwargs flag) are back in order
+        keys = list(first._forward_hooks)
+        assert len(keys) == 2
+        assert keys[-1] in {key for _, key, _ in hooks.entries}
+        assert list(first._forward_pre_hooks_with_kwargs) == list(first._forward_pre_hooks)
+    assert (module_hooks(model) - 1, len(first._forward_pre_hooks_with_kwargs)) == (0, 0)  # (the user's)
+    steps = [r.step for r in records.items if r.keys]
+    assert steps == [0, 2, 4]
+    kinds = [
+        {(key.layer, key.kind) for key in r.keys if key.kind in ("activation", "input")}
+        for r in records.items
+        if r.keys
+    ]
+    assert kinds[0] == kinds[1] == kinds[2]
+    assert len(kinds[0]) == 6
+
+
+def test_hooks_whose_handles_hide_their_dicts_are_registered_each_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where torch's handles do not show the dicts their hooks live in, each sampled step registers its
+    hooks again and removes them after, as before switching existed."""
+    monkeypatch.setattr(streamwatch._taps, "_entries_of", lambda handles: None)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    with sw.observe(model, opt, every=2) as watch:
+        for _ in range(4):
+            seen.append(module_hooks(model))
+            train_step(model, opt, watch)
+        assert watch._taps._groups["forward"].entries is None
+    assert seen == [3, 0, 3, 0]
+    assert module_hooks(model) == 0
+
+
+def test_a_group_torch_refuses_half_way_leaves_none_of_its_hooks_in() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    calls = [functools.partial(model[0].register_forward_hook, lambda *a: None), _refused]
+    group = streamwatch._taps._HookGroup(calls, switched=True)
+    with pytest.raises(RuntimeError, match="refused"):
+        group.set(True)
+    assert (len(model[0]._forward_hooks), group.on, group.entries) == (0, False, None)
+
+
+def _refused() -> None:
+    raise RuntimeError("refused")
