@@ -412,12 +412,18 @@ class Sentinel:
         self.grads_tripped = False
         """Whether the last :meth:`check` tripped on its gradients (CPU), its loss being finite or not
         checked: then what went bad is the gradient, not the loss."""
-
-    @property
-    def idle(self) -> bool:
+        self.idle = not grad_norm
         """Whether a step with a finite CPU loss (or none) has nothing for :meth:`check` to do: no
-        gradient-norm check, no device probe waiting or in flight."""
-        return not self.grad_norm and not self._pending and not self._probes and self._carry is None
+        gradient-norm check, no device probe waiting or in flight (an attribute, kept by :meth:`check`,
+        :meth:`drain` and :meth:`set_grad_norm`: read on every step boundary)."""
+
+    def set_grad_norm(self, on: bool) -> None:
+        """Check the gradients from the next step on, or stop."""
+        self.grad_norm = on
+        self._settle()
+
+    def _settle(self) -> None:
+        self.idle = not self.grad_norm and not self._pending and not self._probes and self._carry is None
 
     def check(self, step: int, loss: torch.Tensor | float | None, grads: Iterable[torch.Tensor]) -> list[int]:
         """Check ``step``'s loss (and gradients, if ``grad_norm``); the steps now known to have failed."""
@@ -438,6 +444,7 @@ class Sentinel:
             tripped.extend(self._poll())
         if probes:
             self._push(step, probes[0] if len(probes) == 1 else _largest(probes))
+        self._settle()
         return self._count(tripped)
 
     def drain(self) -> list[int]:
@@ -452,6 +459,7 @@ class Sentinel:
             tripped.extend(self._poll())
             if self._carry is not None:
                 self._queue()
+        self._settle()
         return self._count(tripped)
 
     def _count(self, tripped: list[int]) -> list[int]:

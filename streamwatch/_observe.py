@@ -854,7 +854,7 @@ class Watch:
         steps = sorted(s for _, s in trial)
         affordable = costs[len(costs) // 2] <= 0.25 * (self._budget or 0.0) * steps[len(steps) // 2]
         assert self._sentinel is not None
-        self._sentinel.grad_norm = affordable
+        self._sentinel.set_grad_norm(affordable)
         self._grad_norm_trial = None
 
     def _raise_nonfinite(self) -> None:
@@ -1699,7 +1699,11 @@ def _check_step(
             f"Expected `batch_size` to be a positive integer (the samples in the step), got {batch_size!r}"
         )
     accuracy = None
-    if outputs is not None or targets is not None:
+    if type(outputs) is _Tensor and type(targets) is _Tensor and outputs.is_cpu and targets.is_cpu:
+        # _accuracy's common case, written out (one frame less on a cold step boundary)
+        scorer, n = _layout(outputs.shape, targets.shape, outputs.dtype, targets.dtype, _CPU, _CPU)
+        accuracy = (scorer, outputs, targets, n)
+    elif outputs is not None or targets is not None:
         accuracy = _accuracy(outputs, targets)
     # (one C call: a NamedTuple's own __new__ is a Python frame, and this runs on cold step boundaries)
     return _new_args(_StepArgs, (checked_loss, accuracy, None if batch_size is None else int(batch_size)))

@@ -320,7 +320,7 @@ def test_step_phase_times_are_read_at_the_step_boundaries(monkeypatch: pytest.Mo
     from streamwatch import _taps
 
     clock = [100.0]
-    monkeypatch.setattr(_taps, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(_taps.StepTimes, "clock", staticmethod(lambda: clock[0]))
 
     class Tick(nn.Module):
         def __init__(self, seconds: float) -> None:
