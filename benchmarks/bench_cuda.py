@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import bench_observe
 import pytest
 import torch
 from bench_observe import ItemHooks, make_mlp
@@ -46,21 +47,11 @@ SEED = 0
 
 
 def make_cnn() -> nn.Module:
-    blocks: list[nn.Module] = []
-    for c_in, c_out in ((3, 64), (64, 128), (128, 256), (256, 256)):
-        blocks += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(), nn.MaxPool2d(2)]
-    return nn.Sequential(*blocks, nn.Flatten(), nn.Linear(256 * 2 * 2, 10))
+    return bench_observe.make_cnn((64, 128, 256, 256))
 
 
-class Transformer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        layer = nn.TransformerEncoderLayer(1024, 16, dim_feedforward=4096, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, 8, enable_nested_tensor=False)
-        self.head = nn.Linear(1024, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(x).mean(dim=1))
+def make_transformer() -> nn.Module:
+    return bench_observe.SmallTransformer(d_model=1024, heads=16, feedforward=4096, layers=8)
 
 
 @dataclass(frozen=True)
@@ -76,7 +67,7 @@ SPECS = {
     "mlp": Spec(make_mlp, (128, 784), lambda p: torch.optim.SGD(p, lr=0.01), steps=100),
     "cnn": Spec(make_cnn, (256, 3, 32, 32), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), steps=40),
     "transformer": Spec(
-        Transformer,
+        make_transformer,
         (32, 256, 1024),
         lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True),
         steps=10,

@@ -157,19 +157,23 @@ def make_demo() -> nn.Module:
     )
 
 
-def make_cnn() -> nn.Module:
+def make_cnn(channels: tuple[int, ...] = (32, 64, 64)) -> nn.Module:
+    """Conv(3×3)+BN+ReLU+max-pool blocks of ``channels`` on 3×32×32 images, and a linear head."""
     blocks: list[nn.Module] = []
-    for c_in, c_out in ((3, 32), (32, 64), (64, 64)):
+    for c_in, c_out in zip((3, *channels), channels, strict=False):
         blocks += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.BatchNorm2d(c_out), nn.ReLU(), nn.MaxPool2d(2)]
-    return nn.Sequential(*blocks, nn.Flatten(), nn.Linear(64 * 4 * 4, 10))
+    side = 32 >> len(channels)
+    return nn.Sequential(*blocks, nn.Flatten(), nn.Linear(channels[-1] * side * side, 10))
 
 
 class SmallTransformer(nn.Module):
-    def __init__(self) -> None:
+    """``nn.TransformerEncoder`` (``batch_first``) and a linear head on the mean over positions."""
+
+    def __init__(self, d_model: int = 256, heads: int = 4, feedforward: int = 1024, layers: int = 4) -> None:
         super().__init__()
-        layer = nn.TransformerEncoderLayer(256, 4, dim_feedforward=1024, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
-        self.head = nn.Linear(256, 10)
+        layer = nn.TransformerEncoderLayer(d_model, heads, dim_feedforward=feedforward, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.encoder(x).mean(dim=1))

@@ -28,7 +28,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from types import MappingProxyType, TracebackType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, ParamSpec
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -1800,7 +1800,23 @@ def _classes_first(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return (o.argmax(1) == t).sum(dtype=torch.float32)
 
 
+_P = ParamSpec("_P")
+
+
+def _binding_scorers(decide: Callable[_P, tuple[_Score, int]]) -> Callable[_P, tuple[_Score, int]]:
+    """``decide``, its torch scorers bound to :func:`_count_correct` (they get the tensors detached);
+    the compiled count reads addresses and is returned as it is."""
+
+    @functools.wraps(decide)
+    def layout(*args: _P.args, **kwargs: _P.kwargs) -> tuple[_Score, int]:
+        score, n = decide(*args, **kwargs)
+        return (score if type(score) is _ClassesLastFused else functools.partial(_count_correct, score)), n
+
+    return layout
+
+
 @functools.lru_cache(maxsize=64)
+@_binding_scorers
 def _layout(
     o_shape: torch.Size,
     t_shape: torch.Size,
@@ -1811,21 +1827,7 @@ def _layout(
 ) -> tuple[_Score, int]:
     """The scorer and the number of predictions scored for one layout of ``outputs`` and ``targets``
     (cached: a training loop repeats its layout; a refusal is not cached and raises every time). The
-    scorer takes the tensors as passed: the compiled count reads their addresses, torch's scorers get
-    them detached."""
-    score, n = _score_of(o_shape, t_shape, o_dtype, t_dtype, o_device, t_device)
-    return (score if type(score) is _ClassesLastFused else functools.partial(_count_correct, score)), n
-
-
-def _score_of(
-    o_shape: torch.Size,
-    t_shape: torch.Size,
-    o_dtype: torch.dtype,
-    t_dtype: torch.dtype,
-    o_device: torch.device,
-    t_device: torch.device,
-) -> tuple[_Score, int]:
-    """:func:`_layout`'s decision, uncached."""
+    scorer takes the tensors as passed (:func:`_binding_scorers`)."""
 
     def refuse(why: str) -> ValueError:
         return ValueError(
