@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from streamwatch import _observe
+from streamwatch._accuracy import TrainAccuracy
 
 EVICT_BYTES = 48 * 2**20
 
@@ -52,16 +53,18 @@ def pieces() -> dict[str, Callable[[], object]]:
     scores = torch.randn(128, 10, generator=gen)
     labels = torch.randint(0, 10, (128,), generator=gen)
     loss = torch.tensor(1.0)
-    scorer, outputs, targets, _ = _observe._accuracy(scores, labels)
-    key = (scores.shape, labels.shape, scores.dtype, labels.dtype, scores.device, labels.device)
+    scoring = TrainAccuracy()
+    found = _observe._accuracy(scores, labels, scoring)
+    assert found is not None
+    scorer, outputs, targets, _ = found
     return {
         "empty call": lambda: None,
         "tensor.shape": lambda: scores.shape,
         "tensor.sum()": lambda: scores.sum(),
-        "accuracy layout lookup": lambda: _observe._layout(*key),
+        "accuracy layout lookup": lambda: scoring.layout(scores, labels),
         "accuracy count (compiled)": lambda: scorer(outputs, targets),
-        "step checks, loss only": lambda: _observe._check_step(loss, None, None, 128),
-        "step checks with accuracy": lambda: _observe._check_step(loss, scores, labels, 128),
+        "step checks, loss only": lambda: _observe._check_step(loss, None, None, 128, scoring),
+        "step checks with accuracy": lambda: _observe._check_step(loss, scores, labels, 128, scoring),
     }
 
 

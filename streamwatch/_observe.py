@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import math
 import numbers
 import threading
@@ -28,13 +27,14 @@ import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from types import MappingProxyType, TracebackType
-from typing import Any, NamedTuple, ParamSpec
+from typing import Any, NamedTuple
 
 import torch
 from prometheus_client import CollectorRegistry
 from torch import nn
 
 from streamwatch import _kernel
+from streamwatch._accuracy import AMBIGUOUS, Score, TrainAccuracy
 from streamwatch._channel import OVERFLOW_POLICIES, OverflowPolicy, channel
 from streamwatch._clock import Clock
 from streamwatch._detail import Detail, position, resolver, this_rank_keeps_detail
@@ -97,7 +97,6 @@ _governor_clock: Clock = time.perf_counter
 which monkeypatch it with a :class:`streamwatch.testing.FakeClock` before ``observe()``."""
 _Tensor = torch.Tensor  # (read on every quiet step: one global lookup, not two)
 _F32 = torch.float32
-_CPU = torch.device("cpu")
 _LR_NAMES = tuple(f"lr/{i}" for i in range(64))  # (param groups' scalar names, made once)
 _CYCLE_MAX = 4096  # cadences whose lcm is longer: each sampled step's flags are looked up by pattern
 _OBSERVED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -256,6 +255,7 @@ class Watch:
             self._quiet_until = 0.0  # a quiet step must begin before (see _quiet_step)
             self._finite_at = _kernel.finite_checks()  # a CPU loss's finiteness in one C call, by dtype
             self._read_f32 = _kernel.scalar_reader()  # a float32 CPU loss's value in one C call
+            self._scoring = TrainAccuracy()  # train accuracy's layouts, and where the classes are
             self._failed_steps = 0
             self._last = time.perf_counter()
             self._errors: list[tuple[str, BaseException]] = []
@@ -361,7 +361,10 @@ class Watch:
         * class indices: integer ``targets [N]`` with logits ``[N, C]``; ``[N, ..., C]`` with
           ``[N, ...]`` (classes last, e.g. tokens) or ``[N, C, ...]`` with ``[N, ...]`` (classes first, as
           ``cross_entropy`` takes images) — predicted class: the argmax. A layout that fits both ways
-          (``[N, 4, 4]`` with ``[N, 4]``) is refused: reshape to ``[M, C]`` and ``[M]``.
+          (``[N, 4, 4]`` with ``[N, 4]``: a sequence as long as there are classes) is scored the way the
+          run's earlier steps put the classes; before any step settled it, the step's accuracy is
+          skipped, counted in ``statistics().skipped["ambiguous_accuracy"]`` and warned about once
+          (reshape to ``[M, C]`` and ``[M]`` to score every step).
         * one-hot or class probabilities: floating ``targets [N, C]`` like ``outputs`` — the argmax of each.
         * binary scores: ``outputs`` with one logit per label — the same shape as ``targets``, or ``[N, 1]``
           with ``[N]`` — predicted positive where the logit is > 0 (for probabilities pass ``p - 0.5``);
@@ -419,7 +422,7 @@ class Watch:
         timed = self._state.timed  # this step's parts were timed
         try:
             try:
-                checked = _check_step(loss, outputs, targets, batch_size, self._read_f32)
+                checked = _check_step(loss, outputs, targets, batch_size, self._scoring, self._read_f32)
             except (TypeError, ValueError):
                 self._end_step(now, failed=True)
                 raise
@@ -1253,7 +1256,7 @@ class Watch:
             queue_len=channel_stats.len,
             queue_high_water=channel_stats.high_water,
             worker_lag_seconds=self._store.lag,
-            skipped=dict(self._state.skipped),
+            skipped=_skipped(self._state.skipped, self._scoring.ambiguous),
             hook_errors=self._state.hook_errors,
             pipeline_failures=worker_stats.failed + len(self._store.failures) + len(self._tracker.failures),
             kernel=self._kernel_status,
@@ -1600,6 +1603,12 @@ def _split_metrics(
     return names, objects
 
 
+def _skipped(tensors: Mapping[str, int], ambiguous: int) -> dict[str, int]:
+    """``statistics().skipped``: tensors not summarised by reason, and the steps whose train accuracy
+    was skipped (an ambiguous layout, :data:`streamwatch._accuracy.AMBIGUOUS`)."""
+    return {**tensors, AMBIGUOUS: ambiguous} if ambiguous else dict(tensors)
+
+
 def _release_dropped(item: Any, reason: str) -> None:
     """A dropped record gives its pinned slot back (the drop itself is counted by the channel)."""
     if isinstance(item, PendingRecord) and item.release is not None:
@@ -1638,7 +1647,7 @@ class _StepArgs(NamedTuple):
     loss: torch.Tensor | float | None
     # (the scorer of their layout, outputs, targets, predictions scored): scorer(outputs, targets) counts
     # the correct ones (a device scalar, or a host float) for a step that sends a record
-    accuracy: tuple[_Score, torch.Tensor, torch.Tensor, int] | None
+    accuracy: tuple[Score, torch.Tensor, torch.Tensor, int] | None
     batch_size: int | None
 
 
@@ -1660,12 +1669,14 @@ def _check_step(
     outputs: object,
     targets: object,
     batch_size: object,
+    scoring: TrainAccuracy,
     read: Callable[[int], float] | None = None,
 ) -> _StepArgs:
     """Check every argument of ``watch.step()`` before the step is touched (shapes and types only:
     nothing is read from the device). A plain 0-d float32 CPU loss is read at once with ``read`` (the
     compiled reader, one C call): the record and the sentinel need its value, and a loop may overwrite a
-    loss buffer in place."""
+    loss buffer in place. ``scoring`` decides train accuracy's layout (None in the result when it skips
+    the step's accuracy: an ambiguous layout, counted there)."""
     checked_loss: torch.Tensor | float | None = None
     if type(loss) is _Tensor and loss.dtype is _F32 and not loss.ndim:  # the common loss
         # (a lazily negated view, z.conj().imag, holds -value in its memory: read by torch later)
@@ -1679,17 +1690,7 @@ def _check_step(
             )
         checked_loss = loss
     elif loss is not None:
-        if isinstance(loss, bool) or not isinstance(loss, numbers.Real):
-            raise TypeError(
-                f"Expected `loss` to be a scalar (a one-element real tensor or a number), got {loss!r}"
-            )
-        try:
-            checked_loss = float(loss)
-        except OverflowError:
-            raise ValueError(
-                "Expected `loss` to be a number a float can hold, got one too large for it "
-                f"({type(loss).__name__}); pass the loss as a float or a tensor"
-            ) from None
+        checked_loss = _number_loss(loss)
     if (
         batch_size is not None
         and not (type(batch_size) is int and batch_size >= 1)  # (the common case, accepted first)
@@ -1698,33 +1699,57 @@ def _check_step(
         raise ValueError(
             f"Expected `batch_size` to be a positive integer (the samples in the step), got {batch_size!r}"
         )
-    accuracy = None
-    if type(outputs) is _Tensor and type(targets) is _Tensor and outputs.is_cpu and targets.is_cpu:
-        # _accuracy's common case, written out (one frame less on a cold step boundary)
-        scorer, n = _layout(outputs.shape, targets.shape, outputs.dtype, targets.dtype, _CPU, _CPU)
-        accuracy = (scorer, outputs, targets, n)
-    elif outputs is not None or targets is not None:
-        accuracy = _accuracy(outputs, targets)
+    accuracy = None if outputs is None and targets is None else _accuracy(outputs, targets, scoring)
     # (one C call: a NamedTuple's own __new__ is a Python frame, and this runs on cold step boundaries)
     return _new_args(_StepArgs, (checked_loss, accuracy, None if batch_size is None else int(batch_size)))
 
 
-def _accuracy(outputs: object, targets: object) -> tuple[_Score, torch.Tensor, torch.Tensor, int]:
+def _number_loss(loss: object) -> float:
+    """A loss that is not a tensor: a real number ``float()`` reads exactly — a Python or numpy scalar,
+    or a 0-d numpy array of a real dtype.
+
+    Example:
+        >>> import numpy as np
+        >>> _number_loss(0.5), _number_loss(np.float32(0.25)), _number_loss(np.array(2.0))
+        (0.5, 0.25, 2.0)
+        >>> _number_loss(np.array([1.0]))
+        Traceback (most recent call last):
+        ...
+        TypeError: Expected `loss` to be a scalar (a one-element real tensor or a number), got array([1.])
+    """
+    if getattr(loss, "shape", None) == () and getattr(getattr(loss, "dtype", None), "kind", "") in "biuf":
+        # a 0-d numpy array (or an array-like of the same kind): a number in a box, as float() reads it
+        dtype_kind = loss.dtype.kind  # type: ignore[attr-defined]
+        if dtype_kind != "b":
+            loss = loss[()]  # type: ignore[index]
+    if isinstance(loss, bool) or not isinstance(loss, numbers.Real):
+        raise TypeError(
+            f"Expected `loss` to be a scalar (a one-element real tensor or a number), got {loss!r}"
+        )
+    try:
+        return float(loss)
+    except OverflowError:
+        raise ValueError(
+            "Expected `loss` to be a number a float can hold, got one too large for it "
+            f"({type(loss).__name__}); pass the loss as a float or a tensor"
+        ) from None
+
+
+def _accuracy(
+    outputs: object, targets: object, scoring: TrainAccuracy
+) -> tuple[Score, torch.Tensor, torch.Tensor, int] | None:
     """``(scorer, outputs, targets, n)``: ``scorer(outputs, targets)`` counts the correct predictions (a
     device scalar, or a host float; called for a step that sends a record), ``n`` the predictions
     scored, for the layouts documented in :meth:`Watch.step`; anything else is refused, naming the
-    shapes. The layout is decided once per combination of shapes, dtypes and devices (this runs on every
-    step).
+    shapes. None: ``scoring`` skipped this step's accuracy (an ambiguous layout nothing settled yet).
 
     Example:
-        >>> scorer, o, t, n = _accuracy(torch.tensor([[0.1, 0.9], [0.8, 0.2]]), torch.tensor([1, 1]))
+        >>> scorer, o, t, n = _accuracy(
+        ...     torch.tensor([[0.1, 0.9], [0.8, 0.2]]), torch.tensor([1, 1]), TrainAccuracy()
+        ... )
         >>> scorer(o, t), n
         (1.0, 2)
     """
-    if type(outputs) is _Tensor and type(targets) is _Tensor and outputs.is_cpu and targets.is_cpu:
-        # the common case, read without making device objects (a cold step boundary touches less)
-        scorer, n = _layout(outputs.shape, targets.shape, outputs.dtype, targets.dtype, _CPU, _CPU)
-        return scorer, outputs, targets, n
     if outputs is None or targets is None:
         raise ValueError(
             "Expected `outputs` and `targets` together (both for train accuracy, or neither), got "
@@ -1735,159 +1760,11 @@ def _accuracy(outputs: object, targets: object) -> tuple[_Score, torch.Tensor, t
             raise TypeError(f"Expected `{name}` to be a torch.Tensor (for train accuracy), got {value!r}")
     assert isinstance(outputs, torch.Tensor)
     assert isinstance(targets, torch.Tensor)
-    scorer, n = _layout(
-        outputs.shape, targets.shape, outputs.dtype, targets.dtype, outputs.device, targets.device
-    )
+    decided = scoring.layout(outputs, targets)
+    if decided is None:
+        return None
+    scorer, n = decided
     return scorer, outputs, targets, n
-
-
-def _count_correct(score: _Score, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | float:
-    """Score detached tensors (a torch scorer, bound by :func:`_layout`)."""
-    return score(outputs.detach(), targets.detach())
-
-
-_Score = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | float"]
-
-
-def _equal(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    return (o == t).sum(dtype=torch.float32)
-
-
-def _binary(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    return ((o > 0) == (t > 0.5)).sum(dtype=torch.float32)
-
-
-def _one_hot(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    return (o.argmax(-1) == t.argmax(-1)).sum(dtype=torch.float32)
-
-
-def _binary_last(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    return ((o.squeeze(-1) > 0) == (t > 0.5)).sum(dtype=torch.float32)
-
-
-def _binary_first(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    return ((o.squeeze(1) > 0) == (t > 0.5)).sum(dtype=torch.float32)
-
-
-def _classes_last(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    return (o.argmax(-1) == t).sum(dtype=torch.float32)
-
-
-class _ClassesLastFused:
-    """``_classes_last`` for CPU ``[N, C]`` scores and int64 ``[N]`` targets: one C call (the compiled
-    module's ``correct_f32``/``correct_f64``, torch's argmax rules) returning a host float; a batch that
-    is not contiguous goes through torch. Takes the tensors as passed (reading their addresses needs no
-    ``detach()``, a dispatch through torch)."""
-
-    __slots__ = ("classes", "count", "rows")
-
-    def __init__(self, count: Callable[[int, int, int, int], float], rows: int, classes: int) -> None:
-        self.count = count
-        self.rows = rows  # (the layout it scores is one shape: _layout's cache key)
-        self.classes = classes
-
-    def __call__(self, o: torch.Tensor, t: torch.Tensor) -> torch.Tensor | float:
-        if o.is_contiguous() and t.is_contiguous() and type(o) is _Tensor and type(t) is _Tensor:
-            return self.count(o.data_ptr(), t.data_ptr(), self.rows, self.classes)
-        return _classes_last(o.detach(), t.detach())
-
-
-_CORRECT = _kernel.correct_counters()
-"""The compiled correct-prediction counters by scores' dtype (empty: torch scores every layout)."""
-
-
-def _classes_first(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    return (o.argmax(1) == t).sum(dtype=torch.float32)
-
-
-_P = ParamSpec("_P")
-
-
-def _binding_scorers(decide: Callable[_P, tuple[_Score, int]]) -> Callable[_P, tuple[_Score, int]]:
-    """``decide``, its torch scorers bound to :func:`_count_correct` (they get the tensors detached);
-    the compiled count reads addresses and is returned as it is."""
-
-    @functools.wraps(decide)
-    def layout(*args: _P.args, **kwargs: _P.kwargs) -> tuple[_Score, int]:
-        score, n = decide(*args, **kwargs)
-        return (score if type(score) is _ClassesLastFused else functools.partial(_count_correct, score)), n
-
-    return layout
-
-
-@functools.lru_cache(maxsize=64)
-@_binding_scorers
-def _layout(
-    o_shape: torch.Size,
-    t_shape: torch.Size,
-    o_dtype: torch.dtype,
-    t_dtype: torch.dtype,
-    o_device: torch.device,
-    t_device: torch.device,
-) -> tuple[_Score, int]:
-    """The scorer and the number of predictions scored for one layout of ``outputs`` and ``targets``
-    (cached: a training loop repeats its layout; a refusal is not cached and raises every time). The
-    scorer takes the tensors as passed (:func:`_binding_scorers`)."""
-
-    def refuse(why: str) -> ValueError:
-        return ValueError(
-            f"Cannot score train accuracy from `outputs` of shape {list(o_shape)} ({o_dtype}) and `targets` "
-            f"of shape {list(t_shape)} ({t_dtype}): {why}. streamwatch reads class indices "
-            "([N] int with [N, C] logits, [N, ...] with [N, ..., C] or [N, C, ...]), one-hot or "
-            "probabilities ([N, C] float like the logits), binary scores (one logit per label, or [N, 1] "
-            "with [N]) and predicted labels (int outputs shaped like targets); see Watch.step"
-        )
-
-    if o_dtype.is_complex or t_dtype.is_complex:
-        raise refuse("complex tensors are not scores or labels")
-    if o_device != t_device:
-        raise refuse(f"they are on different devices ({o_device} and {t_device})")
-    labels = not t_dtype.is_floating_point  # integer or bool targets
-    n = t_shape.numel()
-    if not o_dtype.is_floating_point:  # predicted labels
-        if o_shape != t_shape:
-            raise refuse("integer outputs are predicted labels, which must be shaped like the targets")
-        return _equal, n
-    o_dim, t_dim = len(o_shape), len(t_shape)
-    if o_shape == t_shape:
-        # one logit per label: a single score per sample ([N], [N, 1], [N, 1, ...]) or bool labels
-        if o_dim <= 1 or o_shape[-1] == 1 or o_shape[1] == 1 or t_dtype == torch.bool:
-            return _binary, n
-        if o_dim == 2 and not labels:  # one-hot or class probabilities
-            return _one_hot, o_shape[0]
-        if labels:
-            raise refuse(
-                "integer targets shaped like the outputs could be one-hot (F.one_hot) or per-element "
-                "0/1 labels; pass targets.float() for one-hot [N, C], targets.bool() for per-element labels"
-            )
-        raise refuse(
-            "floating targets shaped like the outputs are one-hot only as [N, C] (flatten to [M, C]); "
-            "for per-element binary labels pass bool targets"
-        )
-    if o_dim == t_dim + 1:
-        last = o_shape[:-1] == t_shape
-        first = o_dim >= 3 and o_shape[0] == t_shape[0] and o_shape[2:] == t_shape[1:]
-        if last and o_shape[-1] == 1:  # [N, 1] logits with [N] labels: binary
-            return _binary_last, n
-        if first and o_shape[1] == 1:
-            return _binary_first, n
-        if (last or first) and not labels:
-            raise refuse("class indices must be an integer tensor (targets.long())")
-        if (last and o_shape[-1] == 0) or (first and not last and o_shape[1] == 0):
-            raise refuse("there are no classes (a dimension of 0 where the class scores go)")
-        if last and first:
-            raise refuse(
-                "the classes could be the last or the second dimension; reshape to [M, C] logits and [M] "
-                "targets"
-            )
-        if last:
-            count = _CORRECT.get(o_dtype)
-            if count is not None and o_dim == 2 and o_device.type == "cpu" and t_dtype == torch.int64:
-                return _ClassesLastFused(count, o_shape[0], o_shape[1]), n
-            return _classes_last, n
-        if first:
-            return _classes_first, n
-    raise refuse("the shapes do not match any of these layouts (is the batch the same?)")
 
 
 def observe(

@@ -11,9 +11,11 @@ import fractions
 import re
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -332,7 +334,6 @@ def test_train_accuracy_of_every_supported_layout_matches_torch(layout: str) -> 
 
 REFUSED_LAYOUTS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {
     "batch_mismatch": (torch.randn(8, 4), torch.zeros(7, dtype=torch.long)),
-    "class_dim_ambiguous": (torch.randn(8, 4, 4), torch.zeros(8, 4, dtype=torch.long)),
     "float_indices": (torch.randn(8, 4), torch.zeros(8)),
     "soft_targets_3d": (torch.randn(8, 4, 3), torch.rand(8, 4, 3)),
     "complex_targets": (torch.randn(8, 4), torch.zeros(8, dtype=torch.complex64)),
@@ -361,6 +362,65 @@ def test_an_unreadable_accuracy_layout_is_refused_naming_the_shapes(
         watch.step()
     assert [r.step for r in recs.items] == [1]
     assert _layer0(recs.items[0])[0] == 32  # one forward's activation, not two
+
+
+@pytest.mark.parametrize("classes_at", ["last", "first"])
+@pytest.mark.parametrize("every", [1, None], ids=["every_1", "governor"])
+def test_an_ambiguous_layout_after_settled_steps_is_scored_as_they_were(
+    classes_at: str, every: int | None
+) -> None:
+    # before: with a variable sequence length t, the step where t equals the class count raised
+    # "the classes could be the last or the second dimension" out of watch.step(): training stopped
+    classes = 4
+    torch.manual_seed(0)
+    model = nn.Linear(3, classes)
+    recs = sw.sinks.collect()
+    expected: list[tuple[int, int]] = []
+    with sw.observe(model, sinks=[recs], every=every) as watch:
+        for t in (3, 5, 4, 6, 4):
+            logits = model(torch.randn(8, t, 3))  # [8, t, C]
+            outputs = logits if classes_at == "last" else logits.transpose(1, 2)  # or [8, C, t]
+            targets = torch.randint(0, classes, (8, t))
+            hits = (logits.argmax(-1) == targets).sum()
+            expected.append((int(hits), 8 * t))
+            watch.step(loss=logits.mean(), outputs=outputs, targets=targets, batch_size=8)
+        assert watch.flush()
+        stats = watch.statistics()
+    assert stats.failed_steps == 0
+    assert "ambiguous_accuracy" not in stats.skipped
+    scored = {r.step: (r.scalars["correct"], r.scalars["total"]) for r in recs.items if "total" in r.scalars}
+    assert scored  # the first step at least: sampled under the governor too
+    for step, (correct, total) in scored.items():
+        assert (correct, total) == expected[step]
+
+
+def test_an_ambiguous_layout_before_any_settled_one_is_skipped_counted_and_warned_once() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 4)
+    recs = sw.sinks.collect()
+    with warnings.catch_warnings(record=True) as seen, sw.observe(model, sinks=[recs], every=1) as watch:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            logits = model(torch.randn(8, 4, 3))
+            watch.step(loss=logits.mean(), outputs=logits, targets=torch.randint(0, 4, (8, 4)))
+        # a step that is not ambiguous settles it: the ambiguous layout is scored from then on
+        logits = model(torch.randn(8, 5, 3))
+        targets = torch.randint(0, 4, (8, 5))
+        watch.step(loss=logits.mean(), outputs=logits, targets=targets)
+        logits = model(torch.randn(8, 4, 3))
+        targets = torch.randint(0, 4, (8, 4))
+        watch.step(loss=logits.mean(), outputs=logits, targets=targets)
+        assert watch.flush()
+        stats = watch.statistics()
+    (warned,) = [w for w in seen if "train accuracy skipped" in str(w.message)]
+    assert warned.category is RuntimeWarning
+    assert re.search(r"\[8, 4, 4\].*reshape to \[M, C\]", str(warned.message))
+    assert stats.failed_steps == 0
+    assert stats.skipped["ambiguous_accuracy"] == 3
+    assert [r.step for r in recs.items] == [0, 1, 2, 3, 4]
+    assert ["total" in r.scalars for r in recs.items] == [False, False, False, True, True]
+    assert all("loss" in r.scalars for r in recs.items)
+    assert recs.items[-1].scalars["correct"] == int((logits.argmax(-1) == targets).sum())
 
 
 @pytest.mark.parametrize(
@@ -543,6 +603,9 @@ STEP_BAD: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
     "batch_size_bool": ({"batch_size": True}, ValueError, "`batch_size`"),
     "batch_size_string": ({"batch_size": "8"}, ValueError, "`batch_size`"),
     "outputs_list": ({"outputs": [1.0, 2.0], "targets": torch.zeros(2)}, TypeError, "`outputs`"),
+    "loss_numpy_vector": ({"loss": np.array([1.0, 2.0])}, TypeError, "`loss`"),
+    "loss_numpy_string": ({"loss": np.array("1.0")}, TypeError, "`loss`"),
+    "loss_numpy_bool": ({"loss": np.array(True)}, TypeError, "`loss`"),
 }
 
 
@@ -567,13 +630,37 @@ def test_bad_step_arguments_are_refused_naming_them(
 
 @pytest.mark.parametrize(
     "loss",
-    [torch.tensor([2.5]), torch.tensor(3), 0.25, 7, float("nan")],
-    ids=["one_element", "int_tensor", "float", "int", "nan"],
+    [
+        torch.tensor([2.5]),
+        torch.tensor(3),
+        0.25,
+        7,
+        float("nan"),
+        np.float32(0.75),
+        np.float64(1.5),
+        np.int64(4),
+        np.array(0.5),
+        np.array(0.125, dtype=np.float32),
+    ],
+    ids=[
+        "one_element",
+        "int_tensor",
+        "float",
+        "int",
+        "nan",
+        "numpy_float32",
+        "numpy_float64",
+        "numpy_int",
+        "numpy_0d_array",
+        "numpy_0d_float32_array",
+    ],
 )
 def test_every_scalar_loss_is_reported(loss: Any) -> None:
+    # before: a 0-d numpy array (float() reads it exactly) was refused as not a number
     recs = sw.sinks.collect()
     with sw.observe(nn.Linear(2, 2), sinks=[recs], every=1) as watch:
         watch.step(loss=loss)
+        assert watch.statistics().failed_steps == 0
     expected = float(loss.reshape(()) if isinstance(loss, torch.Tensor) else loss)
     assert recs.items[0].scalars["loss"] == pytest.approx(expected, nan_ok=True)
 
