@@ -128,6 +128,7 @@ def keeps_detail(detail: Detail, *, rank: int, local_rank: int | None, world_siz
     Raises:
         ValueError: ``"local_rank0"`` without a local rank.
         TypeError: the callable cannot take the three arguments, or returned something other than a bool.
+        ValueError: the callable raised (the message names ``detail``; the error is its cause).
 
     Example:
         >>> [keeps_detail("rank0", rank=r, local_rank=r % 8, world_size=16) for r in (0, 8)]
@@ -158,7 +159,14 @@ def keeps_detail(detail: Detail, *, rank: int, local_rank: int | None, world_siz
         ) from None
     except ValueError:  # no signature to read (some builtins): the call says
         pass
-    answer = detail(*args)
+    try:
+        answer = detail(*args)
+    except Exception as err:  # the user's policy failed: say it was detail=, keep its traceback
+        raise ValueError(
+            f"`detail` (a callable) raised {type(err).__name__} for (rank={rank}, local_rank={local_rank}, "
+            f"world_size={world_size}): {err}; it must return True or False for every rank (observe() "
+            "attached nothing)"
+        ) from err
     if not isinstance(answer, bool | np.bool_):
         raise TypeError(
             f"Expected `detail` (a callable) to return a bool for (rank={rank}, local_rank={local_rank}, "

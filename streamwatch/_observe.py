@@ -99,8 +99,49 @@ _Tensor = torch.Tensor  # (read on every quiet step: one global lookup, not two)
 _F32 = torch.float32
 _LR_NAMES = tuple(f"lr/{i}" for i in range(64))  # (param groups' scalar names, made once)
 _CYCLE_MAX = 4096  # cadences whose lcm is longer: each sampled step's flags are looked up by pattern
-_OBSERVED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-_OBSERVED_LOCK = threading.Lock()
+
+
+class _Observed:
+    """The models and modules the open Watches observe: one Watch per model and per module. A module
+    two observed models share would have both models' passes merged into each watch's rows (its hooks
+    cannot tell whose forward called it), so the second ``observe()`` naming it is refused."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._modules: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+    def claim(self, model: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
+        """Take ``model`` and its selected ``modules`` for one Watch, or raise naming the clash."""
+        with self._lock:
+            if model in self._models:
+                raise RuntimeError(
+                    f"{type(model).__name__} is already observed by another Watch; close that one first "
+                    "(one Watch per model — use watch.pipe() to add pipelines to it)"
+                )
+            for name, module in modules:
+                owner = self._modules.get(module)
+                if owner is not None:
+                    raise RuntimeError(
+                        f"Layer {name or '(the model itself)'!r} ({type(module).__name__}) of "
+                        f"{type(model).__name__} is already observed by another Watch, as {owner}: a module "
+                        "two observed models share would have both models' passes in each watch's rows. "
+                        "Close that Watch first, or leave the shared module out of this one with select="
+                    )
+            self._models.add(model)
+            for name, module in modules:
+                self._modules[module] = f"layer {name!r} of a {type(model).__name__}" if name else "its model"
+
+    def release(self, model: nn.Module | None, modules: list[tuple[str, nn.Module]]) -> None:
+        """Give back what :meth:`claim` took (idempotent)."""
+        with self._lock:
+            if model is not None:
+                self._models.discard(model)
+            for _, module in modules:
+                self._modules.pop(module, None)
+
+
+_OBSERVED = _Observed()
 
 
 def _on_cpu(model: nn.Module) -> bool:
@@ -202,13 +243,9 @@ class Watch:
                 "qualified names (globs), or pass select=None for every leaf module"
             )
         check_hookable(model, modules)
-        with _OBSERVED_LOCK:
-            if model in _OBSERVED:
-                raise RuntimeError(
-                    f"{type(model).__name__} is already observed by another Watch; close that one first "
-                    "(one Watch per model — use watch.pipe() to add pipelines to it)"
-                )
-            _OBSERVED.add(model)
+        _check_optimizer_steps(model, optimizer)
+        _OBSERVED.claim(model, modules)
+        self._claimed = modules  # (given back by close(), or by _undo())
         try:
             params = named_params(model, modules, all_params=select is None)
             self._every = every
@@ -335,8 +372,8 @@ class Watch:
         for end in (getattr(self, "_tx", None), getattr(self, "_rx", None)):
             if end is not None:
                 end.close()
-        with _OBSERVED_LOCK:
-            _OBSERVED.discard(model)
+        _OBSERVED.release(model, self._claimed)
+        self._claimed = []
 
     # -- the training loop's side ---------------------------------------------------------------------
 
@@ -1330,10 +1367,8 @@ class Watch:
         self._send_evaluation(wait)
         release_scratch()
         self._state.buffer.clear()  # an unfinished step is not a completed step
-        model = self._model_ref()
-        with _OBSERVED_LOCK:
-            if model is not None:
-                _OBSERVED.discard(model)
+        _OBSERVED.release(self._model_ref(), self._claimed)
+        self._claimed = []
         self._optimizer = None
         self._tx.close()
         finished = True
@@ -1494,6 +1529,24 @@ def _unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer | None:
             "without them: pass the torch optimizer it wraps"
         )
     raise TypeError(f"Expected `optimizer` to be a torch.optim.Optimizer or None, got {seen!r}")
+
+
+def _check_optimizer_steps(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Warn when ``optimizer`` steps none of ``model``'s parameters (another model's optimizer): its
+    ``update`` and ``param`` taps, read around its step, would then watch nothing of the model."""
+    if optimizer is None:
+        return
+    own = {id(p) for p in model.parameters()}
+    stepped = [p for group in optimizer.param_groups for p in group.get("params", ())]
+    if own and stepped and not any(id(p) in own for p in stepped):
+        warnings.warn(
+            f"streamwatch: `optimizer` ({type(optimizer).__name__}, {len(stepped)} parameters) steps none of "
+            f"`model`'s {len(own)} parameters ({type(model).__name__}): is it another model's? The update "
+            "and weight rows are read around its step, so they would watch nothing of this model; pass the "
+            "optimizer that steps it, observe(model, optimizer)",
+            UserWarning,
+            stacklevel=4,  # the user's observe() call
+        )
 
 
 def _names(value: object, name: str, allowed: tuple[str, ...]) -> frozenset[str]:

@@ -122,6 +122,18 @@ def test_a_callable_that_cannot_take_the_three_arguments_is_refused_naming_detai
     sw.observe(model, opt, detail=lambda *position: True, every=1).close()  # (any signature that binds)
 
 
+def test_a_callable_that_raises_is_reported_naming_detail() -> None:
+    # before: its bare ZeroDivisionError came out of observe(), naming nothing of streamwatch's
+    model, opt = _mlp()
+    with pytest.raises(
+        ValueError, match=r"^`detail` \(a callable\) raised ZeroDivisionError for \(rank=0"
+    ) as info:
+        sw.observe(model, opt, detail=lambda rank, local_rank, world_size: 1 / 0, every=1)
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    assert not model._forward_hooks
+    sw.observe(model, opt, every=1).close()  # the model was left unobserved
+
+
 def test_updates_asked_for_without_an_optimizer_are_warned_about() -> None:
     model, _ = _mlp()
     with pytest.warns(UserWarning, match=r"taps include 'update'.*observe\(model, optimizer"):

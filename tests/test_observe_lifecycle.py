@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import re
 import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -268,6 +269,54 @@ def test_observing_an_observed_model_raises_until_the_first_watch_closes(train: 
     with sw.observe(model, opt, sinks=[recs], every=1) as second:
         train(model, opt, second, 1)
     assert len(recs.items) == 1
+
+
+def test_a_module_two_observed_models_share_is_refused_to_the_second_watch() -> None:
+    # before: both were accepted, and the second watch's rows for the shared layer held both models'
+    # passes (count 128 where its own pass gives 64)
+    shared = nn.Linear(4, 4)
+    a, b = nn.Sequential(shared, nn.Linear(4, 2)), nn.Sequential(shared, nn.Linear(4, 3))
+    first = sw.observe(a, every=1)
+    with pytest.raises(
+        RuntimeError,
+        match=r"^Layer '0' \(Linear\) of Sequential is already observed by another Watch, as layer '0' of a "
+        r"Sequential: .*leave the shared module out of this one with select=$",
+    ):
+        sw.observe(b, every=1)
+    assert len(b[1]._forward_hooks) == 0  # the refused Watch installed nothing
+    recs = sw.sinks.collect()
+    with sw.observe(b, select="1", sinks=[recs], every=1) as second:  # the shared layer left out: fine
+        b(torch.randn(16, 4))
+        a(torch.randn(16, 4))
+        second.step()
+    assert {k.layer for k in recs.items[0].keys} == {"1"}
+    first.close()
+    with sw.observe(b, sinks=[recs], every=1) as third:  # once the first watch closed: its to take
+        b(torch.randn(16, 4))
+        third.step()
+    (row,) = [i for i, k in enumerate(recs.items[-1].keys) if k.layer == "0" and k.kind == "activation"]
+    assert recs.items[-1].table[row, 0] == 16 * 4  # its own pass only
+
+
+def test_a_watch_on_a_submodule_of_an_observed_model_is_refused() -> None:
+    model = _model()
+    with sw.observe(model, every=1), pytest.raises(RuntimeError, match=r"already observed by another Watch"):
+        sw.observe(model[0], every=1)
+    sw.observe(model[0], every=1).close()  # released by the first one's close()
+
+
+def test_another_models_optimizer_is_warned_about_naming_the_mismatch() -> None:
+    # before: accepted silently, its update and weight taps then watched nothing of the model
+    model, other = _model(), nn.Linear(3, 3)
+    with pytest.warns(
+        UserWarning, match=r"`optimizer` \(SGD, 2 parameters\) steps none of `model`'s 4 parameters"
+    ):
+        watch = sw.observe(model, torch.optim.SGD(other.parameters(), lr=0.1), every=1)
+    watch.close()
+    both = torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an optimizer that steps the model among others: quietly
+        sw.observe(model, both, every=1).close()
 
 
 # -- flushing and backpressure ------------------------------------------------------------------------
