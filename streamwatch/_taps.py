@@ -344,6 +344,9 @@ def _local(x: torch.Tensor) -> torch.Tensor:
 def _prepare(x: torch.Tensor, state: TapState) -> torch.Tensor | None:
     """A dense real floating view of ``x`` to summarise, or None (skipped and counted)."""
     x = _local(x)
+    if x.is_nested:  # (strided or jagged: no single shape to take units or a flat pass from)
+        state.skip("nested")
+        return None
     if x.is_sparse or x.layout != torch.strided:
         state.skip("sparse")
         return None
