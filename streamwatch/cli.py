@@ -28,6 +28,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -378,7 +379,20 @@ def _build_model(args: argparse.Namespace) -> tuple[nn.Module, optim.Optimizer]:
     return model, opt
 
 
+_RAISED_AT_CLOSE = r"(?s)streamwatch: .*raised again at close\(\)$"
+"""The warning a failure in a hook or on the worker gets at the next ``watch.step()`` (``close()`` raises
+it again)."""
+
+
 def _demo(args: argparse.Namespace) -> int:
+    with warnings.catch_warnings():
+        # a failure on the worker (a full disk under the run file) is said once, on one line, when the
+        # watch closes (main()); its warning at the next step would say it twice, with a source line
+        warnings.filterwarnings("ignore", _RAISED_AT_CLOSE, RuntimeWarning)
+        return _train_demo(args)
+
+
+def _train_demo(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 

@@ -366,12 +366,26 @@ def test_demo_whose_run_file_fails_mid_run_is_one_line(
     run_dir = tmp_path / "r"
     run_dir.mkdir()
     (run_dir / "run.jsonl").symlink_to("/dev/full")
-    with warnings.catch_warnings():  # (a step that comes after the failure warns of it, as ever)
-        warnings.simplefilter("ignore", RuntimeWarning)
-        code, _, err = _cli([*_DEMO, "--run-dir", str(run_dir)], capsys)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        code, _, err = _cli([*_DEMO, "--steps", "5", "--every", "1", "--run-dir", str(run_dir)], capsys)
     line = _assert_one_error_line(code, err, "demo")
     assert "training ran, but 1 pipeline failed" in line
     assert "No space left on device" in line
+    assert not [w for w in seen if "streamwatch" in str(w.message)]  # said once: by that line
+
+
+def test_demo_whose_run_file_fails_mid_run_prints_one_line_from_a_real_process(tmp_path: Path) -> None:
+    """The same as a user sees it: the failure's warning at the next step (three lines, with its source
+    line) came before the error line."""
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / "run.jsonl").symlink_to("/dev/full")
+    demo = _streamwatch(*_DEMO, "--steps", "5", "--every", "1", "--run-dir", str(run_dir), cwd=tmp_path)
+    _, err = demo.communicate(timeout=120)
+    assert demo.returncode == 2, err
+    assert err.splitlines() == [err.strip()], err
+    assert err.startswith("streamwatch demo: error: training ran, but 1 pipeline failed"), err
 
 
 def test_a_second_demo_in_one_run_dir_numbers_its_steps_after_the_first(
