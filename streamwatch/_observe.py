@@ -35,32 +35,29 @@ from torch import nn
 
 from streamwatch import _kernel
 from streamwatch._accuracy import AMBIGUOUS, Score, TrainAccuracy
-from streamwatch._channel import OVERFLOW_POLICIES, OverflowPolicy, channel
+from streamwatch._channel import OverflowPolicy, channel
 from streamwatch._clock import Clock
 from streamwatch._detail import Detail, position, resolver, this_rank_keeps_detail
-from streamwatch._detectors import DEFAULT_DETECTORS, Detector, check_detectors
+from streamwatch._detectors import DEFAULT_DETECTORS, Detector
 from streamwatch._detectors import pipelines as detector_pipelines
 from streamwatch._exceptions import Full, PipelineError, SendTimeout
 from streamwatch._families import check_served
-from streamwatch._governor import Governor, check_budget
+from streamwatch._governor import Governor
 from streamwatch._nonfinite import (
     DEFAULT_ESCALATE,
     FirstNonFinite,
     NonFiniteTracker,
     Reaction,
     Sentinel,
-    check_escalate,
-    check_on_nonfinite,
-    check_sentinel,
     direction_of,
     log,
 )
+from streamwatch._options import DEFAULT_OVERHEAD, STATS, Options, check_start_step, parse_options
 from streamwatch._pipeline import Pipeline, Sink, source
 from streamwatch._record import SKIPPED_UPDATE, PendingRecord, Sample, SlotPool
 from streamwatch._store import SeriesStore, WatchStatistics
 from streamwatch._summary import release_scratch
 from streamwatch._taps import (
-    DEFAULT_CADENCE,
     DEFAULT_TAPS,
     KINDS,
     TapSet,
@@ -68,19 +65,13 @@ from streamwatch._taps import (
     check_hookable,
     describe_modules,
     named_params,
-    resolve_select,
 )
 from streamwatch._worker import Worker, seconds_or_forever
 from streamwatch.metrics._base import Binding, Metric
-from streamwatch.metrics._derived import DEFAULT_METRICS, DERIVED
+from streamwatch.metrics._derived import DEFAULT_METRICS
 from streamwatch.sinks._prometheus import DEFAULT_PORT, Exporter
 
-__all__ = ["DEFAULT_METRICS", "STATS", "Sample", "Watch", "WatchStatistics", "observe"]
-
-STATS = ("dead", "nonfinite")
-"""Optional summary statistics: ``dead`` (per-unit activity → dead-unit rate; on by default) and
-``nonfinite`` (exact NaN/Inf counts, one more pass per tensor; off by default — a free 0/1 presence
-flag is reported instead)."""
+__all__ = ["DEFAULT_METRICS", "DEFAULT_OVERHEAD", "STATS", "Sample", "Watch", "WatchStatistics", "observe"]
 
 _FORWARD_KINDS = ("input", "activation", "output_grad", "input_grad")
 GRAD_NORM_TRIAL = 8
@@ -90,8 +81,6 @@ SCALAR_SECONDS = 1.0
 """Between sampled steps, a scalar record (loss, learning rates, step time, throughput, accuracy; no layer
 rows) is sent when this many seconds have passed since the last record, so those values are never
 staler than this on ``/metrics``."""
-DEFAULT_OVERHEAD = 0.02
-"""``observe()``'s default: the overhead governor holds monitoring to 2 % of the run's time."""
 _governor_clock: Clock = time.perf_counter
 """The clock a Watch's overhead governor times steps with (``observe(overhead=...)``): a seam for tests,
 which monkeypatch it with a :class:`streamwatch.testing.FakeClock` before ``observe()``."""
@@ -160,97 +149,51 @@ def _rank() -> int:
 class Watch:
     """A running observation of one model. Create it with :func:`observe`."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        *,
-        every: int | None = None,
-        overhead: float | None = None,
-        select: object,
-        taps: Collection[str],
-        cadence: Mapping[str, int] | None,
-        stats: Collection[str],
-        channel_last: bool | None,
-        overflow: OverflowPolicy,
-        capacity: int,
-        sinks: Iterable[Sink],
-        metrics: Iterable[str | Metric] = (),
-        close_timeout: float = 30.0,
-        detail: Detail = "all",
-        detectors: Iterable[Detector] = DEFAULT_DETECTORS,
-        on_nonfinite: Reaction = "warn",
-        escalate: int = DEFAULT_ESCALATE,
-        sentinel: Collection[str] | None = None,
-        start_step: int = 0,
-    ) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, options: Options) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}")
         optimizer = _unwrap_optimizer(optimizer)
-        if every is not None and overhead is not None:
-            raise ValueError(
-                f"Expected `every` or `overhead`, got both (every={every!r}, overhead={overhead!r}): pass "
-                "one: every= fixes the interval, overhead= sets a budget"
-            )
-        if every is None and overhead is None:
-            overhead = DEFAULT_OVERHEAD  # the default is a budget, not an interval
-        if every is None:
-            every = 1
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"Expected `every` to be a positive integer, got {every!r}")
-        start_step = _start_step(start_step)
-        budget = None if overhead is None else check_budget(overhead, "overhead")
         # Every argument is checked before anything is attached: a refused observe() touches nothing.
-        chosen_detectors = check_detectors(detectors)
-        reaction = check_on_nonfinite(on_nonfinite)
-        self._escalate = check_escalate(escalate)
-        # sentinel=None: the loss, and under a governor the gradient norm too while it is affordable
-        checks = check_sentinel(("loss",) if sentinel is None else sentinel)
-        auto_grad_norm = sentinel is None and budget is not None
-        asked = taps is not DEFAULT_TAPS  # (the default asks for updates only where there is an optimizer)
-        taps = _names(taps, "taps", KINDS)
-        if asked and "update" in taps and optimizer is None:
+        taps = options.taps
+        if options.taps_asked and "update" in taps and optimizer is None:
             warnings.warn(
                 "streamwatch: taps include 'update', which is read around optimizer.step() (its hooks): "
                 "without an optimizer no update is recorded; pass it, observe(model, optimizer, ...)",
                 UserWarning,
                 stacklevel=3,  # the user's observe() call
             )
-        stats = _names(stats, "stats", STATS)
-        merged = _cadence(cadence)
-        if channel_last is not None and not isinstance(channel_last, bool):
-            raise TypeError(
-                f"Expected `channel_last` to be True, False or None (chosen per module), got {channel_last!r}"
-            )
-        if overflow not in OVERFLOW_POLICIES:
-            raise ValueError(f"Expected `overflow` to be one of {OVERFLOW_POLICIES}, got {overflow!r}")
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"Expected `capacity` to be an integer >= 1, got {capacity!r}")
-        self._close_timeout = seconds_or_forever(close_timeout, "close_timeout")
-        detailed = this_rank_keeps_detail(detail)  # per-layer series on this rank? (docs/scale.md)
+        for metric in options.metrics:
+            if metric.requires_optimizer and optimizer is None:
+                raise ValueError(
+                    f"{metric!r} measures what optimizer.step() does: pass the optimizer, "
+                    "streamwatch.observe(model, optimizer, metrics=[...])"
+                )
+        budget, every, capacity = options.budget, options.every, options.capacity
+        start_step, chosen_detectors, reaction = options.start_step, options.detectors, options.reaction
+        checks, auto_grad_norm = options.sentinel, options.auto_grad_norm
+        derived, objects = options.derived, list(options.metrics)
+        self._escalate = options.escalate
+        self._close_timeout = options.close_timeout
+        detailed = this_rank_keeps_detail(options.detail)  # per-layer series on this rank? (docs/scale.md)
         self._stuck: tuple[str, ...] = ()  # what close() gave up on, and the records it left
         self._unflushed = 0
         self._eval_unsent = 0  # close()'s evaluation record, if the channel had no room in time
-        sinks = _sinks(sinks)
-        derived, objects = _split_metrics(
-            metrics, frozenset(taps), has_optimizer=optimizer is not None, governed=budget is not None
-        )
-        modules = resolve_select(select).modules(model)
+        modules = options.select.modules(model)
         if not modules:
             raise ValueError(
-                f"`select` matched no module of {type(model).__name__} (select={select!r}); its modules are "
-                f"{describe_modules(model)}. Observing no layer is never what is wanted: match these "
-                "qualified names (globs), or pass select=None for every leaf module"
+                f"`select` matched no module of {type(model).__name__} (select={options.select!r}); its "
+                f"modules are {describe_modules(model)}. Observing no layer is never what is wanted: match "
+                "these qualified names (globs), or pass select=None for every leaf module"
             )
         check_hookable(model, modules)
         _check_optimizer_steps(model, optimizer)
         _OBSERVED.claim(model, modules)
         self._claimed = modules  # (given back by close(), or by _undo())
         try:
-            params = named_params(model, modules, all_params=select is None)
+            params = named_params(model, modules, all_params=options.every_parameter)
             self._every = every
-            self._cadence = merged
-            taps_on = frozenset(taps)
+            merged = options.cadence
+            taps_on = taps
             # Cadences of the tapped kinds, in sampled steps; kinds not tapped stay False in the flags.
             self._periods = [(kind, merged[kind]) for kind in KINDS if kind in taps_on]
             self._governor: Governor | None = None
@@ -271,13 +214,13 @@ class Watch:
             self._reading: float | None = None  # a dark step's reading, for its deferred tick
             self._ticked = 0.0  # perf_counter when the governor took its reading at the last boundary
             self._tail = 0.0  # own seconds after it (the last boundary's rest): the next step's
-            self._overflow: OverflowPolicy = overflow
+            self._overflow: OverflowPolicy = options.overflow
             self._optimizer = optimizer
             self._state = TapState(
-                taps=frozenset(taps),
-                channel_last=channel_last,
-                dead_units="dead" in stats and detailed,  # per-layer only: not worth it for totals
-                count_nonfinite="nonfinite" in stats,
+                taps=taps,
+                channel_last=options.channel_last,
+                dead_units="dead" in options.stats and detailed,  # per-layer only: not worth it for totals
+                count_nonfinite="nonfinite" in options.stats,
                 kernel=_kernel.load() if _on_cpu(model) else None,
             )
             self._kernel_status = _kernel.status() if _on_cpu(model) else "torch: the model is not on the CPU"
@@ -335,7 +278,7 @@ class Watch:
                     source() | self._tracker,
                     *detector_pipelines(self._store, chosen_detectors),
                     source() | self._store,
-                    *(source() | sink for sink in sinks),
+                    *(source() | sink for sink in options.sinks),
                 ],
                 name="streamwatch-worker",
                 prepare=resolver(detailed),  # without detail: per-(phase, kind) totals, before any sink
@@ -1263,7 +1206,7 @@ class Watch:
 
     @start_step.setter
     def start_step(self, step: int) -> None:
-        step = _start_step(step)
+        step = check_start_step(step)
         if self._closed:
             raise RuntimeError("this Watch is closed; pass start_step= to streamwatch.observe()")
         if self._step != self._start_step or self._stashed:
@@ -1549,113 +1492,6 @@ def _check_optimizer_steps(model: nn.Module, optimizer: torch.optim.Optimizer | 
         )
 
 
-def _names(value: object, name: str, allowed: tuple[str, ...]) -> frozenset[str]:
-    """``taps=`` / ``stats=``: a collection of known names, read once (a generator is fine)."""
-    if isinstance(value, str):
-        raise ValueError(f"Expected `{name}` to be a collection of {allowed}, got {value!r}")
-    if not isinstance(value, Iterable):
-        raise TypeError(f"Expected `{name}` to be a collection of {allowed}, got {value!r}")
-    try:
-        chosen = frozenset(value)
-    except TypeError:  # unhashable entries
-        raise TypeError(f"Expected `{name}` to be a collection of {allowed}, got {value!r}") from None
-    if chosen - set(allowed):
-        shown = value if isinstance(value, Collection) else sorted(chosen, key=repr)
-        raise ValueError(f"Expected `{name}` to be a collection of {allowed}, got {shown!r}")
-    return chosen
-
-
-def _cadence(cadence: object) -> dict[str, int]:
-    """``cadence=`` merged over the defaults."""
-    merged = dict(DEFAULT_CADENCE)
-    if cadence is None:
-        return merged
-    if not isinstance(cadence, Mapping):
-        raise TypeError(
-            f"Expected `cadence` to be a mapping of tap kinds to positive integers (or None), got {cadence!r}"
-        )
-    for kind, n in cadence.items():
-        if kind not in KINDS or isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"Expected `cadence` to map tap kinds to positive integers, got {kind!r}: {n!r}")
-        merged[kind] = n
-    return merged
-
-
-def _sinks(sinks: object) -> list[Sink]:
-    """``sinks=``: a collection of sinks, or one sink (read as a one-element list)."""
-    if isinstance(sinks, Sink):
-        return [sinks]
-    if isinstance(sinks, str | bytes | Mapping) or not isinstance(sinks, Iterable):
-        raise TypeError(f"Expected `sinks` to be a Sink or a collection of Sinks, got {sinks!r}")
-    out = list(sinks)
-    for sink in out:
-        if not isinstance(sink, Sink):
-            raise TypeError(f"Expected every entry of `sinks` to be a Sink, got {sink!r}")
-    return out
-
-
-def _split_metrics(
-    metrics: Iterable[str | Metric], taps: frozenset[str], *, has_optimizer: bool, governed: bool = False
-) -> tuple[list[str], list[Metric]]:
-    """Names of worker-side metrics and opt-in metric objects, validated before anything is attached."""
-    if isinstance(metrics, Metric):
-        raise TypeError(
-            f"Expected `metrics` to be a collection of names and metric objects, got the single metric "
-            f"{metrics!r}: `metrics=` replaces the defaults, so pass "
-            f"metrics=[*streamwatch.DEFAULT_METRICS, {metrics!r}] to add it to them"
-        )
-    if isinstance(metrics, str | bytes | Mapping) or not isinstance(metrics, Iterable):
-        raise TypeError(f"Expected `metrics` to be a collection of names and metric objects, got {metrics!r}")
-    names: list[str] = []
-    objects: list[Metric] = []
-    for metric in metrics:
-        if isinstance(metric, str):
-            if metric not in DERIVED:
-                raise ValueError(
-                    f"Unknown metric {metric!r}: the names are {sorted(DERIVED)}; opt-in metrics are objects "
-                    "from streamwatch.metrics (e.g. streamwatch.metrics.SpectralNorm())"
-                )
-            if metric not in names:
-                names.append(metric)
-        elif isinstance(metric, Metric):
-            if metric.binding is not None or metric in objects:
-                raise RuntimeError(
-                    f"{metric!r} is already bound to an observed model; create a new one per observe()"
-                )
-            if metric.requires_optimizer and not has_optimizer:
-                raise ValueError(
-                    f"{metric!r} measures what optimizer.step() does: pass the optimizer, "
-                    "streamwatch.observe(model, optimizer, metrics=[...])"
-                )
-            if governed and metric.needs_prepare:
-                raise ValueError(
-                    f"{metric!r} acts on the step before each step it samples, which the overhead governor "
-                    "(observe()'s default, or overhead=) cannot know in advance: it decides when a step "
-                    "begins. Pass every=N (a fixed interval) to use it"
-                )
-            missing = [kind for kind in metric.kinds if kind not in taps]
-            if missing:
-                raise ValueError(
-                    f"{metric!r} reads {missing} tensors, which are not tapped; add them to `taps=` "
-                    f"(now {sorted(taps)})"
-                )
-            binned = set(metric.edges())
-            for other in objects:  # one record holds one histogram per tensor: a second would replace it
-                shared = sorted(binned & set(other.edges()))
-                if shared:
-                    raise ValueError(
-                        f"{metric!r} and {other!r} both bin {shared} tensors into histograms, and a record "
-                        "holds one histogram per tensor (the second would silently replace the first): "
-                        "pass one Histogram per kind (kinds=(...) takes several kinds)"
-                    )
-            objects.append(metric)
-        else:
-            raise TypeError(
-                f"Expected a metric name or a streamwatch.metrics object in `metrics`, got {metric!r}"
-            )
-    return names, objects
-
-
 def _skipped(tensors: Mapping[str, int], ambiguous: int) -> dict[str, int]:
     """``statistics().skipped``: tensors not summarised by reason, and the steps whose train accuracy
     was skipped (an ambiguous layout, :data:`streamwatch._accuracy.AMBIGUOUS`)."""
@@ -1666,25 +1502,6 @@ def _release_dropped(item: Any, reason: str) -> None:
     """A dropped record gives its pinned slot back (the drop itself is counted by the channel)."""
     if isinstance(item, PendingRecord) and item.release is not None:
         item.release()
-
-
-def _start_step(value: object) -> int:
-    """``start_step``, checked.
-
-    Example:
-        >>> _start_step(1200)
-        1200
-        >>> _start_step(-1)
-        Traceback (most recent call last):
-        ...
-        ValueError: Expected `start_step` to be an integer >= 0 (the steps already done when resuming), got -1
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            "Expected `start_step` to be an integer >= 0 (the steps already done when resuming), "
-            f"got {value!r}"
-        )
-    return int(value)
 
 
 def _seconds(value: object, name: str) -> float:
@@ -1920,9 +1737,7 @@ def observe(
             metric's ``bind`` raising, a hook torch refuses) takes back every hook and binding it made
             and starts no thread: the model can be observed again.
     """
-    return Watch(
-        model,
-        optimizer,
+    options = parse_options(
         every=every,
         overhead=overhead,
         select=select,
@@ -1942,3 +1757,4 @@ def observe(
         sentinel=sentinel,
         start_step=start_step,
     )
+    return Watch(model, optimizer, options)

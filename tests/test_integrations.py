@@ -314,6 +314,7 @@ def test_lightning_callback_checks_its_arguments(pl: Any) -> None:
         StreamwatchCallback(evry=2)
     with pytest.raises(TypeError, match="the model and the optimizer come from the trainer"):
         StreamwatchCallback(model=nn.Linear(1, 1))
+    _values_are_checked_when_the_callback_is_made(StreamwatchCallback)
 
 
 _DDP_SCRIPT = """
@@ -576,6 +577,32 @@ def test_transformers_callback_checks_its_arguments() -> None:
 
     with pytest.raises(TypeError, match=r"unknown keyword argument\(s\) \['optimizer'\]"):
         StreamwatchCallback(optimizer=None)
+    _values_are_checked_when_the_callback_is_made(StreamwatchCallback)
+
+
+BAD_VALUES: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
+    "every_0": ({"every": 0}, ValueError, r"^Expected `every` to be a positive integer, got 0$"),
+    "every_and_overhead": ({"every": 2, "overhead": 0.05}, ValueError, r"^Expected `every` or `overhead`"),
+    "overhead_2": ({"overhead": 2}, ValueError, r"^Expected `overhead` to be a number in \(0, 1\)"),
+    "taps_unknown": ({"taps": ("activations",)}, ValueError, r"^Expected `taps` to be a collection of"),
+    "capacity_0": ({"capacity": 0}, ValueError, r"^Expected `capacity` to be an integer >= 1"),
+    "detail_typo": ({"detail": "rank_0"}, ValueError, r"^Expected `detail` to be one of"),
+    "metrics_unknown": ({"metrics": ("spectral",)}, ValueError, r"^Unknown metric 'spectral'"),
+    "sinks_string": ({"sinks": "run.jsonl"}, TypeError, r"^Expected `sinks` to be a Sink"),
+    "select_bad": ({"select": 3.5}, TypeError, r"select"),
+}
+
+
+def _values_are_checked_when_the_callback_is_made(callback: Any) -> None:
+    """A bad observe() value fails when the callback is made, with observe()'s own message (before: at
+    StreamwatchCallback(every=0) nothing; fit()/train() failed inside the trainer's first hook)."""
+    for kwargs, error, message in BAD_VALUES.values():
+        with pytest.raises(error, match=message):
+            callback(**kwargs)
+        with pytest.raises(error, match=message):
+            sw.observe(nn.Linear(1, 1), **kwargs)  # the same error as observe() itself
+    taps = (kind for kind in ("activation", "output_grad"))  # read once, when the callback is made
+    assert callback(taps=taps)._options.taps == {"activation", "output_grad"}
 
 
 # -- Accelerate -----------------------------------------------------------------------------------------

@@ -674,3 +674,15 @@ def test_start_step_set_before_the_first_step_and_refused_after() -> None:
         assert repr(watch).count("step=5") == 1
     with pytest.raises(RuntimeError, match="closed"):
         watch.start_step = 1
+
+
+def test_the_options_defaults_are_observes() -> None:
+    """Trainer callbacks check their observe() arguments over OBSERVE_DEFAULTS: it must say what
+    observe()'s signature says, name for name and value for value."""
+    import inspect
+
+    from streamwatch._options import OBSERVE_DEFAULTS
+
+    signature = inspect.signature(sw.observe).parameters
+    keyword = {n: p.default for n, p in signature.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert keyword == dict(OBSERVE_DEFAULTS)

@@ -19,35 +19,36 @@ library, and without it raises an ``ImportError`` naming the extra to install.
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from streamwatch._exceptions import PipelineError
-from streamwatch._observe import Watch, _rank, observe
+from streamwatch._observe import Watch, _rank
+from streamwatch._options import OBSERVE_DEFAULTS, Options, check_start_step, parse_options
 
 __all__: list[str] = []
 
-_OBSERVE_KEYWORDS = frozenset(
-    name
-    for name, parameter in inspect.signature(observe).parameters.items()
-    if parameter.kind is inspect.Parameter.KEYWORD_ONLY and name != "start_step"
-)
+_OBSERVE_KEYWORDS = frozenset(OBSERVE_DEFAULTS) - {"start_step"}
 
 
-def _observe_kwargs(kwargs: Mapping[str, Any], owner: str) -> dict[str, Any]:
-    """``observe()``'s keyword arguments for a callback, checked by name when the callback is created
-    (their values are checked by ``observe()`` itself when training begins).
+def _observe_options(kwargs: Mapping[str, Any], owner: str) -> Options:
+    """``observe()``'s keyword arguments for a callback, checked — names and values — when the callback
+    is created: a bad value fails there, not inside ``fit()``/``train()``. The callback makes each run's
+    Watch from the options (:func:`_watch`), so an argument read once (a generator of tap kinds) is
+    read here, once.
 
     Example:
-        >>> _observe_kwargs({"every": 2}, "StreamwatchCallback")
-        {'every': 2}
-        >>> try:
-        ...     _observe_kwargs({"evry": 2}, "StreamwatchCallback")
-        ... except TypeError as err:
-        ...     print(str(err).split(":")[0])
+        >>> _observe_options({"every": 2}, "StreamwatchCallback").every
+        2
+        >>> for bad in ({"evry": 2}, {"every": 0}):
+        ...     try:
+        ...         _observe_options(bad, "StreamwatchCallback")
+        ...     except (TypeError, ValueError) as err:
+        ...         print(str(err).split(":")[0])
         StreamwatchCallback got unknown keyword argument(s) ['evry']
+        Expected `every` to be a positive integer, got 0
     """
     if "start_step" in kwargs:
         raise TypeError(
@@ -61,7 +62,12 @@ def _observe_kwargs(kwargs: Mapping[str, Any], owner: str) -> dict[str, Any]:
             f"arguments ({', '.join(sorted(_OBSERVE_KEYWORDS))}); the model and the optimizer come from "
             "the trainer"
         )
-    return dict(kwargs)
+    return parse_options(**{**OBSERVE_DEFAULTS, **kwargs})
+
+
+def _watch(model: Any, optimizer: Any, options: Options, start_step: int) -> Watch:
+    """``observe(model, optimizer, **kwargs, start_step=start_step)`` from a callback's options."""
+    return Watch(model, optimizer, dataclasses.replace(options, start_step=check_start_step(start_step)))
 
 
 def _check_rank(trainer_rank: int, where: str) -> None:

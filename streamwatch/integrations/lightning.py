@@ -72,8 +72,8 @@ except ImportError as _err:
         f"streamwatch.integrations.lightning needs Lightning: pip install 'streamwatch[lightning]' ({_err})"
     ) from _err
 
-from streamwatch._observe import Watch, observe
-from streamwatch.integrations import _check_rank, _close_at_end, _observe_kwargs
+from streamwatch._observe import Watch
+from streamwatch.integrations import _check_rank, _close_at_end, _observe_options, _watch
 
 __all__ = ["StreamwatchCallback"]
 
@@ -84,8 +84,9 @@ class StreamwatchCallback(Callback):
 
     Args:
         **observe_kwargs: :func:`streamwatch.observe`'s keyword arguments (``every=``, ``select=``,
-            ``sinks=``, ``metrics=``, ...), passed unchanged when the fit begins. Unknown names are a
-            ``TypeError`` here; the model and the optimizer come from the trainer.
+            ``sinks=``, ``metrics=``, ...), checked here as ``observe()`` checks them (an unknown name
+            is a ``TypeError``, a bad value the ``TypeError``/``ValueError`` observe() raises), used when
+            the fit begins; the model and the optimizer come from the trainer.
 
     Attributes:
         watch: the :class:`streamwatch.Watch` of the current (or last) fit; None before the first.
@@ -104,7 +105,7 @@ class StreamwatchCallback(Callback):
 
     def __init__(self, **observe_kwargs: Any) -> None:
         super().__init__()
-        self._kwargs = _observe_kwargs(observe_kwargs, type(self).__name__)
+        self._options = _observe_options(observe_kwargs, type(self).__name__)
         self.watch: Watch | None = None
         self._loss: torch.Tensor | float | None = None
         self._samples: int | None = 0
@@ -115,11 +116,8 @@ class StreamwatchCallback(Callback):
         self.close()  # a watch of an earlier fit that was never torn down
         optimizers = trainer.optimizers
         _check_rank(trainer.global_rank, "trainer.global_rank")
-        self.watch = observe(
-            pl_module,
-            optimizers[0] if optimizers else None,
-            start_step=_steps_done(trainer),
-            **self._kwargs,
+        self.watch = _watch(
+            pl_module, optimizers[0] if optimizers else None, self._options, _steps_done(trainer)
         )
         self._global_step = trainer.global_step
         self._reset()

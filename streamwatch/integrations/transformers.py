@@ -58,8 +58,8 @@ except ImportError as _err:
         f"pip install 'streamwatch[transformers]' ({_err})"
     ) from _err
 
-from streamwatch._observe import Watch, observe
-from streamwatch.integrations import _check_rank, _close_at_end, _observe_kwargs
+from streamwatch._observe import Watch
+from streamwatch.integrations import _check_rank, _close_at_end, _observe_options, _watch
 
 __all__ = ["StreamwatchCallback"]
 
@@ -71,8 +71,9 @@ class StreamwatchCallback(TrainerCallback):
 
     Args:
         **observe_kwargs: :func:`streamwatch.observe`'s keyword arguments (``every=``, ``select=``,
-            ``sinks=``, ``metrics=``, ...), passed unchanged when training begins. Unknown names are a
-            ``TypeError`` here; the model and the optimizer come from the Trainer.
+            ``sinks=``, ``metrics=``, ...), checked here as ``observe()`` checks them (an unknown name
+            is a ``TypeError``, a bad value the ``TypeError``/``ValueError`` observe() raises), used when
+            training begins; the model and the optimizer come from the Trainer.
 
     Attributes:
         watch: the :class:`streamwatch.Watch` of the current (or last) ``train()``; None before the
@@ -92,7 +93,7 @@ class StreamwatchCallback(TrainerCallback):
 
     def __init__(self, **observe_kwargs: Any) -> None:
         super().__init__()
-        self._kwargs = _observe_kwargs(observe_kwargs, type(self).__name__)
+        self._options = _observe_options(observe_kwargs, type(self).__name__)
         self.watch: Watch | None = None
         self._pending = False  # the step ended; its loss comes with the Trainer's next log
 
@@ -107,11 +108,8 @@ class StreamwatchCallback(TrainerCallback):
                 f"StreamwatchCallback: the Trainer passed no torch.nn.Module as `model`, got {model!r}"
             )
         _check_rank(int(args.process_index), "args.process_index")
-        self.watch = observe(
-            model,
-            _torch_optimizer(kwargs.get("optimizer")),
-            start_step=int(state.global_step),
-            **self._kwargs,
+        self.watch = _watch(
+            model, _torch_optimizer(kwargs.get("optimizer")), self._options, state.global_step
         )
 
     def on_step_begin(
