@@ -334,7 +334,8 @@ def hide_gap(watch: sw.Watch, gap: float) -> None:
     governor.deadline += gap  # (inf stays inf)
     # (in place: the watch holds the list's append)
     governor.filed[:] = [(reading + gap, own) for reading, own in governor.filed]
-    watch._stashed[:] = [(now, reading + gap, args) for now, reading, args in watch._stashed]
+    stashed = watch._boundary._stashed
+    stashed[:] = [(now, reading + gap, args) for now, reading, args in stashed]
 
 
 def wait_for_worker(watch: sw.Watch, timeout: float = 60.0) -> float:

@@ -29,8 +29,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from streamwatch import _observe
 from streamwatch._accuracy import TrainAccuracy
+from streamwatch._step_args import check_step
 
 EVICT_BYTES = 48 * 2**20
 
@@ -54,7 +54,7 @@ def pieces() -> dict[str, Callable[[], object]]:
     labels = torch.randint(0, 10, (128,), generator=gen)
     loss = torch.tensor(1.0)
     scoring = TrainAccuracy()
-    found = _observe._accuracy(scores, labels, scoring)
+    found = check_step(None, scores, labels, None, scoring).accuracy
     assert found is not None
     scorer, outputs, targets, _ = found
     return {
@@ -63,8 +63,8 @@ def pieces() -> dict[str, Callable[[], object]]:
         "tensor.sum()": lambda: scores.sum(),
         "accuracy layout lookup": lambda: scoring.layout(scores, labels),
         "accuracy count (compiled)": lambda: scorer(outputs, targets),
-        "step checks, loss only": lambda: _observe._check_step(loss, None, None, 128, scoring),
-        "step checks with accuracy": lambda: _observe._check_step(loss, scores, labels, 128, scoring),
+        "step checks, loss only": lambda: check_step(loss, None, None, 128, scoring),
+        "step checks with accuracy": lambda: check_step(loss, scores, labels, 128, scoring),
     }
 
 

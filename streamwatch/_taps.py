@@ -271,7 +271,7 @@ class StepTimes:
 class TapState:
     """What hooks read on every call; written by the Watch at each step boundary (one thread)."""
 
-    on: dict[str, bool] = field(default_factory=dict)  # this step samples this kind
+    on: Mapping[str, bool] = field(default_factory=dict)  # this step samples this kind
     forward: bool = False  # any forward-side kind is sampled this step
     taps: frozenset[str] = frozenset()
     buffer: StepBuffer = field(default_factory=StepBuffer)

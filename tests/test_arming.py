@@ -15,7 +15,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import streamwatch as sw
-import streamwatch._observe
+import streamwatch._cadence
 import streamwatch._taps
 from tests.test_observe_compile import batch, make_model
 from tests.training import root_seen
@@ -143,13 +143,13 @@ def test_each_kind_is_sampled_on_its_cadence_whether_the_phases_are_tabled_or_no
 ) -> None:
     """A sampled step's flags come from a table of the cadences' phases (their lcm is short) or are
     built from the pattern (lcm over ``_CYCLE_MAX``): the same kinds either way."""
-    monkeypatch.setattr(streamwatch._observe, "_CYCLE_MAX", cycle_max)
+    monkeypatch.setattr(streamwatch._cadence, "_CYCLE_MAX", cycle_max)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cadence = {"activation": 2, "output_grad": 3, "param_grad": 1}
     records = sw.sinks.collect()
     with sw.observe(model, opt, taps=tuple(cadence), cadence=cadence, every=1, sinks=[records]) as watch:
-        assert len(watch._cycle) == (6 if cycle_max == 4096 else 0)
+        assert len(watch._boundary._cadence._cycle) == (6 if cycle_max == 4096 else 0)
         for _ in range(8):
             train_step(model, opt, watch)
         watch.flush()

@@ -628,14 +628,14 @@ def test_the_compiled_correct_count_is_torchs_argmax_count(dtype: torch.dtype, s
 
 
 def test_train_accuracy_takes_the_compiled_count_only_where_it_is_torchs() -> None:
-    from streamwatch import _observe
     from streamwatch._accuracy import TrainAccuracy
+    from streamwatch._step_args import check_step
 
     scores, targets = torch.randn(16, 5), torch.randint(0, 5, (16,))
     expected = float((scores.argmax(-1) == targets).sum())
 
     def count(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | float:
-        found = _observe._accuracy(outputs, targets, TrainAccuracy())
+        found = check_step(None, outputs, targets, None, TrainAccuracy()).accuracy
         assert found is not None
         scorer, o, t, total = found
         assert total == 16

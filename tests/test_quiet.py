@@ -1,8 +1,8 @@
 """The short ways a step ends: quiet steps and dark pairs.
 
-A quiet step (``Watch._quiet_step``: an unsampled step between unsampled steps) skips what such a step
+A quiet step (``StepBoundary._quiet_step``: an unsampled step between unsampled steps) skips what such a step
 does not need (the record, the metrics, the arming) and files the step's end with the governor instead of
-ticking it. A dark pair (``Watch._dark_step``: the governor's measurement of what its own time misses)
+ticking it. A dark pair (``StepBoundary._dark_step``: the governor's measurement of what its own time misses)
 runs two steps with no streamwatch hook and nothing at the boundary between them but a clock reading;
 the second boundary runs both. Everything a user can see must be as if the full boundary had run: the
 same records, the same sampled steps, the same errors (a dark step's one boundary later), the same
@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 import streamwatch as sw
-from streamwatch import _kernel, _observe
+from streamwatch import _boundary, _kernel, _observe
+from streamwatch._boundary import StepBoundary
 from streamwatch._governor import DARK_PAIRS, Governor
 from streamwatch.testing import FakeClock
 from tests.test_governor_observe import _batches
@@ -37,14 +38,14 @@ PLAIN, COST, BUDGET = 0.010, 0.5, 0.05  # the governor settles at ceil(COST / BU
 def quiet_calls(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[bool]:
     """How often the quiet path was tried, by whether it took the step."""
     counts: collections.Counter[bool] = collections.Counter()
-    original = _observe.Watch._quiet_step
+    original = StepBoundary._quiet_step
 
-    def counted(self: _observe.Watch, *args: object) -> bool:
+    def counted(self: StepBoundary, *args: object) -> bool:
         took = original(self, *args)
         counts[took] += 1
         return took
 
-    monkeypatch.setattr(_observe.Watch, "_quiet_step", counted)
+    monkeypatch.setattr(StepBoundary, "_quiet_step", counted)
     return counts
 
 
@@ -185,7 +186,7 @@ def test_a_non_finite_loss_on_a_quiet_step_raises_on_that_step(bad: float, form:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     make = LOSS_FORMS[form]
     with sw.observe(model, opt, every=50, on_nonfinite="raise") as watch:
-        assert bool(watch._finite_at) is (kernel == "fused")
+        assert bool(watch._boundary._finite_at) is (kernel == "fused")
         for x, y in _batches(20):
             loss, _ = _train(model, opt, x, y)
             watch.step(loss=make(loss.item()))
@@ -279,7 +280,7 @@ def _until_dark(watch: sw.Watch, model: nn.Module, opt: torch.optim.Optimizer, c
     governor = watch._governor
     assert governor is not None
     for step, (x, y) in enumerate(_batches(3_000)):
-        if watch._dark:
+        if watch._boundary._dark:
             return step
         clock.advance(PLAIN * (1 + COST) if governor.sampling else PLAIN)
         loss, _ = _train(model, opt, x, y)
@@ -299,7 +300,7 @@ def test_dark_pairs_run_without_any_streamwatch_hook_and_end_with_both_boundarie
         for x, y in _batches(1500):
             if not root_seen(model):
                 hookless += 1
-                assert watch._dark  # (no hook only in a dark pair)
+                assert watch._boundary._dark  # (no hook only in a dark pair)
             clock.advance(PLAIN * (1 + COST) if governor.sampling else PLAIN)
             loss, _ = _train(model, opt, x, y)
             watch.step(loss=loss, batch_size=12)
@@ -351,7 +352,7 @@ def test_the_time_ceiling_crossed_in_a_dark_pair_samples_the_next_step(
             clock.advance(governor.deadline - clock() if dark == crossed_in else PLAIN)
             loss, _ = _train(model, opt, *next(batches))
             watch.step(loss=loss)
-        assert not watch._dark  # the pair is over: at the crossing, not a step later
+        assert not watch._boundary._dark  # the pair is over: at the crossing, not a step later
         assert root_seen(model)  # (the root module is seen again)
         assert governor.sampling  # the time ceiling samples the step that begins now
         clock.advance(PLAIN * (1 + COST))
@@ -398,7 +399,7 @@ def test_a_dark_steps_train_accuracy_is_its_own_with_buffers_overwritten_in_plac
 ) -> None:
     # outputs and labels kept in buffers the loop overwrites each step: the first dark step's scalar
     # record (due at every boundary here) must score that step's predictions, not the next step's
-    monkeypatch.setattr(_observe, "SCALAR_SECONDS", 0.0)
+    monkeypatch.setattr(_boundary, "SCALAR_SECONDS", 0.0)
     records = sw.sinks.collect()
     model, opt, watch, clock = _governed(monkeypatch, sinks=[records])
     governor = watch._governor
@@ -495,10 +496,10 @@ def test_a_dark_pairs_first_call_is_counted_at_once(monkeypatch: pytest.MonkeyPa
     with watch:
         steps = _until_dark(watch, model, opt, clock)
         watch.step(loss=1.0)
-        assert watch._dark == 1  # (in the pair: the first boundary has not run)
+        assert watch._boundary._dark == 1  # (in the pair: the first boundary has not run)
         assert watch.statistics().steps == steps + 1
         watch.step(loss=1.0)
-        assert not watch._dark
+        assert not watch._boundary._dark
         assert watch.statistics().steps == steps + 2
 
 

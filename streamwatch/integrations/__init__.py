@@ -24,8 +24,9 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from streamwatch._detail import position
 from streamwatch._exceptions import PipelineError
-from streamwatch._observe import Watch, _rank
+from streamwatch._observe import Watch
 from streamwatch._options import OBSERVE_DEFAULTS, Options, check_start_step, parse_options
 
 __all__: list[str] = []
@@ -78,7 +79,7 @@ def _check_rank(trainer_rank: int, where: str) -> None:
     callbacks create the watch, so the two agree; a strategy that runs without ``torch.distributed``
     could make them differ, and the records would then carry the wrong ``rank``.
     """
-    rank = _rank()
+    rank = position()[0]
     if rank != trainer_rank:
         warnings.warn(
             f"streamwatch: the trainer's global rank is {trainer_rank} ({where}) but streamwatch labels this "

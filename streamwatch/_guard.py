@@ -1,0 +1,220 @@
+"""The guard: the per-step sentinel, the escalation a trip starts, and ``on_nonfinite="raise"``.
+
+Every step, sampled or not, the :class:`streamwatch._nonfinite.Sentinel` checks the loss (and, if asked
+or affordable, the global gradient norm) for NaN/Inf. A trip *escalates*: from the next step on, every
+step is sampled in full for ``escalate`` steps, so that the origin is recorded if the fault recurs (one
+escalation at a time: bounded cost). Under ``on_nonfinite="raise"`` the guard raises
+:class:`streamwatch.NonFiniteError` once per episode, with the worker's verdict on where it started when
+the step was recorded (docs/nonfinite.md).
+
+Under the overhead governor with the default ``sentinel=None``, the gradient-norm check is on trial for
+:data:`GRAD_NORM_TRIAL` steps: kept if its median cost is at most a quarter of what the budget allows.
+
+Example:
+    >>> guard = NonFiniteGuard(frozenset({"loss"}), False, None, escalate=3, reaction="warn", rank=0)
+    >>> guard.checks(), guard.escalated(0)
+    (('loss',), False)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import torch
+
+from streamwatch._nonfinite import FirstNonFinite, NonFiniteTracker, Reaction, Sentinel, direction_of, log
+
+__all__ = ["GRAD_NORM_TRIAL", "NonFiniteGuard"]
+
+GRAD_NORM_TRIAL = 8
+"""Steps over which an automatic gradient-norm sentinel (``overhead=`` with the default ``sentinel``) is
+timed before it is kept or turned off."""
+
+
+class NonFiniteGuard:
+    """The sentinel, its escalation and its reaction for one Watch (training thread only).
+
+    Args:
+        checks: what the sentinel checks (``observe(sentinel=)``, checked); empty: no sentinel.
+        auto_grad_norm: the gradient norm joins the checks on trial (``sentinel=None`` under a governor).
+        budget: the governor's budget (the trial's yardstick), None with a fixed interval.
+        escalate: steps sampled in full after a trip (0: never).
+        reaction: ``observe(on_nonfinite=)``.
+        rank: this process's rank (what a raised error names).
+
+    Attributes:
+        escalated_until: while escalated, the first step after the escalation; else None.
+        escalations: escalations started so far.
+    """
+
+    def __init__(
+        self,
+        checks: Collection[str],
+        auto_grad_norm: bool,
+        budget: float | None,
+        *,
+        escalate: int,
+        reaction: Reaction,
+        rank: int,
+    ) -> None:
+        self.sentinel = Sentinel(grad_norm="grad_norm" in checks or auto_grad_norm) if checks else None
+        self.checks_loss = "loss" in checks
+        # (grad-norm check seconds, step seconds) of the first steps, while an automatic grad-norm check
+        # is on trial against the governor's budget; None when no trial runs
+        self._trial: list[tuple[float, float]] | None = [] if auto_grad_norm else None
+        self._budget = budget
+        self._escalate = escalate
+        self._reaction = reaction
+        self.raises = reaction == "raise"
+        self._rank = rank
+        self.escalated_until: int | None = None
+        self.escalations = 0
+        self.tripped: list[int] = []  # sentinel trips learnt at this step's boundary
+        self._trip_kind = "loss"  # what the last trip saw go bad: "loss" or "grad_norm"
+        self._last_trip = -2
+
+    @property
+    def idle(self) -> bool:
+        """Whether the step's end has nothing for the guard but a CPU loss to look at: no escalation, no
+        trial, a sentinel with no device probes pending (a quiet step may then skip the full boundary)."""
+        sentinel = self.sentinel
+        return self.escalated_until is None and (sentinel is None or (sentinel.idle and self._trial is None))
+
+    def needs(self, loss: object) -> bool:
+        """Whether the sentinel has anything to check at a step that ended with ``loss`` (checked): not
+        for a finite number it reads already, while idle and without a trip to report."""
+        sentinel = self.sentinel
+        return sentinel is not None and not (
+            type(loss) is float
+            and math.isfinite(loss)
+            and self.checks_loss
+            and not self.tripped
+            and self._trial is None
+            and sentinel.idle
+        )
+
+    def escalated(self, step: int) -> bool:
+        """Whether ``step`` is escalated (sampled in full); an escalation past its end is over."""
+        until = self.escalated_until
+        if until is not None and step >= until:
+            self.escalated_until = until = None
+        return until is not None
+
+    def check(
+        self,
+        step: int,
+        loss: torch.Tensor | float | None,
+        grads: Callable[[], Sequence[torch.Tensor]],
+        seconds: float,
+    ) -> None:
+        """The per-step finite check of ``step`` (``grads``: the gradients, asked only when the
+        gradient norm is checked); a trip may escalate. A failure raises: the caller counts it."""
+        sentinel = self.sentinel
+        assert sentinel is not None
+        if self.tripped:
+            self.tripped = []
+        trial = self._trial
+        start = time.perf_counter() if trial is not None else 0.0
+        gradients = grads() if sentinel.grad_norm else ()
+        tripped = sentinel.check(step, loss if self.checks_loss else None, gradients)
+        if trial is not None and gradients:
+            self._judge_grad_norm(trial, time.perf_counter() - start, seconds)
+        if not tripped:
+            return
+        self.tripped = tripped
+        # what tripped: the gradients where the sentinel saw them go bad with a finite loss (or none
+        # checked); else the loss (a device flag covers both: the loss, if it is checked)
+        self._trip_kind = "grad_norm" if sentinel.grads_tripped or not self.checks_loss else "loss"
+        if self._escalate and self.escalated_until is None:
+            # From the next step on, every step is sampled in full (every tapped kind): when the fault
+            # recurs, its record holds the origin. One escalation at a time: bounded cost.
+            self.escalated_until = step + 1 + self._escalate
+            self.escalations += 1
+            if self._reaction == "warn":
+                log.warning(
+                    "streamwatch: non-finite %s at step %d (sentinel); sampling every step, every tapped "
+                    "kind, for the next %d steps so that the origin is recorded if it happens again",
+                    "gradients" if self._trip_kind == "grad_norm" else "loss",
+                    tripped[0],
+                    self._escalate,
+                )
+
+    def drain(self) -> None:
+        """``close()``: the device probes not yet read (the last batch, copies in flight) are checked
+        now, waiting for the device; a trip is logged (too late to escalate, never raised). A failure
+        raises: the caller counts it."""
+        sentinel = self.sentinel
+        if sentinel is None:
+            return
+        tripped = sentinel.drain()
+        if tripped:
+            log.warning(
+                "streamwatch: non-finite %s at step %d (sentinel, read at close(): the last steps' device "
+                "checks are read there)%s",
+                "gradients or loss" if sentinel.grad_norm else "loss",
+                tripped[0],
+                f", and at {len(tripped) - 1} later step(s)" if len(tripped) > 1 else "",
+            )
+
+    def checks(self) -> tuple[str, ...]:
+        """What the sentinel checks now (``statistics().sentinel``)."""
+        sentinel = self.sentinel
+        if sentinel is None:
+            return ()
+        checks = ("loss",) if self.checks_loss else ()
+        return (*checks, "grad_norm") if sentinel.grad_norm and self._trial is None else checks
+
+    @property
+    def trips(self) -> int:
+        """Steps whose sentinel found a non-finite value."""
+        return 0 if self.sentinel is None else self.sentinel.trips
+
+    def _judge_grad_norm(self, trial: list[tuple[float, float]], cost: float, seconds: float) -> None:
+        """Keep the gradient-norm check if, over the first :data:`GRAD_NORM_TRIAL` steps that had
+        gradients, its median cost is at most a quarter of what the budget allows per step (``budget *
+        step seconds``); else turn it off for the run."""
+        if seconds > 0:
+            trial.append((cost, seconds))
+        if len(trial) < GRAD_NORM_TRIAL:
+            return
+        costs = sorted(c for c, _ in trial)
+        steps = sorted(s for _, s in trial)
+        affordable = costs[len(costs) // 2] <= 0.25 * (self._budget or 0.0) * steps[len(steps) // 2]
+        assert self.sentinel is not None
+        self.sentinel.set_grad_norm(affordable)
+        self._trial = None
+
+    def raise_nonfinite(
+        self, tracker: NonFiniteTracker, sent: Collection[int], flush: Callable[[], Any]
+    ) -> None:
+        """``on_nonfinite="raise"``: raise :class:`streamwatch.NonFiniteError` for a new episode. A trip
+        on a step whose record was ``sent`` waits (``flush``) for the worker's verdict on it (the
+        origin); a trip on a step without a record raises with what the sentinel saw; a verdict the
+        worker found on its own (a non-finite tensor while the loss stayed finite) is raised as soon as
+        it is there."""
+        tripped, self.tripped = self.tripped, []
+        new = [t for t in tripped if t != self._last_trip + 1]  # consecutive trips: one episode
+        if tripped:
+            self._last_trip = tripped[-1]
+        if new and new[0] in sent:
+            flush()
+        verdict = tracker.take_verdict()
+        if verdict is not None:
+            raise verdict.error()
+        episode = tracker.episode
+        if new and new[0] in sent and episode is not None and episode.step < new[0]:
+            # the record continues an episode whose verdict was taken already (the caller went on)
+            raise episode.error(
+                f"step {new[0]}'s loss is non-finite too: the episode that began there goes on"
+            )
+        if new:
+            kind = self._trip_kind
+            seen = FirstNonFinite(new[0], "train", "", kind, "", "", direction_of(kind), self._rank)
+            raise seen.error(
+                "the step was not sampled, so only the sentinel saw it and the origin is unknown: sample "
+                'more steps (every=) or use on_nonfinite="warn", whose escalation records the origin if it '
+                "recurs"
+            )
