@@ -20,13 +20,12 @@ for: a refused argument, ``on_nonfinite="raise"``, ``overflow="error"``.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import math
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -34,12 +33,13 @@ import torch
 from streamwatch import _kernel
 from streamwatch._accuracy import TrainAccuracy
 from streamwatch._cadence import Cadence
-from streamwatch._channel import OverflowPolicy, Sender
+from streamwatch._channel import Sender
 from streamwatch._exceptions import Full, PipelineError, SendTimeout
 from streamwatch._governor import Governor
 from streamwatch._guard import NonFiniteGuard
 from streamwatch._nonfinite import NonFiniteTracker
-from streamwatch._record import SKIPPED_UPDATE, PendingRecord, SlotPool
+from streamwatch._outbox import Outbox
+from streamwatch._record import PendingRecord
 from streamwatch._step_args import NO_ARGS, StepArgs, check_step, dark_ready
 from streamwatch._store import SeriesStore
 from streamwatch._summary import release_scratch
@@ -47,7 +47,7 @@ from streamwatch._taps import TapSet, TapState
 from streamwatch._worker import Worker
 from streamwatch.metrics._base import Metric
 
-__all__ = ["SCALAR_SECONDS", "StepBoundary", "paused", "release_dropped"]
+__all__ = ["SCALAR_SECONDS", "StepBoundary", "paused"]
 
 SCALAR_SECONDS = 1.0
 """Between sampled steps, a scalar record (loss, learning rates, step time, throughput, accuracy; no layer
@@ -70,33 +70,26 @@ def paused(state: TapState) -> Iterator[None]:
         state.paused = was
 
 
-def release_dropped(item: Any, reason: str) -> None:
-    """A dropped record gives its pinned slot back (the drop itself is counted by the channel)."""
-    if isinstance(item, PendingRecord) and item.release is not None:
-        item.release()
-
-
 class StepBoundary:
     """Ends each training step for one Watch (the training thread's side of it).
 
     Args:
         state, taps: the Watch's tap state and hooks.
-        optimizer: the observed optimizer (learning rates, weights, updates), or None.
-        sender: the channel's sending end; ``overflow`` its policy at the step boundary.
+        outbox: what sends the records; ``sender`` the channel's sending end it sends into (the
+            boundary reads its statistics).
         store, tracker, worker: the worker side, whose failures the boundary surfaces and whose progress
             :meth:`wait_for_worker` waits on.
         cadence, governor, guard: what is sampled, the overhead governor (None with ``every=``), the
             sentinel and its escalation.
         metrics: the opt-in metric objects, bound.
-        edges: the histogram bucket bounds every record carries.
-        rank, start_step: the record's rank, and the index of the first step's record.
+        start_step: the index of the first step's record.
         clock: the governor's clock (``time.perf_counter``, or a test's fake).
 
     Attributes:
         step: the index the next record carries; ``start_step`` the first step's.
-        sampled, scalar_records, failed_steps: records sent with rows and without; steps refused.
+        failed_steps: steps refused (no record).
         overhead, overhead_total: streamwatch's own seconds on the training thread, last step and all.
-        pool: the pinned slots of CUDA step copies (None until a CUDA step).
+        scoring: train accuracy's layouts (and the steps whose accuracy it skipped).
         closed: :meth:`finish` ran.
     """
 
@@ -105,10 +98,8 @@ class StepBoundary:
         *,
         state: TapState,
         taps: TapSet,
-        optimizer: torch.optim.Optimizer | None,
+        outbox: Outbox,
         sender: Sender[PendingRecord],
-        overflow: OverflowPolicy,
-        capacity: int,
         store: SeriesStore,
         tracker: NonFiniteTracker,
         worker: Worker,
@@ -116,16 +107,13 @@ class StepBoundary:
         governor: Governor | None,
         guard: NonFiniteGuard,
         metrics: tuple[Metric, ...],
-        edges: Mapping[str, tuple[float, ...]],
-        rank: int,
         start_step: int,
         clock: Callable[[], float],
     ) -> None:
         self.state = state
         self._taps = taps
-        self._optimizer = optimizer
+        self._outbox = outbox
         self._tx = sender
-        self._overflow = overflow
         self._store = store
         self._tracker = tracker
         self._worker = worker
@@ -134,18 +122,12 @@ class StepBoundary:
         self.guard = guard
         self._metrics = metrics
         self._step_metrics: tuple[Any, ...] = ()
-        self._edges = edges
-        self._rank = rank
         self.step = self.start_step = start_step
-        self.sampled = 0
-        self.scalar_records = 0  # scalar records sent between sampled steps (SCALAR_SECONDS)
         self.failed_steps = 0
         self.overhead = 0.0  # streamwatch's own time on the training thread, last step
         self.overhead_total = 0.0
-        self.pool: SlotPool | None = None
         self.closed = False
         self.scoring = TrainAccuracy()  # train accuracy's layouts, and where the classes are
-        self._stream: Any = None
         self._finite_at = _kernel.finite_checks()  # a CPU loss's finiteness in one C call, by dtype
         self._read_f32 = _kernel.scalar_reader()  # a float32 CPU loss's value in one C call
         self._forced = False  # the running step is sampled only because of an escalation
@@ -155,9 +137,8 @@ class StepBoundary:
         self._reading: float | None = None  # a dark step's reading, for its deferred tick
         self._ticked = 0.0  # perf_counter when the governor took its reading at the last boundary
         self._tail = 0.0  # own seconds after it (the last boundary's rest): the next step's
-        self._last = self._last_record = time.perf_counter()
+        self._last = time.perf_counter()
         self._quiet_until = 0.0  # a quiet step must begin before (see _quiet_step)
-        self._sent_steps: collections.deque[int] = collections.deque(maxlen=capacity + 2)
         self._errors: list[tuple[str, BaseException]] = []  # surfaced (warned), raised again at close
         self._reported = (0, 0, 0)  # hook errors, store failures, tracker failures surfaced so far
         self._gov_clock = clock
@@ -211,7 +192,7 @@ class StepBoundary:
             self._boundary(now, checked)
             guard = self.guard
             if guard.raises and (guard.tripped or self._tracker.pending):
-                guard.raise_nonfinite(self._tracker, self._sent_steps, self._flush_for_verdict)
+                guard.raise_nonfinite(self._tracker, self._outbox.sent_steps, self._flush_for_verdict)
         finally:
             end = time.perf_counter()
             self.overhead = state.busy + (end - (now if started is None else started))
@@ -302,7 +283,7 @@ class StepBoundary:
             loss = loss if value is None else value
         if (
             not self._stashed
-            and now - self._last_record >= SCALAR_SECONDS
+            and now - self._outbox.last_record >= SCALAR_SECONDS
             and isinstance(outputs, _Tensor)
             and isinstance(targets, _Tensor)
         ):  # its boundary (at the next call) sends the scalar record, with train accuracy: score copies,
@@ -400,7 +381,7 @@ class StepBoundary:
             sampled = governor.tick(own, forced=self._forced, at=self._reading)
         self._set_sampling(self.step, sampled)
         state.quiet = 0 if self._sampling_now else self._quiet_window()
-        self._quiet_until = self._last_record + SCALAR_SECONDS
+        self._quiet_until = self._outbox.last_record + SCALAR_SECONDS
         if governor is not None and governor.dark:
             if not failed and dark_ready(loss) and self._unencumbered() and self._taps.go_dark():
                 self._dark = 2  # this step and the next: no hook, nothing at the boundary between
@@ -423,11 +404,11 @@ class StepBoundary:
                     taps.summarize_rest()  # parameters it does not step)
                 elif state.on.get("param"):
                     taps.summarize_params()
-                self._send(seconds, checked, device, True, now)
-            elif now - self._last_record >= SCALAR_SECONDS:
+                self._outbox.send(self.step, self.start_step, seconds, checked, device, True, now)
+            elif now - self._outbox.last_record >= SCALAR_SECONDS:
                 # Between sampled steps, the cheap values (loss, lr, step time, throughput) still go out
                 # at least once a second: a scalar record, no layer rows.
-                self._send(seconds, checked, device, False, now)
+                self._outbox.send(self.step, self.start_step, seconds, checked, device, False, now)
             failed = False
             if self.guard.needs(checked.loss):
                 self._check_finite(checked, seconds)
@@ -456,112 +437,6 @@ class StepBoundary:
             )
         except Exception as exc:
             self.state.fail(exc)
-
-    # -- the record ---------------------------------------------------------------------------------
-
-    def _send(
-        self,
-        seconds: float | None,
-        checked: StepArgs,
-        device: dict[str, torch.Tensor],
-        full: bool,
-        now: float | None = None,
-        timeout: float | None = None,
-    ) -> None:
-        """Seal this step's record and offer it to the worker: ``full`` for a sampled step (or one with
-        rows: an evaluation pass, a metric), else a scalar record between sampled steps. ``seconds``
-        None: not a step's end (evaluation rows handed over at close), so no step time and no parts.
-        ``timeout``: how long ``overflow="block"`` may wait for room (None: as long as it takes)."""
-        host: dict[str, float] = {}
-        marks: tuple[float, ...] = ()  # a sampled step's clock marks: the worker makes its parts
-        state = self.state
-        if seconds is not None:
-            host["step_seconds"] = seconds
-            if full:  # (the boundaries the hooks saw, and the step's end, on their clock)
-                t = state.times
-                marks = (
-                    t.step_end,
-                    t.forward_start,
-                    t.forward_end,
-                    t.optimizer_start,
-                    t.optimizer_end,
-                    t.clock(),
-                )
-        if checked.batch_size is not None and seconds is not None:
-            host["batch_size"] = float(checked.batch_size)
-            if seconds > 0:
-                host["samples_per_second"] = checked.batch_size / seconds
-        self._loss_scalar(checked.loss, host, device)
-        if checked.accuracy is not None:
-            scorer, outputs, targets, total = checked.accuracy
-            correct = scorer(outputs, targets)
-            if type(correct) is float:  # counted on the host already (a CPU batch of class scores)
-                host["correct"] = correct
-            else:
-                device["correct"] = correct  # type: ignore[assignment]
-            host["total"] = float(total)
-        self._learning_rates(host, device)
-        found_inf = self._taps.found_inf
-        if found_inf is not None:  # a fused step a GradScaler skipped: the worker drops its update rows
-            self._taps.found_inf = None
-            device[SKIPPED_UPDATE] = found_inf
-        buffer = state.buffer
-        if buffer.device is not None and buffer.device.type == "cuda" and self._stream is None:
-            self._stream = torch.cuda.Stream(buffer.device)
-            self.pool = SlotPool(self._tx.statistics().capacity + 2)
-        pending = buffer.seal(
-            step=self.step,
-            rank=self._rank,
-            step_scalars=device,
-            host_scalars=host,
-            nonfinite_counted=state.count_nonfinite,
-            edges=self._edges,
-            stream=self._stream,
-            pool=self.pool,
-            start_step=self.start_step,
-            marks=marks,
-        )
-        if pending is None:
-            return  # counted by the slot pool
-        try:
-            sent = self._tx.offer(pending, self._overflow, timeout)
-        except BaseException:
-            release_dropped(pending, "error")  # the pinned slot goes back; the step is counted as failed
-            raise
-        if sent:  # (``now``: the step's boundary, which a dark pair's first step runs late)
-            self._last_record = time.perf_counter() if now is None else now
-            if not full:
-                self.scalar_records += 1
-            elif seconds is not None:  # (not the evaluation record of close())
-                self.sampled += 1
-            self._sent_steps.append(self.step)  # its loss is there for the worker's non-finite verdict
-
-    @staticmethod
-    def _loss_scalar(loss: object, host: dict[str, float], device: dict[str, torch.Tensor]) -> None:
-        """The record's ``loss``: on the host where it is read already or lives on the CPU (read as
-        float32, like a device loss), else a device scalar for the step's one copy."""
-        if type(loss) is float:  # (a number, or a plain CPU loss check_step read)
-            host["loss"] = loss
-        elif isinstance(loss, torch.Tensor):
-            if loss.is_cpu:  # read at once, nothing to wait for
-                scalar = loss.detach()
-                host["loss"] = float(scalar if scalar.dtype == torch.float32 else scalar.to(torch.float32))
-            else:
-                device["loss"] = loss.detach().reshape(()).to(torch.float32)
-
-    def _learning_rates(self, host: dict[str, float], device: dict[str, torch.Tensor]) -> None:
-        """Each param group's learning rate (``lr/<group>``): a tensor lr stays on its device."""
-        optimizer = self._optimizer
-        groups = () if optimizer is None else optimizer.param_groups
-        for i, group in enumerate(groups):
-            lr = group.get("lr")
-            name = _LR_NAMES[i] if i < len(_LR_NAMES) else f"lr/{i}"
-            if type(lr) is float:
-                host[name] = lr
-            elif isinstance(lr, torch.Tensor):
-                device[name] = lr.detach().reshape(()).to(torch.float32)
-            elif lr is not None:
-                host[name] = float(lr)
 
     # -- what the next step samples ------------------------------------------------------------------
 
@@ -685,7 +560,8 @@ class StepBoundary:
         while True:
             channel = self._tx.statistics()
             if (  # (sent: sampled and scalar records; a record dropped as newest was never sent)
-                self._store.records + channel.dropped_oldest >= self.sampled + self.scalar_records
+                self._store.records + channel.dropped_oldest
+                >= self._outbox.sampled + self._outbox.scalar_records
                 and not self._worker.statistics().in_flight  # the last one is through every pipeline too
             ):
                 self._store.apply()  # the metrics' values too (and their failures, reported next step)
@@ -732,14 +608,14 @@ class StepBoundary:
         sent = True
         if len(buffer) and all(getattr(key, "phase", None) == "eval" for key in buffer.keys):
             try:
-                self._send(None, NO_ARGS, {}, full=True, timeout=wait)
+                self._outbox.send(self.step, self.start_step, None, NO_ARGS, {}, full=True, timeout=wait)
             except SendTimeout:
                 sent = False
             except Exception as exc:  # a full channel under overflow="error" too: counted, raised below
                 self.state.fail(exc)
         release_scratch()
         buffer.clear()  # an unfinished step is not a completed step
-        self._optimizer = None
+        self._outbox.release_optimizer()
         return sent
 
     def surfaced(self) -> list[tuple[str, BaseException]]:

@@ -38,7 +38,7 @@ from torch import nn
 
 from streamwatch import _kernel
 from streamwatch._accuracy import AMBIGUOUS
-from streamwatch._boundary import SCALAR_SECONDS, StepBoundary, paused, release_dropped
+from streamwatch._boundary import SCALAR_SECONDS, StepBoundary, paused
 from streamwatch._cadence import Cadence
 from streamwatch._channel import OverflowPolicy, channel
 from streamwatch._clock import Clock
@@ -51,6 +51,7 @@ from streamwatch._governor import Governor
 from streamwatch._guard import NonFiniteGuard
 from streamwatch._nonfinite import DEFAULT_ESCALATE, NonFiniteTracker, Reaction
 from streamwatch._options import DEFAULT_OVERHEAD, STATS, Options, check_start_step, parse_options
+from streamwatch._outbox import Outbox, release_dropped
 from streamwatch._pipeline import Pipeline, Sink, source
 from streamwatch._record import Sample
 from streamwatch._store import SeriesStore, WatchStatistics
@@ -222,13 +223,22 @@ class Watch:
                 None if options.budget is None else Governor(options.budget, clock=_governor_clock)
             )
             periods = [(kind, options.cadence[kind]) for kind in KINDS if kind in options.taps]
-            self._boundary = StepBoundary(
+            rank = position()[0]
+            self._outbox = Outbox(
                 state=state,
                 taps=self._taps,
                 optimizer=optimizer,
                 sender=self._tx,
                 overflow=options.overflow,
                 capacity=options.capacity,
+                edges=MappingProxyType(edges),  # carried by every record: rendering needs no metric
+                rank=rank,
+            )
+            self._boundary = StepBoundary(
+                state=state,
+                taps=self._taps,
+                outbox=self._outbox,
+                sender=self._tx,
                 store=self._store,
                 tracker=self._tracker,
                 worker=self._worker,
@@ -240,11 +250,9 @@ class Watch:
                     options.budget,
                     escalate=options.escalate,
                     reaction=options.reaction,
-                    rank=position()[0],
+                    rank=rank,
                 ),
                 metrics=bound,
-                edges=MappingProxyType(edges),  # carried by every record: rendering needs no metric
-                rank=position()[0],
                 start_step=options.start_step,
                 clock=_governor_clock,
             )
@@ -554,12 +562,12 @@ class Watch:
         return WatchStatistics(
             # this Watch's calls; a dark pair's first call counts (its boundary still to run)
             steps=boundary.step - boundary.start_step + boundary.stashed,
-            sampled=boundary.sampled,
-            scalar_records=boundary.scalar_records,
+            sampled=self._outbox.sampled,
+            scalar_records=self._outbox.scalar_records,
             records_received=self._store.records,
             dropped_oldest=channel_stats.dropped_oldest,
             dropped_newest=channel_stats.dropped_newest,
-            slots_exhausted=boundary.pool.exhausted if boundary.pool is not None else 0,
+            slots_exhausted=self._outbox.pool.exhausted if self._outbox.pool is not None else 0,
             queue_len=channel_stats.len,
             queue_high_water=channel_stats.high_water,
             worker_lag_seconds=self._store.lag,
