@@ -23,6 +23,7 @@ from torch import nn
 
 import streamwatch as sw
 from streamwatch import SeriesKey
+from streamwatch._families import PER_LAYER_FAMILIES
 from tests.promtool import check_metrics
 from tests.training import train
 
@@ -89,7 +90,11 @@ def test_metrics_served_equal_the_snapshot_and_statistics() -> None:
     assert one("streamwatch_records_dropped_total", reason="drop_oldest") == 0
     assert one("streamwatch_queue_length") == 0
     assert one("streamwatch_hook_errors_total") == 0
-    assert one("streamwatch_series") == sum(1 for s in snapshot if s.name == "streamwatch_tensor")
+    # every series of the per-layer families counts (no histograms here: one sample per series)
+    per_layer = {family.name for family in PER_LAYER_FAMILIES}
+    assert one("streamwatch_series") == sum(1 for s in snapshot if s.name in per_layer)
+    assert one("streamwatch_series") > sum(1 for s in snapshot if s.name == "streamwatch_tensor")
+    assert one("streamwatch_series_wanted") == one("streamwatch_series")
     assert one("streamwatch_overhead_seconds_total") > 0
     assert one("streamwatch_overhead_last_step_seconds") > 0
     assert not [s for f in families.values() for s in f if math.isnan(s.value)]  # absent, never NaN
