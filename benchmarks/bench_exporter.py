@@ -121,7 +121,7 @@ def test_plain_gauges(benchmark: Any, series: int, bench_report: list[str]) -> N
 
 # -- over the series budget: a model with 2 001 leaf modules -------------------------------------------------
 
-WIDE_BLOCKS = 1000  # (Linear(16, 16), ReLU) blocks, and a head: 2 001 leaf modules (issue 39's model)
+WIDE_BLOCKS = 1000  # (Linear(16, 16), ReLU) blocks, and a head: 2 001 leaf modules
 WIDE_STEPS = 22  # every step sampled: GradientSpike's warm-up (20) over, every detector family served
 WIDE_ROUNDS = 15
 PER_LAYER = (  # the samples of the families the budget bounds

@@ -4,8 +4,8 @@ histogram buckets, the detectors' per-layer families); over it a scrape serves o
 kind (``layer="__all__"``, equal to a numpy reference over the table) and the worst layers in core
 detail with their detector series, the same through ``render()`` and ``collect()``, the same layers
 from scrape to scrape until one gets worse; ``promtool check metrics`` accepts it. The exporter before
-issue 39 budgeted ``streamwatch_tensor`` only and fell back to its ``__all__`` rows alone: each test
-here fails on it.
+this budgeted ``streamwatch_tensor`` only and fell back to its ``__all__`` rows alone: each test here
+fails on it.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def _layers(series: Series, family: str = "streamwatch_tensor") -> set[str]:
     return {dict(labels)["layer"] for name, labels in series if name == family} - {ALL_LAYERS}
 
 
-# -- a model with 2 001 leaf modules (issue 39's) ----------------------------------------------------------
+# -- a model with 2 001 leaf modules -----------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
