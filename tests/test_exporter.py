@@ -462,8 +462,20 @@ def _served_run(**expose: Any) -> tuple[str, sw.Watch]:
 
 @pytest.mark.parametrize(
     "route",
-    [{}, {"registry": CollectorRegistry()}, {"series_budget": 150}, {"series_budget": 10}],
-    ids=["expose", "caller registry", "budget: core statistics", "budget: aggregates"],
+    [
+        {},
+        {"registry": CollectorRegistry()},
+        {"series_budget": 250},
+        {"series_budget": 200},
+        {"series_budget": 10},
+    ],
+    ids=[
+        "expose",
+        "caller registry",
+        "budget: core statistics",
+        "budget: totals and the worst layer",
+        "budget: totals only",
+    ],
 )
 def test_promtool_accepts_every_route(route: dict[str, Any]) -> None:
     body, _ = _served_run(**route)

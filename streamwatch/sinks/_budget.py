@@ -73,7 +73,6 @@ Level = Literal["full", "core", "worst"]
 
 _NONFINITE, _SUMSQ = COLUMNS.index("nonfinite"), COLUMNS.index("sumsq")
 _SIGNALS = (UPDATE_RATIO_OUT_OF_BAND.name, GRAD_NORM_SPIKES.name, GRAD_NORM_RATIO.name)
-_LAYER = TENSOR_VALUES.labels.index("layer")
 _KIND = TENSOR_VALUES.labels.index("kind")
 
 

@@ -286,7 +286,7 @@ class StoreCollector(Collector):
                     detectors.append(sample)
                 else:
                     rest.append(sample)
-                    if name == FIRST_NONFINITE_INFO.name:
+                    if name == FIRST_NONFINITE_INFO.name and sample.labels.get("kind") != "loss":
                         origin = sample.labels.get("layer")
             served = self._budget.serve(
                 table,
