@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import resource
 import socket
 import statistics
@@ -116,6 +117,81 @@ def test_plain_gauges(benchmark: Any, series: int, bench_report: list[str]) -> N
             f"/metrics render, plain Gauge.labels: {len(samples)} series, "
             f"median {benchmark.stats.stats.median * 1e3:.1f} ms"
         )
+
+
+# -- over the series budget: a model with 2 001 leaf modules -------------------------------------------------
+
+WIDE_BLOCKS = 1000  # (Linear(16, 16), ReLU) blocks, and a head: 2 001 leaf modules
+WIDE_STEPS = 22  # every step sampled: GradientSpike's warm-up (20) over, every detector family served
+WIDE_ROUNDS = 15
+PER_LAYER = (  # the samples of the families the budget bounds
+    "streamwatch_tensor{",
+    "streamwatch_tensor_values_bucket{",
+    "streamwatch_grad_norm_ratio{",
+    "streamwatch_grad_norm_spikes_total{",
+    "streamwatch_layer_update_ratio{",
+    "streamwatch_update_ratio_out_of_band{",
+)
+
+
+def _wide() -> tuple[sw.Watch, Any, Callable[[], None]]:
+    """The 2 001-module model observed with every step sampled, ``expose()`` with the default budget, and
+    a function that trains one more step and waits for the worker."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(WIDE_BLOCKS):
+        layers += [nn.Linear(16, 16), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    watch = sw.observe(model, opt, every=1)
+    exporter = watch.expose(port=0)
+    g = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        loss = model(torch.randn(8, 16, generator=g)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        watch.step(loss=loss)
+        assert watch.flush()
+
+    for _ in range(WIDE_STEPS):
+        step()
+    return watch, exporter, step
+
+
+@pytest.mark.parametrize("values", ["unchanged", "fresh"])
+@pytest.mark.benchmark(group="/metrics render over the series budget")
+def test_render_over_the_budget(benchmark: Any, values: str, bench_report: list[str]) -> None:
+    """``render()`` of the 2 001-module model under the default ``series_budget=5000`` (~169 k per-layer
+    series wanted, ~5 000 served): ``unchanged``, the same values again (what a render costs beyond
+    reading the store); ``fresh``, a training step before each render (untimed), so the render also
+    brings the store up to date (the worker-side metrics and the detectors' samples of the new record),
+    as the endpoint's render after each step does. Budget: <= 40 ms median."""
+    watch, exporter, step = _wide()
+    try:
+        render = exporter.collector.render
+        render()  # the first render over the budget warns, and builds the layout and label strings
+        setup = step if values == "fresh" else None
+        text = benchmark.pedantic(render, setup=setup, rounds=WIDE_ROUNDS, warmup_rounds=1).decode()
+        served = sum(1 for line in text.splitlines() if line.startswith(PER_LAYER))
+        series, wanted = (
+            int(float(line.rsplit(" ", 1)[1]))
+            for name in ("streamwatch_series{", "streamwatch_series_wanted{")
+            for line in text.splitlines()
+            if line.startswith(name)
+        )
+        assert served == series <= 5000 < wanted
+        median = benchmark.stats.stats.median if not benchmark.disabled else math.nan
+        benchmark.extra_info.update({"series": series, "wanted": wanted, "median_ms": round(median * 1e3, 2)})
+        if not benchmark.disabled:
+            bench_report.append(
+                f"/metrics render over the budget ({values} values): 2 001 modules, {series} of {wanted} "
+                f"per-layer series, median {median * 1e3:.1f} ms (budget <= 40 ms)"
+            )
+    finally:
+        exporter.close()
+        watch.close()
 
 
 # -- bytes and time per scrape, with and without gzip ----------------------------------------------------

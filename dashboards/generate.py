@@ -47,7 +47,19 @@ RUN = 'job=~"$job",run=~"$run"'
 RANK = f'{RUN},rank=~"$rank"'
 RATE = "$__rate_interval"
 BY_RANK = "job, run, rank"
-GRAD_SUMSQ = f'streamwatch_tensor{{{RANK},kind="param_grad",stat="sumsq"}}'
+
+
+def per_rank_total(selector: str) -> str:
+    """The sum of ``streamwatch_tensor{<selector>}`` over each rank's layers: the rank's
+    ``layer="__all__"`` total where it serves one, else the sum of its layers. A rank without per-layer
+    detail serves only totals, and a scrape over the series budget serves them beside its worst layers,
+    which a plain sum would count twice."""
+    metric = f"streamwatch_tensor{{{selector}"
+    return f'sum by ({BY_RANK}) ({metric},layer="__all__"}}) or sum by ({BY_RANK}) ({metric}}})'
+
+
+GRAD_SUMSQ = per_rank_total(f'{RANK},kind="param_grad",stat="sumsq"')
+"""Σ sumsq of each rank's parameter gradients (see :func:`per_rank_total`)."""
 
 
 def _rate(counter: str) -> str:
@@ -230,7 +242,8 @@ def _base(uid: str, title: str, description: str) -> dash.Dashboard:
 
 def overview() -> dash.Dashboard:
     """Training overview: loss, accuracy, throughput, step time, global grad norm, non-finite, drops."""
-    grad_norm = f'sqrt(sum by (job, run) (streamwatch_tensor{{{RUN},kind="param_grad",stat="sumsq"}}))'
+    run_grads = per_rank_total(f'{RUN},kind="param_grad",stat="sumsq"')
+    grad_norm = f"sqrt(sum by (job, run) ({run_grads}))"
     nonfinite = f'sum by ({BY_RANK}) (streamwatch_tensor{{{RANK},stat="nonfinite"}} > bool 0)'
     return (
         _base(
@@ -609,7 +622,7 @@ def cluster() -> dash.Dashboard:
                 "none",
                 [
                     Q(
-                        f"sqrt(sum by ({BY_RANK}) ({GRAD_SUMSQ}))",
+                        f"sqrt({GRAD_SUMSQ})",
                         "rank {{rank}}",
                     )
                 ],
@@ -761,7 +774,8 @@ def health() -> dash.Dashboard:
                     Q(f"streamwatch_series_wanted{{{RANK}}}", "wanted rank {{rank}}"),
                 ],
                 w=8,
-                description="streamwatch_tensor series per process against the series budget's demand.",
+                description="Per-layer series (streamwatch_tensor, histogram buckets, the detectors' per-layer "
+                "families) per process: served, and wanted before the series budget (expose(series_budget=...)).",
             )
         )
     )

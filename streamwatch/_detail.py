@@ -45,7 +45,7 @@ import torch
 
 from streamwatch._families import ALL_LAYERS, STEPPED_WEIGHT_SUMSQ
 from streamwatch._record import PendingRecord, SeriesKey, StepRecord
-from streamwatch._summary import COLUMNS
+from streamwatch._summary import COLUMNS, totals
 
 __all__ = [
     "DETAIL_MODES",
@@ -66,10 +66,7 @@ Detail: TypeAlias = DetailMode | Callable[[int, int, int], bool]
 DETAIL_MODES: tuple[DetailMode, ...] = ("all", "rank0", "local_rank0", "none")
 """The named policies of ``observe(detail=...)``."""
 
-_ADDED = tuple(COLUMNS.index(c) for c in ("count", "sum", "sumsq", "zeros", "nonfinite", "units", "dead"))
-_MIN, _MAX = COLUMNS.index("min"), COLUMNS.index("max")
 _SUMSQ = COLUMNS.index("sumsq")
-_UNITS, _SAMPLES, _ACTIVE = COLUMNS.index("units"), COLUMNS.index("samples"), COLUMNS.index("active")
 
 
 def check_detail(detail: object) -> Detail:
@@ -229,23 +226,7 @@ def reduce_record(record: StepRecord) -> StepRecord:
     groups: dict[tuple[str, str], list[int]] = {}
     for i, key in enumerate(record.keys):
         groups.setdefault((key.phase, key.kind), []).append(i)
-    table = np.full((len(groups), len(COLUMNS)), np.nan)
-    source = record.table
-    with np.errstate(invalid="ignore", divide="ignore"):
-        for row, rows in enumerate(groups.values()):
-            part = source[rows]
-            known = ~np.isnan(part)
-            for column in _ADDED:
-                if known[:, column].any():
-                    table[row, column] = np.nansum(part[:, column])
-            for column, combine in ((_MIN, np.nanmin), (_MAX, np.nanmax)):
-                if known[:, column].any():
-                    table[row, column] = combine(part[:, column])
-            pairs = part[:, _SAMPLES] * part[:, _UNITS]  # (sample, unit) pairs of each row
-            if (~np.isnan(pairs)).any() and table[row, _UNITS] > 0:
-                table[row, _SAMPLES] = np.nansum(pairs) / table[row, _UNITS]
-                if known[:, _ACTIVE].any():
-                    table[row, _ACTIVE] = np.nansum(part[:, _ACTIVE])
+    table = totals(record.table, list(groups.values()))
     table.setflags(write=False)
     keys = tuple(SeriesKey(phase, ALL_LAYERS, kind, "") for phase, kind in groups)
     extras: dict[tuple[SeriesKey, str], np.ndarray] = {}

@@ -38,6 +38,7 @@ __all__ = [
     "IDENTITY",
     "INFO",
     "LAYER_MEAN",
+    "PER_LAYER_FAMILIES",
     "RESERVED_LABELS",
     "SELF_FAMILIES",
     "STEP",
@@ -187,6 +188,18 @@ DETECTOR_FAMILIES = (
     UPDATE_RATIO_OUT_OF_BAND,
 )
 
+PER_LAYER_FAMILIES = (
+    TENSOR,
+    TENSOR_VALUES,
+    GRAD_NORM_RATIO,
+    GRAD_NORM_SPIKES,
+    LAYER_UPDATE_RATIO,
+    UPDATE_RATIO_OUT_OF_BAND,
+)
+"""The families with series per layer, which the series budget bounds (``expose(series_budget=...)``,
+docs/prometheus.md): every one of their series counts, a histogram's per ``le`` bucket, the
+``layer="__all__"`` totals too; ``streamwatch_series`` and ``streamwatch_series_wanted`` count them."""
+
 HISTOGRAM_SAMPLE = "streamwatch_tensor_histogram"
 """The name ``snapshot()`` gives a histogram's bucket counts (label ``bucket``: the index in
 ``streamwatch.metrics.Buckets`` order); the exporter serves them as :data:`TENSOR_VALUES`."""
@@ -224,8 +237,12 @@ SELF_FAMILIES: tuple[Family, ...] = (
     _counter("hook_errors", "Exceptions caught inside hooks and metrics"),
     _counter("sink_errors", "Pipelines and sinks stopped by an exception"),
     _counter("tensors_skipped", "Tensors not summarised, by reason", "reason"),
-    _gauge("series", "streamwatch_tensor series exported (after the series budget)"),
-    _gauge("series_wanted", "streamwatch_tensor series before the series budget"),
+    _gauge(
+        "series",
+        "Per-layer series exported (streamwatch_tensor, streamwatch_tensor_values buckets, the detectors' "
+        "per-layer families), after the series budget",
+    ),
+    _gauge("series_wanted", "Per-layer series before the series budget (as streamwatch_series counts them)"),
     _counter("series_reduced", "Scrapes that reduced series to fit the budget"),
     _gauge(
         "overhead_last_step_seconds",

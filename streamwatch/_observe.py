@@ -365,7 +365,10 @@ class Watch:
                 scrape, explicitly (``""`` is refused rather than binding every interface).
             registry: a ``prometheus_client.CollectorRegistry`` to register in (default: a new one).
             run: the ``run`` label (default ``$STREAMWATCH_RUN``, else the script's name).
-            series_budget: the most ``streamwatch_tensor`` series to export (docs/prometheus.md).
+            series_budget: the most series of the per-layer families to export (``streamwatch_tensor``,
+                the histogram buckets, the detectors' per-layer families); past it, core statistics per
+                layer, else per-(phase, kind) totals (``layer="__all__"``) and the worst layers in core
+                detail (docs/prometheus.md#series-budget).
             timeout: seconds a client has to send its request, and again to read the response, before
                 its connection is closed.
 

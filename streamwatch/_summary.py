@@ -30,7 +30,7 @@ Example:
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +45,7 @@ __all__ = [
     "finalize",
     "saturation_bounds",
     "summarize",
+    "totals",
     "unit_dim_for",
 ]
 
@@ -326,6 +327,47 @@ def _merge(
     out[nan_min, 8] = np.nan  # a NaN in any call: dead units unknown, as for one call (see unmerged)
     out[nan_min, 10] = np.nan
     return tuple(first), out
+
+
+_ADDED = tuple(COLUMNS.index(c) for c in ("count", "sum", "sumsq", "zeros", "nonfinite", "units", "dead"))
+_MIN, _MAX = COLUMNS.index("min"), COLUMNS.index("max")
+_UNITS, _SAMPLES, _ACTIVE = COLUMNS.index("units"), COLUMNS.index("samples"), COLUMNS.index("active")
+
+
+def totals(table: np.ndarray, groups: Sequence[np.ndarray | list[int]]) -> np.ndarray:
+    """One row per group of a finalized table's rows: their total, as one tensor made of all of them.
+
+    ``count``, ``sum``, ``sumsq``, ``zeros``, ``nonfinite``, ``units`` and ``dead`` are added,
+    ``min``/``max`` combined, ``active`` added and ``samples`` set so that ``activation_rate`` is the
+    fraction of active (sample, unit) pairs over all the rows. Unknown (NaN) values are left out of a
+    total, as PromQL's ``sum`` leaves out absent series; a total with no known value is unknown. The
+    totals of a rank without per-layer detail (``observe(detail=...)``) and of a scrape over the series
+    budget are these.
+
+    Example:
+        >>> t = np.full((3, len(COLUMNS)), np.nan)
+        >>> t[:, 0], t[:, 2], t[:, 3] = 4.0, [1.0, 4.0, np.nan], [-1.0, -3.0, 0.0]
+        >>> out = totals(t, [[0, 1], [2]])
+        >>> out[:, 0].tolist(), out[:, 2].tolist(), out[:, 3].tolist()
+        ([8.0, 4.0], [5.0, nan], [-3.0, 0.0])
+    """
+    out = np.full((len(groups), len(COLUMNS)), np.nan)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for row, rows in enumerate(groups):
+            part = table[rows]
+            known = ~np.isnan(part)
+            for column in _ADDED:
+                if known[:, column].any():
+                    out[row, column] = np.nansum(part[:, column])
+            for column, combine in ((_MIN, np.nanmin), (_MAX, np.nanmax)):
+                if known[:, column].any():
+                    out[row, column] = combine(part[:, column])
+            pairs = part[:, _SAMPLES] * part[:, _UNITS]  # (sample, unit) pairs of each row
+            if (~np.isnan(pairs)).any() and out[row, _UNITS] > 0:
+                out[row, _SAMPLES] = np.nansum(pairs) / out[row, _UNITS]
+                if known[:, _ACTIVE].any():
+                    out[row, _ACTIVE] = np.nansum(part[:, _ACTIVE])
+    return out
 
 
 def derive(table: np.ndarray) -> dict[str, np.ndarray]:

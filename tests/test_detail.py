@@ -637,7 +637,14 @@ def test_docs_scale_numbers_are_what_a_7b_shaped_model_serves(caplog: pytest.Log
     numbers = [_number(group) for group in breakdown.groups()]
     assert numbers == [forward, 20, forward * 20, parameters, 14, parameters * 14, kinds.count("update")]
     assert forward * 20 + parameters * 14 + kinds.count("update") == _groups(detail)["tensor"]
-    assert 'exporting one aggregate per phase and kind (layer="__all__")' in caplog.text
+    # over the default budget: the totals and the worst layers in core detail (the doc says how many)
+    worst = re.search(r"the totals and the (\d+) worst of its (\d+) layers", " ".join(doc.split()))
+    assert worst
+    assert (
+        f'one total per phase and kind (layer="__all__") and the {worst[1]} worst of {worst[2]} layers'
+        in (caplog.text)
+    )
+    assert int(worst[2]) == leaves
 
     # bytes per series: Robust Perception's constants with our label count, and 15 s scrapes for 3 hours
     labels = (
@@ -658,7 +665,7 @@ def test_docs_scale_numbers_are_what_a_7b_shaped_model_serves(caplog: pytest.Log
         '`"none"`': ("none", _groups(detail)["total"]),
     }
     assert set(at_scale) == set(modes)
-    assert _groups(budgeted)["total"] == 958  # 83 + the detectors' 875 (the budget caps tensor series)
+    assert _groups(budgeted)["total"] == 5045  # the budget's 4 998 per-layer series and 47 others
     for title, (mode, per_detail) in modes.items():
         ranks, per_detail_cell, per_other_cell, active_cell, memory_cell = at_scale[title]
         chosen = sum(

@@ -23,6 +23,7 @@ from torch import nn
 
 import streamwatch as sw
 from streamwatch import SeriesKey
+from streamwatch._families import PER_LAYER_FAMILIES
 from tests.promtool import check_metrics
 from tests.training import train
 
@@ -89,7 +90,11 @@ def test_metrics_served_equal_the_snapshot_and_statistics() -> None:
     assert one("streamwatch_records_dropped_total", reason="drop_oldest") == 0
     assert one("streamwatch_queue_length") == 0
     assert one("streamwatch_hook_errors_total") == 0
-    assert one("streamwatch_series") == sum(1 for s in snapshot if s.name == "streamwatch_tensor")
+    # every series of the per-layer families counts (no histograms here: one sample per series)
+    per_layer = {family.name for family in PER_LAYER_FAMILIES}
+    assert one("streamwatch_series") == sum(1 for s in snapshot if s.name in per_layer)
+    assert one("streamwatch_series") > sum(1 for s in snapshot if s.name == "streamwatch_tensor")
+    assert one("streamwatch_series_wanted") == one("streamwatch_series")
     assert one("streamwatch_overhead_seconds_total") > 0
     assert one("streamwatch_overhead_last_step_seconds") > 0
     assert not [s for f in families.values() for s in f if math.isnan(s.value)]  # absent, never NaN
@@ -457,8 +462,20 @@ def _served_run(**expose: Any) -> tuple[str, sw.Watch]:
 
 @pytest.mark.parametrize(
     "route",
-    [{}, {"registry": CollectorRegistry()}, {"series_budget": 150}, {"series_budget": 10}],
-    ids=["expose", "caller registry", "budget: core statistics", "budget: aggregates"],
+    [
+        {},
+        {"registry": CollectorRegistry()},
+        {"series_budget": 250},
+        {"series_budget": 200},
+        {"series_budget": 10},
+    ],
+    ids=[
+        "expose",
+        "caller registry",
+        "budget: core statistics",
+        "budget: totals and the worst layer",
+        "budget: totals only",
+    ],
 )
 def test_promtool_accepts_every_route(route: dict[str, Any]) -> None:
     body, _ = _served_run(**route)

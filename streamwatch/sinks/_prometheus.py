@@ -22,11 +22,13 @@ with value 1 for dashboard variables. Sums of squares and counts are exported be
 (``stat="sumsq"``, ``stat="count"``), so a global norm across layers, shards or ranks is exact in PromQL:
 ``sqrt(sum by (run) (streamwatch_tensor{kind="param_grad", stat="sumsq"}))``.
 
-**Series budget**: past ``series_budget`` (default 5 000) ``streamwatch_tensor`` series per process, the
-per-layer statistics are reduced to :data:`CORE_STATS`; if that is still too many, the per-layer series
-are replaced by one aggregate per (phase, kind) with ``layer="__all__"`` (sums of the additive columns,
-min of minima, max of maxima, statistics derived from those). A warning is logged once and
-``streamwatch_series_reduced_total`` counts the scrapes that had to reduce.
+**Series budget** (:mod:`streamwatch.sinks._budget`): past ``series_budget`` (default 5 000) series of
+the per-layer families per process (``streamwatch_tensor``, the histogram buckets, the detectors'
+per-layer families), a scrape serves :data:`CORE_STATS` per layer; if that is still too many, one total
+per (phase, kind) with ``layer="__all__"`` and the worst layers in core detail with their detector
+series, as many as fit. A warning is logged once and ``streamwatch_series_reduced_total`` counts the
+scrapes that had to reduce. Both routes (:meth:`StoreCollector.render`, :meth:`StoreCollector.collect`)
+serve the same reduction: it is made in :meth:`StoreCollector.exposition`.
 
 **The server** is :class:`streamwatch.sinks._http.MetricsServer` (two threads whatever the load,
 bounded connections and timeouts, one render per version of the values). Every family passes
@@ -35,6 +37,7 @@ bounded connections and timeouts, one render per version of the values). Every f
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -53,11 +56,12 @@ from prometheus_client.registry import Collector
 
 from streamwatch._detail import position
 from streamwatch._families import (
-    ALL_LAYERS,
     DATA_FAMILIES,
+    FIRST_NONFINITE_INFO,
     HISTOGRAM_SAMPLE,
     IDENTITY,
     INFO,
+    PER_LAYER_FAMILIES,
     SELF_FAMILIES,
     TENSOR,
     TENSOR_VALUES,
@@ -66,7 +70,7 @@ from streamwatch._families import (
 )
 from streamwatch._record import Sample, SeriesKey
 from streamwatch._store import SeriesSource, StatisticsSource, WatchStatistics
-from streamwatch._summary import COLUMNS, derive
+from streamwatch.sinks._budget import CORE_STATS, Budget, HistogramKey, Served, histogram_series
 from streamwatch.sinks._http import MetricsServer, listen
 
 __all__ = [
@@ -88,8 +92,7 @@ DEFAULT_TIMEOUT = 10.0
 """Seconds a /metrics client has to send its request, and again to read the response, before the
 connection is closed (``expose(timeout=...)``)."""
 
-CORE_STATS = ("count", "sumsq", "l2", "mean", "min", "max", "nonfinite", "dead_fraction")
-"""The statistics kept per layer when the series budget is exceeded."""
+_PER_LAYER_DETECTORS = frozenset(f.name for f in PER_LAYER_FAMILIES) - {TENSOR.name, TENSOR_VALUES.name}
 
 
 def identity(run: str | None = None) -> dict[str, str]:
@@ -178,7 +181,8 @@ class StoreCollector(Collector):
         store: what it reads (a :class:`streamwatch.SeriesStore`, or anything with its read protocol).
         statistics: the monitoring's own statistics (``watch.statistics``; a replay's).
         labels: the identity labels on every series.
-        series_budget: the most ``streamwatch_tensor`` series to export.
+        series_budget: the most series of the per-layer families to export
+            (:mod:`streamwatch.sinks._budget`).
     """
 
     def __init__(
@@ -193,9 +197,13 @@ class StoreCollector(Collector):
         self.identity = dict(labels)
         self.series_budget = series_budget
         self.reductions = 0
+        self._budget = Budget(series_budget)
         self._warned = False
         self._lock = threading.RLock()
-        self._prefixes: dict[tuple[SeriesKey, str], str] = {}  # (series key, stat) -> 'name{labels}'
+        # 'name{labels}' of the series rendered: by (series key, stat) for the summary rows, by
+        # (name, label items) for the other samples
+        self._prefixes: dict[object, str] = {}
+        self._rendered = 0  # lines of the last render (how large the prefix cache may grow)
 
     def version(self) -> object:
         """A value that changes whenever :meth:`render` would render something else: the store's
@@ -213,24 +221,31 @@ class StoreCollector(Collector):
 
     def render(self) -> bytes:
         """The text exposition of every family (what ``generate_latest`` would write for
-        :meth:`collect`), the per-tensor statistics from cached label strings."""
+        :meth:`collect`), every series' name and labels from cached strings."""
         lines: list[str] = []
-        for block in self.exposition():
-            family = block.family
-            help_text = family.help.replace("\\", "\\\\").replace("\n", "\\n")
-            lines.append(f"# HELP {family.exposed} {help_text}")
-            lines.append(f"# TYPE {family.exposed} {family.type}")
-            if block.rows is not None:
-                self._tensor_lines(block.rows, lines)
-            for name, labels, value in block.entries:
-                lines.append(f"{self._prefix(name, labels)} {format_float(value)}")
+        prefixes = self._prefixes
+        with self._lock:
+            if len(prefixes) > 4 * self._rendered + 1024:  # series came and went: start over
+                prefixes.clear()
+            for block in self.exposition():
+                family = block.family
+                help_text = family.help.replace("\\", "\\\\").replace("\n", "\\n")
+                lines.append(f"# HELP {family.exposed} {help_text}")
+                lines.append(f"# TYPE {family.exposed} {family.type}")
+                if block.rows is not None:
+                    self._tensor_lines(block.rows, lines)
+                for name, labels, value in block.entries:
+                    key = (name, tuple(labels.items()))
+                    prefix = prefixes.get(key)
+                    if prefix is None:
+                        prefix = prefixes[key] = self._prefix(name, labels)
+                    lines.append(f"{prefix} {format_float(value)}")
+            self._rendered = len(lines)
         # (a module name with a lone surrogate cannot be UTF-8: it reads "?" rather than failing the scrape)
         return ("\n".join(lines) + "\n").encode("utf-8", "replace") if lines else b""
 
     def _tensor_lines(self, rows: tuple[dict[str, np.ndarray], list[SeriesKey]], lines: list[str]) -> None:
         prefixes = self._prefixes
-        if len(prefixes) > 4 * self.series_budget:  # layers came and went: start over
-            prefixes.clear()
         stats, keys = rows
         for stat, values in stats.items():
             for key, value in zip(keys, values.tolist(), strict=True):
@@ -249,105 +264,113 @@ class StoreCollector(Collector):
     # -- the one exposition ---------------------------------------------------------------------------
 
     def exposition(self) -> list[Block]:
-        """Every family to serve now, in order: the identity, the run's data (the store), the families
-        served with ``watch.serve()``, the monitoring's own statistics. Thread-safe (one at a time)."""
+        """Every family to serve now, in order: the identity, the run's data (the store) within the series
+        budget, the families served with ``watch.serve()``, the monitoring's own statistics.
+        Thread-safe (one at a time)."""
         with self._lock:
             table, keys = self.store.table()
             samples = self.store.samples(table_rows=False)
             statistics = self.statistics()
-            stats = {name: table[:, i] for i, name in enumerate(COLUMNS)} | derive(table)
-            extra = [s for s in samples if s.name == TENSOR.name]
-            wanted = sum(int(np.count_nonzero(~np.isnan(v))) for v in stats.values()) + len(extra)
-            tensor = Block(TENSOR)
-            if wanted <= self.series_budget:
-                tensor.rows = (stats, keys)
-                tensor.entries = [(s.name, s.labels, s.value) for s in extra]
-            else:
-                tensor.entries = [
-                    (s.name, s.labels, s.value) for s in self._reduce(stats, keys, table, extra, wanted)
-                ]
-            exported = len(tensor.entries) if tensor.rows is None else wanted
+            extras: list[Sample] = []  # streamwatch_tensor values beside the table
+            histograms: list[Sample] = []
+            detectors: list[Sample] = []  # the detectors' per-layer families
+            rest: list[Sample] = []
+            origin: str | None = None  # the layer where the run's first NaN/Inf started
+            for sample in samples:
+                name = sample.name
+                if name == TENSOR.name:
+                    extras.append(sample)
+                elif name == HISTOGRAM_SAMPLE:
+                    histograms.append(sample)
+                elif name in _PER_LAYER_DETECTORS:
+                    detectors.append(sample)
+                else:
+                    rest.append(sample)
+                    if name == FIRST_NONFINITE_INFO.name and sample.labels.get("kind") != "loss":
+                        origin = sample.labels.get("layer")
+            served = self._budget.serve(
+                table,
+                keys,
+                extras=extras,
+                histograms=histogram_series(histograms),
+                edges=self.store.edges,
+                detectors=detectors,
+                origin=origin,
+            )
+            if served.level != "full":
+                self._reduced(served)
+            tensor = Block(TENSOR, [(s.name, s.labels, s.value) for s in served.extras])
+            if any(np.any(~np.isnan(values)) for values in served.stats.values()):
+                tensor.rows = (served.stats, served.keys)
             blocks = [Block(INFO, [(INFO.name, {"version": _version()}, 1.0)])]
-            blocks.extend(self._data(tensor if exported else None, samples))
-            blocks.extend(self._self_metrics(statistics, wanted, exported))
+            blocks.extend(
+                self._data(
+                    tensor if tensor.rows is not None or tensor.entries else None,
+                    self._histograms(served.histograms) if served.histograms else None,
+                    [*rest, *served.detectors],
+                )
+            )
+            blocks.extend(self._self_metrics(statistics, served.wanted, served.exported))
             return blocks
 
-    def _data(self, tensor: Block | None, samples: list[Sample]) -> list[Block]:
+    def _data(self, tensor: Block | None, histograms: Block | None, samples: list[Sample]) -> list[Block]:
         grouped: dict[str, list[Sample]] = {}
-        histograms: list[Sample] = []
         for sample in samples:
-            if sample.name == HISTOGRAM_SAMPLE:
-                histograms.append(sample)
-            elif sample.name != TENSOR.name:
-                grouped.setdefault(sample.name, []).append(sample)
+            grouped.setdefault(sample.name, []).append(sample)
         blocks: list[Block] = []
         for family in DATA_FAMILIES:
             if family is TENSOR:
                 if tensor is not None:  # absent before the first record, never a placeholder
                     blocks.append(tensor)
             elif family is TENSOR_VALUES:
-                if histograms:
-                    blocks.append(self._histograms(histograms))
+                if histograms is not None:
+                    blocks.append(histograms)
             elif family.name in grouped:
                 blocks.append(_block(family, grouped.pop(family.name)))
         for name in sorted(grouped):  # watch.serve() families
             blocks.append(_block(served_family(name), grouped[name]))
         return blocks
 
-    def _reduce(
-        self,
-        stats: dict[str, np.ndarray],
-        keys: list[SeriesKey],
-        table: np.ndarray,
-        extra: list[Sample],
-        wanted: int,
-    ) -> list[Sample]:
-        """Over the budget: core statistics per layer, else one aggregate per (phase, kind); warned once."""
+    def _reduced(self, served: Served) -> None:
+        """Count a scrape over the budget; warn the first time."""
         self.reductions += 1
-        core = [
-            Sample(TENSOR.name, {**key.labels(), "stat": stat}, value)
-            for stat in CORE_STATS
-            for key, value in zip(keys, stats[stat].tolist(), strict=True)
-            if value == value
-        ]
-        core.extend(s for s in extra if s.labels["stat"] in CORE_STATS)
-        level = "core statistics per layer"
-        if len(core) > self.series_budget:
-            core = _aggregate(table, keys)
-            level = 'one aggregate per phase and kind (layer="__all__")'
-        if not self._warned:
-            self._warned = True
-            log.warning(
-                "streamwatch: %d tensor series exceed the series budget of %d per process; exporting %s "
-                "(%d series). Select fewer modules (observe(select=...)) or raise expose(series_budget=...).",
-                wanted,
-                self.series_budget,
-                level,
-                len(core),
+        if self._warned:
+            return
+        self._warned = True
+        if served.level == "core":
+            level = "core statistics per layer"
+        else:
+            level = (
+                f'one total per phase and kind (layer="__all__") and the {served.layers} worst of '
+                f"{served.of_layers} layers in core detail"
             )
-        return core
+        log.warning(
+            "streamwatch: %d per-layer series exceed the series budget of %d per process; exporting %s "
+            "(%d series). Select fewer modules (observe(select=...)) or raise expose(series_budget=...).",
+            served.wanted,
+            self.series_budget,
+            level,
+            served.exported,
+        )
 
-    def _histograms(self, samples: list[Sample]) -> Block:
+    def _histograms(self, series: Mapping[HistogramKey, np.ndarray]) -> Block:
         """Bucket counts (streamwatch.metrics.Buckets order) as cumulative ``le`` buckets, with the
         bounds the records carried (``store.edges``)."""
         bounds = self.store.edges
-        series: dict[tuple[tuple[str, str], ...], dict[int, float]] = {}
-        for s in samples:
-            labels = {k: v for k, v in s.labels.items() if k not in ("bucket", "stat")}
-            series.setdefault(tuple(sorted(labels.items())), {})[int(s.labels["bucket"])] = s.value
         block = Block(TENSOR_VALUES)
         name = f"{TENSOR_VALUES.name}_bucket"
+        kind = TENSOR_VALUES.labels.index("kind")
         for key, counts in series.items():
-            labels = dict(key)
-            upper = bounds.get(labels.get("kind", ""))
+            upper = bounds.get(key[kind])
             if upper is None:
                 continue
-            vector = np.array([counts.get(i, 0.0) for i in range(len(upper) + 1)])
+            vector = np.zeros(len(upper) + 1)
+            vector[: len(counts)] = counts[: len(vector)]
             cumulative = np.cumsum(vector[1:])  # bucket 0 (non-finite) is not a value; the last bound is +inf
             # negative buckets: no _sum/_count (the Prometheus convention); the +Inf bucket is the count
-            label_values = {k: labels.get(k, "") for k in TENSOR_VALUES.labels}
+            labels = dict(zip(TENSOR_VALUES.labels, key, strict=True))
             for bound, count in zip(upper, cumulative.tolist(), strict=True):
-                block.entries.append((name, {**label_values, "le": _le(bound)}, float(count)))
+                block.entries.append((name, {**labels, "le": _le(bound)}, float(count)))
         return block
 
     def _self_metrics(self, stats: WatchStatistics, wanted: int, exported: int) -> list[Block]:
@@ -403,28 +426,7 @@ def _block(family: Family, samples: Sequence[Sample]) -> Block:
     )
 
 
-def _aggregate(table: np.ndarray, keys: list[SeriesKey]) -> list[Sample]:
-    """One row per (phase, kind): additive columns summed, extremes combined, statistics re-derived."""
-    groups: dict[tuple[str, str], list[int]] = {}
-    for i, key in enumerate(keys):
-        groups.setdefault((key.phase, key.kind), []).append(i)
-    out: list[Sample] = []
-    col = {name: i for i, name in enumerate(COLUMNS)}
-    for (phase, kind), rows in groups.items():
-        part = table[rows]
-        row = np.nansum(part, axis=0)
-        row[col["min"]] = np.min(part[:, col["min"]])
-        row[col["max"]] = np.max(part[:, col["max"]])
-        row = row.reshape(1, -1)
-        stats = {name: row[:, i] for i, name in enumerate(COLUMNS)} | derive(row)
-        labels = {"phase": phase, "layer": ALL_LAYERS, "kind": kind, "param": "", "index": ""}
-        for stat in CORE_STATS:
-            value = float(stats[stat][0])
-            if not math.isnan(value):
-                out.append(Sample(TENSOR.name, {**labels, "stat": stat}, value))
-    return out
-
-
+@functools.cache  # (reading the package metadata costs about a millisecond a scrape)
 def _version() -> str:
     try:
         return metadata.version("streamwatch")
