@@ -1,6 +1,6 @@
 """A recorded run as one PNG: loss and accuracy, gradient norms, update/weight ratios, dead units.
 
-:func:`series` turns a :class:`streamwatch.sinks._runfile.RunData` into plain lists (one value per
+:func:`series` turns a :class:`streamwatch.sinks.RunData` into plain lists (one value per
 record, NaN where a record lacks the series); :func:`plot` draws them on a 2×2 grid with matplotlib,
 which is an optional dependency: it is imported inside :func:`plot` only, never by ``import streamwatch``.
 The figure is a ``matplotlib.figure.Figure`` drawn by the Agg canvas, so no pyplot state is touched.
@@ -30,7 +30,7 @@ import numpy as np
 from streamwatch._families import ALL_LAYERS, stepped_weight_sumsq
 
 if TYPE_CHECKING:
-    from streamwatch.sinks._runfile import RunData
+    from streamwatch.sinks import RunData
 
 __all__ = ["Series", "plot", "series"]
 
@@ -67,7 +67,7 @@ def series(run: RunData) -> Series:
     Example:
         >>> import tempfile, pathlib, numpy as np
         >>> from streamwatch import SeriesKey, StepRecord
-        >>> from streamwatch.sinks._runfile import RunFile, read_run
+        >>> from streamwatch.sinks import RunFile, read_run
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "run.jsonl"
         >>> key = SeriesKey("train", "fc", "param_grad", "weight")
         >>> sink = RunFile(path)
@@ -165,7 +165,7 @@ def plot(run: RunData, out: str | Path, *, top: int = 12, rank: int | None = Non
     """Draw ``run`` as a 2×2 PNG (see the module documentation for the panels) and write it to ``out``.
 
     Args:
-        run: a run file read back with :func:`streamwatch.sinks._runfile.read_run`.
+        run: a run file read back with :func:`streamwatch.sinks.read_run`.
         out: the PNG file to write (its directory must exist).
         top: at most this many layers per per-layer panel (the largest values); the rest are counted in
             the panel's title.
@@ -182,7 +182,7 @@ def plot(run: RunData, out: str | Path, *, top: int = 12, rank: int | None = Non
 
     Example::
 
-        from streamwatch.sinks._runfile import read_run
+        from streamwatch.sinks import read_run
         plot(read_run("run.jsonl"), "run.png")
     """
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:

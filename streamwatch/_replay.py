@@ -41,7 +41,7 @@ from streamwatch.sinks._prometheus import DEFAULT_TIMEOUT, StoreCollector, ident
 
 if TYPE_CHECKING:
     from streamwatch._record import StepRecord
-    from streamwatch.sinks._runfile import RunData
+    from streamwatch.sinks import RunData
 
 __all__ = ["MIN_PASS_SECONDS", "Replay"]
 
@@ -55,7 +55,7 @@ class Replay:
     """Serve a recorded run's series on ``http://host:port/metrics``, stepping through its records.
 
     Args:
-        run: a run file read back with :func:`streamwatch.sinks._runfile.read_run`.
+        run: a run file read back with :func:`streamwatch.sinks.read_run`.
         port: the port to serve on (0 picks a free one; see :attr:`url`).
         host: the interface to bind.
         speed: records per second; ``0`` jumps straight to the last record.
@@ -76,7 +76,7 @@ class Replay:
 
     Example::
 
-        from streamwatch.sinks._runfile import read_run
+        from streamwatch.sinks import read_run
         with Replay(read_run("runs/a/run.jsonl"), speed=20) as replay:  # started
             print(replay.url)
             replay.wait_until_done(timeout=60)

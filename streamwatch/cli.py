@@ -234,7 +234,8 @@ def _run_file(path: Path) -> Path:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from streamwatch.sinks._runfile import read_run, report
+    from streamwatch._report import report
+    from streamwatch.sinks import read_run
 
     path = _run_file(args.run)
     run = read_run(path)
@@ -248,7 +249,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def _replay(args: argparse.Namespace) -> int:
     from streamwatch._replay import Replay
-    from streamwatch.sinks._runfile import read_run
+    from streamwatch.sinks import read_run
 
     path = _run_file(args.run)
     run = read_run(path)
@@ -297,7 +298,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _plot(args: argparse.Namespace) -> int:
     from streamwatch._plot import plot
-    from streamwatch.sinks._runfile import read_run
+    from streamwatch.sinks import read_run
 
     run = read_run(_run_file(args.run))
     ranks = sorted({r.rank for r in run.records})
@@ -397,7 +398,7 @@ def _train_demo(args: argparse.Namespace) -> int:
     import torch.nn.functional as F
 
     import streamwatch as sw
-    from streamwatch.sinks._runfile import RunFile
+    from streamwatch.sinks import RunFile
 
     g = torch.Generator().manual_seed(0)
     centers = torch.randn(CLASSES, FEATURES, generator=g) * 0.3  # overlapping: accuracy tops out below 100 %

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 import streamwatch as sw
-from streamwatch.sinks._runfile import RunData, RunFile, read_run
+from streamwatch.sinks import RunData, RunFile, read_run
 
 
 def record_run(

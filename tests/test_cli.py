@@ -41,7 +41,7 @@ def _default_sigint() -> None:
 
 @pytest.mark.timeout(120)
 def test_demo_serves_metrics_while_it_trains_and_writes_a_run_file(tmp_path: Path) -> None:
-    from streamwatch.sinks._runfile import read_run
+    from streamwatch.sinks import read_run
 
     run_dir = tmp_path / "run"
     args = [

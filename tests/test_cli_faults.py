@@ -24,7 +24,8 @@ import pytest
 
 from streamwatch import SeriesKey, StepRecord
 from streamwatch.cli import main
-from streamwatch.sinks._runfile import FORMAT, VERSION, RunFile, read_run
+from streamwatch.sinks import RunFile, read_run
+from streamwatch.sinks._runformat import FORMAT, VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = json.dumps({"format": FORMAT, "version": VERSION, "columns": ["count"], "created": 0.0})

@@ -31,8 +31,8 @@ from streamwatch._detail import DETAIL_MODES, keeps_detail, reduce_record
 from streamwatch._families import ALL_LAYERS, DETECTOR_FAMILIES
 from streamwatch._replay import Replay
 from streamwatch._summary import COLUMNS
+from streamwatch.sinks import RunFile, read_run
 from streamwatch.sinks._prometheus import Exporter
-from streamwatch.sinks._runfile import RunFile, read_run
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "scale.md"
 KINDS = ("activation", "output_grad", "param", "param_grad", "update")

@@ -32,7 +32,8 @@ import streamwatch as sw
 from streamwatch import detectors
 from streamwatch._nonfinite import Sentinel, find_first
 from streamwatch._replay import Replay
-from streamwatch.sinks._runfile import RunFile, read_run, report
+from streamwatch._report import report
+from streamwatch.sinks import RunFile, read_run
 from tests.torchrun import finish, free_ports, launch
 
 FAULTY = "2"  # the injected module's name in _model()

@@ -15,7 +15,7 @@ from torch import nn
 
 import streamwatch as sw
 from streamwatch._replay import Replay
-from streamwatch.sinks._runfile import RunFile, read_run
+from streamwatch.sinks import RunFile, read_run
 from tests.promtool import check_metrics
 from tests.training import train
 

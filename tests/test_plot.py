@@ -12,7 +12,7 @@ import torch
 
 from streamwatch._plot import plot, series
 from streamwatch._taps import DEFAULT_TAPS
-from streamwatch.sinks._runfile import RunData, RunFile, read_run
+from streamwatch.sinks import RunData, RunFile, read_run
 from tests.recording import record_run
 
 STEPS = 12

@@ -13,7 +13,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from streamwatch._replay import Replay
-from streamwatch.sinks._runfile import RunData, RunFile, read_run
+from streamwatch.sinks import RunData, RunFile, read_run
 from tests.recording import record_run
 
 STEPS = 10

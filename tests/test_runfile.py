@@ -23,8 +23,10 @@ import torch
 
 import streamwatch as sw
 from streamwatch import StepRecord
+from streamwatch._report import report
 from streamwatch._summary import COLUMNS, derive
-from streamwatch.sinks._runfile import FORMAT, VERSION, RunData, RunFile, RunFileError, read_run, report
+from streamwatch.sinks import RunData, RunFile, RunFileError, read_run
+from streamwatch.sinks._runformat import FORMAT, VERSION
 
 NAN_STEP = 3
 STEPS = 7
@@ -207,7 +209,7 @@ _OTHER_WRITER = textwrap.dedent(
     """
     import sys, numpy as np, streamwatch as sw
     from streamwatch._summary import COLUMNS
-    from streamwatch.sinks._runfile import RunFile
+    from streamwatch.sinks import RunFile
     sink = RunFile(sys.argv[1])
     key = sw.SeriesKey("train", "other", "param", "w")
     sink.send(sw.StepRecord(0, 0.0, 1, (key,), np.zeros((1, len(COLUMNS)))))
@@ -320,17 +322,17 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path: Path) -> None:
 
 @contextlib.contextmanager
 def _a_child_forked_in(monkeypatch: pytest.MonkeyPatch, name: str) -> Iterator[None]:
-    """Within: the first call of the run-file module's function ``name`` forks a child first (as a
+    """Within: the first call of the run-file writer's function ``name`` forks a child first (as a
     ``DataLoader`` starting its workers would), which lives on until the end of the block; every child
     must then exit cleanly."""
     import multiprocessing
 
-    import streamwatch.sinks._runfile as runfile
+    import streamwatch.sinks._runwriter as runwriter
 
     context = multiprocessing.get_context("fork")
     started, release = context.Event(), context.Event()
     children: list[Any] = []
-    real = getattr(runfile, name)
+    real = getattr(runwriter, name)
 
     def forking(*args: Any, **kwargs: Any) -> Any:
         if not children:
@@ -340,7 +342,7 @@ def _a_child_forked_in(monkeypatch: pytest.MonkeyPatch, name: str) -> Iterator[N
             assert started.wait(60)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(runfile, name, forking)
+    monkeypatch.setattr(runwriter, name, forking)
     try:
         yield
     finally:
@@ -509,8 +511,8 @@ def test_a_fork_while_this_thread_opens_a_run_file_does_not_deadlock() -> None:
     script = textwrap.dedent(
         """
         import os
-        import streamwatch.sinks._runfile as runfile
-        with runfile._OPENING:  # as inside RunFile._open, when a signal handler forks
+        import streamwatch.sinks._runwriter as runwriter
+        with runwriter._OPENING:  # as inside RunFile._open, when a signal handler forks
             pid = os.fork()
             if pid == 0:
                 os._exit(0)
@@ -913,7 +915,7 @@ def test_report_of_an_empty_and_a_clean_run(tmp_path: Path) -> None:
 CHILD = textwrap.dedent(
     """
     import sys, torch, streamwatch as sw
-    from streamwatch.sinks._runfile import RunFile
+    from streamwatch.sinks import RunFile
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -21,8 +21,8 @@ from torch import nn
 import streamwatch as sw
 from streamwatch import Sample, SeriesKey, SeriesStore, StepRecord, WatchStatistics
 from streamwatch.metrics._derived import DERIVED
+from streamwatch.sinks import RunFile, read_run
 from streamwatch.sinks._prometheus import format_float
-from streamwatch.sinks._runfile import RunFile, read_run
 from tests.training import layer_mean_reference
 
 PACKAGE = Path(sw.__file__).parent

@@ -3,7 +3,9 @@ files)."""
 
 from streamwatch.sinks._callback import Callback, Collect, callback, collect
 from streamwatch.sinks._prometheus import DEFAULT_PORT, Exporter
-from streamwatch.sinks._runfile import RunData, RunFile, RunFileError, read_run, report
+from streamwatch.sinks._runformat import RunFileError
+from streamwatch.sinks._runreader import RunData, read_run
+from streamwatch.sinks._runwriter import RunFile
 from streamwatch.sinks._subscription import Subscription, subscribe
 from streamwatch.sinks._tensorboard import TensorBoard
 
@@ -20,6 +22,5 @@ __all__ = [
     "callback",
     "collect",
     "read_run",
-    "report",
     "subscribe",
 ]
