@@ -33,6 +33,7 @@ lint: env
 	$(PY) -m ruff check streamwatch tests benchmarks setup.py .ci
 	$(PY) -m ruff format --check streamwatch tests benchmarks setup.py .ci
 	$(PY) -m mypy streamwatch
+	$(PY) .ci/sizes.py
 
 format: env
 	$(PY) -m ruff check --fix streamwatch tests benchmarks setup.py .ci

@@ -9,9 +9,9 @@ The models, data and step are ``bench_observe.py``'s. A baseline copy and an obs
 interleaved rounds (as in the benchmark); on the observed one, timers wrap the parts streamwatch adds to
 the training thread:
 
-* **hook bodies**: every hook streamwatch installs, measured inside torch's call (``_taps._guarded``);
+* **hook bodies**: every hook streamwatch installs, measured inside torch's call (``_tapstate.guarded``);
   inside them, the **fused kernel** (the C call, ``FusedKernel.run``), **torch-path summaries**
-  (``_taps.summarize``: CUDA, half precision, tensor subclasses) and the rest (Python around the calls,
+  (``_tapstate.summarize``: CUDA, half precision, tensor subclasses) and the rest (Python around the calls,
   update Δ's copy and subtraction, ``register_hook`` on outputs);
 * **watch.step()**: sealing the record and handing it over;
 * **unattributed**: the observed step's median minus the baseline's minus the two above — torch's own
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_observe as bench  # the benchmark's models and step (not a package)
 
 import streamwatch as sw
-from streamwatch import _kernel, _taps
+from streamwatch import _kernel, _param_taps, _taps, _tapstate
 
 TIMERS: dict[str, float] = defaultdict(float)
 
@@ -65,7 +65,7 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def instrument() -> None:
     """Wrap the training-thread parts streamwatch adds (before ``observe`` builds its hooks)."""
-    guarded = _taps._guarded
+    guarded = _tapstate.guarded
     names = {  # first match wins: "_param_grad_hook" before "_grad_hook"
         "_forward_hook": "forward",
         "_forward_pre_hook": "forward",
@@ -79,8 +79,9 @@ def instrument() -> None:
         where = next((v for k, v in names.items() if k in fn.__qualname__), "other")
         return guarded(state, timed("hooks", timed(f"hooks:{where}", fn)))
 
-    _taps._guarded = timed_hook  # type: ignore[assignment]
-    _taps.summarize = timed("torch_summaries", _taps.summarize)  # type: ignore[assignment]
+    _taps.guarded = timed_hook  # type: ignore[assignment]  # (each module's own name for it)
+    _param_taps.guarded = timed_hook  # type: ignore[assignment]
+    _tapstate.summarize = timed("torch_summaries", _tapstate.summarize)  # type: ignore[assignment]
     _kernel.FusedKernel.run = timed("kernel", _kernel.FusedKernel.run)  # type: ignore[method-assign]
     _kernel.FusedKernel.run_diff = timed("kernel", _kernel.FusedKernel.run_diff)  # type: ignore[method-assign]
     sw.Watch.step = timed("step", sw.Watch.step)  # type: ignore[method-assign]

@@ -29,8 +29,8 @@ from streamwatch._nonfinite import FirstNonFinite
 from streamwatch._observe import DEFAULT_METRICS, DEFAULT_OVERHEAD, SCALAR_SECONDS, Sample, Watch, observe
 from streamwatch._pipeline import Chain, Node, Operator, Pipeline, Sink, Source, Stream, source
 from streamwatch._record import SeriesKey, StepRecord
+from streamwatch._select import Select
 from streamwatch._store import SeriesSource, SeriesStore, WatchStatistics
-from streamwatch._taps import Select
 from streamwatch._worker import Worker, WorkerStatistics
 
 __all__ = [

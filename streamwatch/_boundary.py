@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,9 +30,10 @@ import torch
 
 from streamwatch import _kernel
 from streamwatch._accuracy import TrainAccuracy
-from streamwatch._cadence import Cadence
+from streamwatch._cadence import Cadence, Preparing
 from streamwatch._channel import Sender
-from streamwatch._exceptions import Full, PipelineError, SendTimeout
+from streamwatch._exceptions import Full, SendTimeout
+from streamwatch._failures import Failures
 from streamwatch._governor import Governor
 from streamwatch._guard import NonFiniteGuard
 from streamwatch._nonfinite import NonFiniteTracker
@@ -43,7 +42,8 @@ from streamwatch._record import PendingRecord
 from streamwatch._step_args import NO_ARGS, StepArgs, check_step, dark_ready
 from streamwatch._store import SeriesStore
 from streamwatch._summary import release_scratch
-from streamwatch._taps import TapSet, TapState
+from streamwatch._taps import TapSet
+from streamwatch._tapstate import TapState
 from streamwatch._worker import Worker
 from streamwatch.metrics._base import Metric
 
@@ -77,8 +77,8 @@ class StepBoundary:
         state, taps: the Watch's tap state and hooks.
         outbox: what sends the records; ``sender`` the channel's sending end it sends into (the
             boundary reads its statistics).
-        store, tracker, worker: the worker side, whose failures the boundary surfaces and whose progress
-            :meth:`wait_for_worker` waits on.
+        store, tracker, worker: the worker side, whose progress :meth:`wait_for_worker` waits on.
+        failures: what failed, warned about at the step's end.
         cadence, governor, guard: what is sampled, the overhead governor (None with ``every=``), the
             sentinel and its escalation.
         metrics: the opt-in metric objects, bound.
@@ -103,6 +103,7 @@ class StepBoundary:
         store: SeriesStore,
         tracker: NonFiniteTracker,
         worker: Worker,
+        failures: Failures,
         cadence: Cadence,
         governor: Governor | None,
         guard: NonFiniteGuard,
@@ -117,6 +118,7 @@ class StepBoundary:
         self._store = store
         self._tracker = tracker
         self._worker = worker
+        self._failures = failures
         self._cadence = cadence
         self._governor = governor
         self.guard = guard
@@ -139,8 +141,6 @@ class StepBoundary:
         self._tail = 0.0  # own seconds after it (the last boundary's rest): the next step's
         self._last = time.perf_counter()
         self._quiet_until = 0.0  # a quiet step must begin before (see _quiet_step)
-        self._errors: list[tuple[str, BaseException]] = []  # surfaced (warned), raised again at close
-        self._reported = (0, 0, 0)  # hook errors, store failures, tracker failures surfaced so far
         self._gov_clock = clock
         self._gov_real = clock is time.perf_counter  # (else a test's fake clock: no own time)
         self._file = governor.filed.append if governor is not None else None  # (a quiet step's one call)
@@ -366,7 +366,7 @@ class StepBoundary:
         if failed:
             state.buffer.clear()
             self.failed_steps += 1
-            self._taps.found_inf = None  # (with the rows it was for)
+            self._taps.parameters.found_inf = None  # (with the rows it was for)
         self._last = now
         self.step += 1
         # The governor times the step that ended, the hand-off included; it picks the next step's sampling.
@@ -400,10 +400,11 @@ class StepBoundary:
             buffer = state.buffer
             if self._sampling_now or len(buffer) or buffer.extras or device:
                 taps = self._taps
-                if taps.has_optimizer:  # what its hooks did not read (a GradScaler skipped its step;
-                    taps.summarize_rest()  # parameters it does not step)
+                parameters = taps.parameters
+                if parameters.has_optimizer:  # what its hooks did not read (a GradScaler skipped its step;
+                    parameters.summarize_rest()  # parameters it does not step)
                 elif state.on.get("param"):
-                    taps.summarize_params()
+                    parameters.summarize_params()
                 self._outbox.send(self.step, self.start_step, seconds, checked, device, True, now)
             elif now - self._outbox.last_record >= SCALAR_SECONDS:
                 # Between sampled steps, the cheap values (loss, lr, step time, throughput) still go out
@@ -418,12 +419,8 @@ class StepBoundary:
             state.fail(exc)
         finally:
             self._end_step(now, failed, checked.loss)
-        worker, store, tracker = self._worker, self._store, self._tracker
-        if (  # anything new to warn about (the common step has nothing: no call)
-            worker.has_errors
-            or (len(state.errors), len(store.failures), len(tracker.failures)) != self._reported
-        ):
-            self._surface_errors()
+        if self._failures.new():  # anything new to warn about (the common step has nothing)
+            self._failures.warn()
 
     def _check_finite(self, checked: StepArgs, seconds: float) -> None:
         """The guard's per-step check; a failure is counted like a hook's, never raised."""
@@ -432,7 +429,7 @@ class StepBoundary:
             self.guard.check(
                 self.step,
                 checked.loss,
-                lambda: [p.grad for _, _, p in taps.params if p.grad is not None],
+                lambda: [p.grad for _, _, p in taps.parameters.params if p.grad is not None],
                 seconds,
             )
         except Exception as exc:
@@ -478,37 +475,25 @@ class StepBoundary:
             self._set_sampling(step)
 
     def _set_metrics(self, step: int, k: int | None) -> None:
-        """Which opt-in metrics run on ``step`` (``k``: its index among the sampled steps, None if it is
-        not sampled): those it samples (``k`` a multiple of the metric's ``every``), and the preparation
-        of those that sample the next step (fixed interval only: observe() refuses them under a governor,
-        which decides whether a step is sampled only when it begins)."""
+        """The opt-in metrics ``step`` runs (:meth:`streamwatch._cadence.Cadence.metrics_for`), into the
+        taps' state: the tensor metrics by the kind they read, and the step-level ones."""
         state = self.state
-        sampled = [] if k is None else [m for m in self._metrics if k % m.every == 0]
-        every = self._cadence.every
-        preparing = [
-            _Preparing(m)
-            for m in self._metrics
-            if m.needs_prepare and self._governor is None and (step + 1) % (every * m.every) == 0
-        ]
-        kinds: dict[str, list[Any]] = {}
-        for metric in sampled:
-            for kind in metric.kinds:
-                kinds.setdefault(kind, []).append(metric.on_tensor)
-        state.kind_metrics = kinds
-        state.step_metrics = (*sampled, *preparing)
+        state.kind_metrics, state.step_metrics = self._cadence.metrics_for(
+            self._metrics, step, k, self._governor is not None
+        )
         self._step_metrics = state.step_metrics
 
     def _run_step_metrics(self, device: dict[str, torch.Tensor]) -> None:
         """Parameter metrics when no optimizer hook ran them, then the step-level ones."""
         state = self.state
         buffer = state.buffer
-        if not self._taps.has_optimizer:
+        if not self._taps.parameters.has_optimizer:
             for metric in self._step_metrics:
                 state.call(metric.before_optimizer_step, buffer)
             for metric in self._step_metrics:
                 state.call(metric.after_optimizer_step, buffer)
         for metric in self._step_metrics:
-            if not isinstance(metric, _Preparing):
+            if not isinstance(metric, Preparing):
                 state.call(metric.on_step, buffer, device)
 
     def pass_begins(self, module: torch.nn.Module) -> None:
@@ -526,32 +511,6 @@ class StepBoundary:
             self.state.fail(exc)
 
     # -- errors, the worker's progress, the end -------------------------------------------------------
-
-    def unreported(self) -> list[tuple[str, BaseException]]:
-        """Store and tracker failures and hook errors not reported yet (now reported)."""
-        hook_errors, store_failures = self.state.errors, self._store.failures
-        tracker_failures = self._tracker.failures
-        hooks, stored, tracked = self._reported
-        new = [*store_failures[stored:], *tracker_failures[tracked:]]
-        new.extend(("<tap>", exc) for exc in hook_errors[hooks:])
-        self._reported = (len(hook_errors), len(store_failures), len(tracker_failures))
-        return new
-
-    def _surface_errors(self) -> None:
-        """Warn (once each) about new hook and pipeline errors; they are raised again at close()."""
-        new: list[tuple[str, BaseException]] = []
-        try:
-            self._worker.check()
-        except PipelineError as err:
-            new.extend(err.errors)
-        new.extend(self.unreported())
-        if new:
-            self._errors.extend(new)
-            warnings.warn(
-                f"streamwatch: {PipelineError(new)} — training continues; these are raised again at close()",
-                RuntimeWarning,
-                stacklevel=_user_frame(),
-            )
 
     def wait_for_worker(self, timeout: float) -> bool:
         """Wait until the worker handled every record sent so far; True if it did within ``timeout``
@@ -617,37 +576,3 @@ class StepBoundary:
         buffer.clear()  # an unfinished step is not a completed step
         self._outbox.release_optimizer()
         return sent
-
-    def surfaced(self) -> list[tuple[str, BaseException]]:
-        """The errors warned about during the run (close() raises them again), handed over once."""
-        errors, self._errors = self._errors, []
-        return errors
-
-
-class _Preparing:
-    """A metric on the step before one it samples: its ``prepare`` calls, under the optimizer hooks'
-    names (so the boundary and the taps call every step metric alike)."""
-
-    __slots__ = ("metric",)
-
-    def __init__(self, metric: Metric) -> None:
-        self.metric = metric
-
-    def before_optimizer_step(self, buffer: Any) -> None:
-        self.metric.prepare(buffer)
-
-    def after_optimizer_step(self, buffer: Any) -> None:
-        self.metric.prepare_after(buffer)
-
-
-def _user_frame() -> int:
-    """The ``stacklevel`` that points a warning, raised by this function's caller, at the first frame
-    outside streamwatch: the user's ``watch.step()`` call, however deep the boundary's calls are."""
-    level, frame = 1, sys._getframe(1)  # level 1: the caller, who warns
-    while frame is not None and _ours(frame.f_globals.get("__name__", "")):
-        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
-    return level
-
-
-def _ours(module: str) -> bool:
-    return module == "streamwatch" or module.startswith("streamwatch.")

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from streamwatch._taps import KINDS
+from streamwatch.metrics._base import Metric
 
-__all__ = ["FORWARD_KINDS", "Cadence"]
+__all__ = ["FORWARD_KINDS", "Cadence", "Preparing"]
 
 FORWARD_KINDS = ("input", "activation", "output_grad", "input_grad")
 """The kinds the forward-side hooks read (their hooks go in when any of them is sampled)."""
@@ -67,6 +69,26 @@ class Cadence:
         cycle = self._cycle
         return cycle[k % len(cycle)] if cycle else self._flags_for(k)
 
+    def metrics_for(
+        self, metrics: Sequence[Metric], step: int, k: int | None, governed: bool
+    ) -> tuple[dict[str, list[Any]], tuple[Any, ...]]:
+        """The opt-in metrics ``step`` runs (``k``: its index among the sampled steps, None if it is not
+        sampled): those it samples (``k`` a multiple of the metric's ``every``), and the preparation of
+        those that sample the next step (a fixed interval only: observe() refuses them under a governor,
+        which decides whether a step is sampled only when it begins). Returns the tensor metrics by the
+        kind they read, and the step-level ones (a preparing metric as :class:`Preparing`)."""
+        sampled = [] if k is None else [m for m in metrics if k % m.every == 0]
+        preparing = [
+            Preparing(m)
+            for m in metrics
+            if m.needs_prepare and not governed and (step + 1) % (self.every * m.every) == 0
+        ]
+        kinds: dict[str, list[Any]] = {}
+        for metric in sampled:
+            for kind in metric.kinds:
+                kinds.setdefault(kind, []).append(metric.on_tensor)
+        return kinds, (*sampled, *preparing)
+
     def _flags_for(self, k: int) -> tuple[Mapping[str, bool], bool]:
         pattern = tuple(k % cadence == 0 for _, cadence in self._periods)
         flags = self._patterns.get(pattern)
@@ -75,3 +97,19 @@ class Cadence:
             on = dict.fromkeys(KINDS, False) | dict(zip(kinds, pattern, strict=True))
             flags = self._patterns[pattern] = (on, any(on[kind] for kind in FORWARD_KINDS))
         return flags
+
+
+class Preparing:
+    """A metric on the step before one it samples: its ``prepare`` calls, under the optimizer hooks'
+    names (so the step boundary and the taps call every step metric alike)."""
+
+    __slots__ = ("metric",)
+
+    def __init__(self, metric: Metric) -> None:
+        self.metric = metric
+
+    def before_optimizer_step(self, buffer: Any) -> None:
+        self.metric.prepare(buffer)
+
+    def after_optimizer_step(self, buffer: Any) -> None:
+        self.metric.prepare_after(buffer)

@@ -24,7 +24,6 @@ Example:
 from __future__ import annotations
 
 import math
-import threading
 import time
 import warnings
 import weakref
@@ -38,14 +37,16 @@ from torch import nn
 
 from streamwatch import _kernel
 from streamwatch._accuracy import AMBIGUOUS
+from streamwatch._attach import OBSERVED, check_optimizer_steps, on_cpu, unwrap_optimizer
 from streamwatch._boundary import SCALAR_SECONDS, StepBoundary, paused
 from streamwatch._cadence import Cadence
-from streamwatch._channel import OverflowPolicy, channel
+from streamwatch._channel import OverflowPolicy, Receiver, Sender, channel
 from streamwatch._clock import Clock
 from streamwatch._detail import Detail, position, resolver, this_rank_keeps_detail
 from streamwatch._detectors import DEFAULT_DETECTORS, Detector
 from streamwatch._detectors import pipelines as detector_pipelines
 from streamwatch._exceptions import PipelineError
+from streamwatch._failures import Failures
 from streamwatch._families import check_served
 from streamwatch._governor import Governor
 from streamwatch._guard import NonFiniteGuard
@@ -53,17 +54,11 @@ from streamwatch._nonfinite import DEFAULT_ESCALATE, NonFiniteTracker, Reaction
 from streamwatch._options import DEFAULT_OVERHEAD, STATS, Options, check_start_step, parse_options
 from streamwatch._outbox import Outbox, release_dropped
 from streamwatch._pipeline import Pipeline, Sink, source
-from streamwatch._record import Sample
+from streamwatch._record import PendingRecord, Sample
+from streamwatch._select import check_hookable, describe_modules, named_params
 from streamwatch._store import SeriesStore, WatchStatistics
-from streamwatch._taps import (
-    DEFAULT_TAPS,
-    KINDS,
-    TapSet,
-    TapState,
-    check_hookable,
-    describe_modules,
-    named_params,
-)
+from streamwatch._taps import DEFAULT_TAPS, KINDS, TapSet
+from streamwatch._tapstate import TapState
 from streamwatch._validate import check_seconds
 from streamwatch._worker import Worker, seconds_or_forever
 from streamwatch.metrics._base import Binding, Metric
@@ -86,65 +81,13 @@ _governor_clock: Clock = time.perf_counter
 which monkeypatch it with a :class:`streamwatch.testing.FakeClock` before ``observe()``."""
 
 
-class _Observed:
-    """The models and modules the open Watches observe: one Watch per model and per module. A module
-    two observed models share would have both models' passes merged into each watch's rows (its hooks
-    cannot tell whose forward called it), so the second ``observe()`` naming it is refused."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        self._modules: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
-
-    def claim(self, model: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
-        """Take ``model`` and its selected ``modules`` for one Watch, or raise naming the clash."""
-        with self._lock:
-            if model in self._models:
-                raise RuntimeError(
-                    f"{type(model).__name__} is already observed by another Watch; close that one first "
-                    "(one Watch per model — use watch.pipe() to add pipelines to it)"
-                )
-            for name, module in modules:
-                owner = self._modules.get(module)
-                if owner is not None:
-                    raise RuntimeError(
-                        f"Layer {name or '(the model itself)'!r} ({type(module).__name__}) of "
-                        f"{type(model).__name__} is already observed by another Watch, as {owner}: a module "
-                        "two observed models share would have both models' passes in each watch's rows. "
-                        "Close that Watch first, or leave the shared module out of this one with select="
-                    )
-            self._models.add(model)
-            for name, module in modules:
-                self._modules[module] = f"layer {name!r} of a {type(model).__name__}" if name else "its model"
-
-    def release(self, model: nn.Module | None, modules: list[tuple[str, nn.Module]]) -> None:
-        """Give back what :meth:`claim` took (idempotent)."""
-        with self._lock:
-            if model is not None:
-                self._models.discard(model)
-            for _, module in modules:
-                self._modules.pop(module, None)
-
-
-_OBSERVED = _Observed()
-
-
-def _on_cpu(model: nn.Module) -> bool:
-    """Whether the model's tensors live on the CPU (or it has none): then the fused kernel is built."""
-    for param in model.parameters():
-        return param.device.type == "cpu"
-    for buffer in model.buffers():
-        return buffer.device.type == "cpu"
-    return True
-
-
 class Watch:
     """A running observation of one model. Create it with :func:`observe`."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, options: Options) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}")
-        optimizer = _unwrap_optimizer(optimizer)
+        optimizer = unwrap_optimizer(optimizer)
         # Every argument is checked before anything is attached: a refused observe() touches nothing.
         if options.taps_asked and "update" in options.taps and optimizer is None:
             warnings.warn(
@@ -168,8 +111,8 @@ class Watch:
                 "these qualified names (globs), or pass select=None for every leaf module"
             )
         check_hookable(model, modules)
-        _check_optimizer_steps(model, optimizer)
-        _OBSERVED.claim(model, modules)
+        check_optimizer_steps(model, optimizer)
+        OBSERVED.claim(model, modules)
         self._claimed = modules  # (given back by close(), or by _undo())
         self._every = options.every
         self._close_timeout = options.close_timeout
@@ -178,7 +121,7 @@ class Watch:
         self._unflushed = 0
         self._exporters: list[Exporter] = []
         self._model_ref = weakref.ref(model)
-        on_cpu = _on_cpu(model)
+        cpu = on_cpu(model)
         metrics = list(options.metrics)
         try:
             params = named_params(model, modules, all_params=options.every_parameter)
@@ -187,9 +130,9 @@ class Watch:
                 channel_last=options.channel_last,
                 dead_units="dead" in options.stats and detailed,  # per-layer only: not worth it for totals
                 count_nonfinite="nonfinite" in options.stats,
-                kernel=_kernel.load() if on_cpu else None,
+                kernel=_kernel.load() if cpu else None,
             )
-            self._kernel_status = _kernel.status() if on_cpu else "torch: the model is not on the CPU"
+            self._kernel_status = _kernel.status() if cpu else "torch: the model is not on the CPU"
             # everything after the channel reads the store; it runs the worker-side metrics itself
             self._store = SeriesStore(metrics=options.derived)
             # NaN/Inf: where it started (worker); the per-step sentinel and escalation (the boundary's guard)
@@ -199,19 +142,8 @@ class Watch:
                 edges.update(metric.edges())
             self._tx, rx = channel(options.capacity, on_drop=release_dropped)
             self._rx = rx  # the worker's once it starts; closed here only if observe() fails before
-            self._worker = Worker(
-                rx,
-                [
-                    # The tracker and the detectors publish into the store before it counts the record
-                    # (watch.flush() waits for that count): their values are in when it returns.
-                    source() | self._tracker,
-                    *detector_pipelines(self._store, options.detectors),
-                    source() | self._store,
-                    *(source() | sink for sink in options.sinks),
-                ],
-                name="streamwatch-worker",
-                prepare=resolver(detailed),  # without detail: per-(phase, kind) totals, before any sink
-            )
+            self._worker = _worker(rx, self._store, self._tracker, options, detailed)
+            self._failures = Failures(state, self._store, self._tracker, self._worker)
             self._taps = TapSet(model, modules, params, optimizer, state)
             binding = Binding(model, tuple(params), optimizer, lambda: paused(state))
             bound: tuple[Metric, ...] = ()
@@ -226,7 +158,7 @@ class Watch:
             rank = position()[0]
             self._outbox = Outbox(
                 state=state,
-                taps=self._taps,
+                taps=self._taps.parameters,
                 optimizer=optimizer,
                 sender=self._tx,
                 overflow=options.overflow,
@@ -242,6 +174,7 @@ class Watch:
                 store=self._store,
                 tracker=self._tracker,
                 worker=self._worker,
+                failures=self._failures,
                 cadence=Cadence(options.every, periods),
                 governor=self._governor,
                 guard=NonFiniteGuard(
@@ -276,7 +209,7 @@ class Watch:
         for end in (getattr(self, "_tx", None), getattr(self, "_rx", None)):
             if end is not None:
                 end.close()
-        _OBSERVED.release(model, self._claimed)
+        OBSERVED.release(model, self._claimed)
         self._claimed = []
 
     # -- the training loop's side ---------------------------------------------------------------------
@@ -297,26 +230,13 @@ class Watch:
             targets: the labels ``outputs`` are scored against.
             batch_size: samples in the step (a positive integer), for throughput.
 
-        Train accuracy reads these layouts (``N`` the batch, ``C`` the classes; any tensor on one device):
-
-        * class indices: integer ``targets [N]`` with logits ``[N, C]``; ``[N, ..., C]`` with
-          ``[N, ...]`` (classes last, e.g. tokens) or ``[N, C, ...]`` with ``[N, ...]`` (classes first, as
-          ``cross_entropy`` takes images) — predicted class: the argmax. A layout that fits both ways
-          (``[N, 4, 4]`` with ``[N, 4]``: a sequence as long as there are classes) is scored the way the
-          run's earlier steps put the classes; before any step settled it, the step's accuracy is
-          skipped, counted in ``statistics().skipped["ambiguous_accuracy"]`` and warned about once
-          (reshape to ``[M, C]`` and ``[M]`` to score every step).
-        * one-hot or class probabilities: floating ``targets [N, C]`` like ``outputs`` — the argmax of each.
-        * binary scores: ``outputs`` with one logit per label — the same shape as ``targets``, or ``[N, 1]``
-          with ``[N]`` — predicted positive where the logit is > 0 (for probabilities pass ``p - 0.5``);
-          a label is positive where it is > 0.5 (0/1, -1/+1, soft labels). Several labels per sample
-          (multi-label ``[N, C]``, masks ``[N, H, W]``) are scored element-wise when ``targets`` is bool;
-          integer or floating ones of that shape are refused or read as one-hot (above): a shape alone
-          cannot tell one-hot from multi-label.
-        * predicted labels: integer/bool ``outputs`` of the same shape as ``targets`` — compared as they are.
-
-        ``correct`` counts right predictions; ``total`` the predictions scored (``N``, or every element
-        of ``[N, ...]``); ``accuracy`` is their ratio. Anything else is refused.
+        Train accuracy reads class indices (``[N]`` with ``[N, C]`` logits; ``[N, ...]`` with the classes
+        last or second), one-hot or probability targets, binary logits (positive above 0) and bool
+        multi-label targets, and predicted labels; ``correct`` counts right predictions, ``total`` those
+        scored, ``accuracy`` their ratio. A class-index layout that fits both ways (``[N, 4, 4]`` with
+        ``[N, 4]``) is scored as the run's earlier steps put the classes, else skipped and counted
+        (``statistics().skipped["ambiguous_accuracy"]``). Every layout, and what is refused:
+        docs/observe.md, *Train accuracy*.
 
         Raises:
             TypeError, ValueError: an argument is not what it should be (the message names it). The step
@@ -634,10 +554,10 @@ class Watch:
             exporter.close()
         deadline = None if wait is None else time.monotonic() + wait
         evaluation_sent = boundary.send_evaluation(wait)
-        _OBSERVED.release(self._model_ref(), self._claimed)
+        OBSERVED.release(self._model_ref(), self._claimed)
         self._claimed = []
         self._tx.close()
-        errors = boundary.surfaced()
+        errors = self._failures.warned()
         finished = True
         try:  # (what is left of the wait: the evaluation record's send may have used some)
             self._worker.close(None if deadline is None else max(deadline - time.monotonic(), 1e-3))
@@ -645,10 +565,16 @@ class Watch:
             errors.extend(err.errors)
         except TimeoutError:
             finished = False  # the worker may still be in the store: leave it be
-            errors.extend(self._give_up(wait or math.inf, evaluation_sent))  # (wait was a number)
+            self._stuck, self._unflushed, stuck_errors = _give_up(
+                self._worker,
+                self._tx,
+                wait or math.inf,
+                evaluation_sent,  # (a TimeoutError: wait was a number)
+            )
+            errors.extend(stuck_errors)
         if finished:
             self._store.apply()  # the final values, and a metric failing on them, before reporting
-        errors.extend(boundary.unreported())
+        errors.extend(self._failures.take())
         if errors:
             failed = PipelineError(errors)
             if deferred is None:
@@ -656,28 +582,6 @@ class Watch:
             deferred.add_note(f"streamwatch: {failed}")
         if deferred is not None:
             raise deferred
-
-    def _give_up(self, waited: float, evaluation_sent: bool) -> list[tuple[str, BaseException]]:
-        """close() waited ``waited`` seconds for the worker in vain: count and warn, leave it behind;
-        returns the failures the worker had before it got stuck."""
-        worker = self._worker.statistics()
-        self._stuck = (worker.current,) if worker.current else ()
-        self._unflushed = worker.in_flight + self._tx.statistics().len + (not evaluation_sent)
-        errors: list[tuple[str, BaseException]] = []
-        try:
-            self._worker.check()  # failures before it got stuck are reported as usual
-        except PipelineError as err:
-            errors.extend(err.errors)
-        stuck = f"{worker.current} did not return" if worker.current else "the worker thread did not finish"
-        warnings.warn(
-            f"streamwatch: close() gave up after {waited:g} s: {stuck}; {self._unflushed} records were not "
-            "flushed to every sink. The worker thread is left running (a daemon thread: it does not keep "
-            "the process alive) and finishes by itself if that call returns. Wait longer with "
-            "observe(..., close_timeout=...) or close(timeout=...) (math.inf waits forever).",
-            RuntimeWarning,
-            stacklevel=3,  # the user's close() call
-        )
-        return errors
 
     @property
     def closed(self) -> bool:
@@ -721,63 +625,53 @@ class _Served(Sink):
         self.store.put(samples)
 
 
-def _unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer | None:
-    """The torch optimizer to hook: ``optimizer`` itself, or the one a framework's wrapper steps
-    (Accelerate's ``AcceleratedOptimizer.optimizer``, Lightning's ``LightningOptimizer._optimizer``):
-    those subclass or imitate ``torch.optim.Optimizer`` without its hook tables, and step the inner one
-    only when a step really happens (not on an accumulation micro-step, not when a scaler skips it).
-
-    Example:
-        >>> import torch
-        >>> inner = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
-        >>> class Wrapper(torch.optim.Optimizer):
-        ...     def __init__(self, optimizer):  # does not call Optimizer.__init__, as Accelerate's does not
-        ...         self.optimizer = optimizer
-        >>> _unwrap_optimizer(Wrapper(inner)) is inner, _unwrap_optimizer(inner) is inner
-        (True, True)
-    """
-    seen = optimizer
-    for _ in range(8):  # wrappers of wrappers, bounded
-        if optimizer is None or (
-            isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks")
-        ):
-            return optimizer
-        inner = next(
-            (
-                value
-                for value in (getattr(optimizer, name, None) for name in ("optimizer", "_optimizer"))
-                if isinstance(value, torch.optim.Optimizer)
-            ),
-            None,
-        )
-        if inner is None:
-            break
-        optimizer = inner
-    if isinstance(seen, torch.optim.Optimizer):
-        raise TypeError(
-            f"Expected `optimizer` to be a torch.optim.Optimizer initialised by its __init__ (it has no "
-            f"step hooks), or a wrapper whose `optimizer` attribute is one; got a {type(seen).__qualname__} "
-            "without them: pass the torch optimizer it wraps"
-        )
-    raise TypeError(f"Expected `optimizer` to be a torch.optim.Optimizer or None, got {seen!r}")
+def _worker(
+    rx: Receiver[PendingRecord],
+    store: SeriesStore,
+    tracker: NonFiniteTracker,
+    options: Options,
+    detailed: bool,
+) -> Worker:
+    """The worker thread's pipelines, in order: the tracker and the detectors publish into the store
+    before it counts the record (``watch.flush()`` waits for that count: their values are in when it
+    returns), then the store, then the user's sinks. Without per-layer detail, each record is reduced to
+    per-(phase, kind) totals before any of them sees it."""
+    return Worker(
+        rx,
+        [
+            source() | tracker,
+            *detector_pipelines(store, options.detectors),
+            source() | store,
+            *(source() | sink for sink in options.sinks),
+        ],
+        name="streamwatch-worker",
+        prepare=resolver(detailed),
+    )
 
 
-def _check_optimizer_steps(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Warn when ``optimizer`` steps none of ``model``'s parameters (another model's optimizer): its
-    ``update`` and ``param`` taps, read around its step, would then watch nothing of the model."""
-    if optimizer is None:
-        return
-    own = {id(p) for p in model.parameters()}
-    stepped = [p for group in optimizer.param_groups for p in group.get("params", ())]
-    if own and stepped and not any(id(p) in own for p in stepped):
-        warnings.warn(
-            f"streamwatch: `optimizer` ({type(optimizer).__name__}, {len(stepped)} parameters) steps none of "
-            f"`model`'s {len(own)} parameters ({type(model).__name__}): is it another model's? The update "
-            "and weight rows are read around its step, so they would watch nothing of this model; pass the "
-            "optimizer that steps it, observe(model, optimizer)",
-            UserWarning,
-            stacklevel=4,  # the user's observe() call
-        )
+def _give_up(
+    worker: Worker, sender: Sender[PendingRecord], waited: float, evaluation_sent: bool
+) -> tuple[tuple[str, ...], int, list[tuple[str, BaseException]]]:
+    """close() waited ``waited`` seconds for the worker in vain: warn, leave it behind. Returns the
+    pipelines stuck, the records not flushed to every sink, and the failures the worker had before."""
+    stats = worker.statistics()
+    stuck = (stats.current,) if stats.current else ()
+    unflushed = stats.in_flight + sender.statistics().len + (not evaluation_sent)
+    errors: list[tuple[str, BaseException]] = []
+    try:
+        worker.check()  # failures before it got stuck are reported as usual
+    except PipelineError as err:
+        errors.extend(err.errors)
+    what = f"{stats.current} did not return" if stats.current else "the worker thread did not finish"
+    warnings.warn(
+        f"streamwatch: close() gave up after {waited:g} s: {what}; {unflushed} records were not "
+        "flushed to every sink. The worker thread is left running (a daemon thread: it does not keep "
+        "the process alive) and finishes by itself if that call returns. Wait longer with "
+        "observe(..., close_timeout=...) or close(timeout=...) (math.inf waits forever).",
+        RuntimeWarning,
+        stacklevel=4,  # the user's close() call
+    )
+    return stuck, unflushed, errors
 
 
 def _skipped(tensors: Mapping[str, int], ambiguous: int) -> dict[str, int]:

@@ -35,7 +35,8 @@ from streamwatch._nonfinite import (
     check_sentinel,
 )
 from streamwatch._pipeline import Sink
-from streamwatch._taps import DEFAULT_CADENCE, DEFAULT_TAPS, KINDS, Select, resolve_select
+from streamwatch._select import Select, resolve_select
+from streamwatch._taps import DEFAULT_CADENCE, DEFAULT_TAPS, KINDS
 from streamwatch._worker import seconds_or_forever
 from streamwatch.metrics._base import Metric
 from streamwatch.metrics._derived import DEFAULT_METRICS, DERIVED

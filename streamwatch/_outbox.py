@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 from streamwatch._channel import OverflowPolicy, Sender
+from streamwatch._param_taps import ParamTaps
 from streamwatch._record import SKIPPED_UPDATE, PendingRecord, SlotPool
 from streamwatch._step_args import StepArgs
-from streamwatch._taps import TapSet, TapState
+from streamwatch._tapstate import TapState
 
 __all__ = ["Outbox", "release_dropped"]
 
@@ -44,8 +45,8 @@ class Outbox:
     """Sends one Watch's records (training thread only).
 
     Args:
-        state, taps: the Watch's tap state (its step buffer and clock marks) and hooks (a fused
-            optimizer's skipped step).
+        state, taps: the Watch's tap state (its step buffer and clock marks) and parameter taps (a
+            fused optimizer's skipped step).
         optimizer: the observed optimizer (its learning rates), or None.
         sender: the channel's sending end; ``overflow`` its policy at the step boundary.
         capacity: the channel's capacity (the pinned slots of CUDA copies, and the sent steps kept).
@@ -63,7 +64,7 @@ class Outbox:
         self,
         *,
         state: TapState,
-        taps: TapSet,
+        taps: ParamTaps,
         optimizer: torch.optim.Optimizer | None,
         sender: Sender[PendingRecord],
         overflow: OverflowPolicy,

@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 import streamwatch as sw
 import streamwatch._cadence
 import streamwatch._taps
+import streamwatch._torchhooks
 from tests.test_observe_compile import batch, make_model
 from tests.training import root_seen
 
@@ -458,7 +459,7 @@ def test_hooks_whose_handles_hide_their_dicts_are_registered_each_time(
 ) -> None:
     """Where torch's handles do not show the dicts their hooks live in, each sampled step registers its
     hooks again and removes them after, as before switching existed."""
-    monkeypatch.setattr(streamwatch._taps, "_entries_of", lambda handles: None)
+    monkeypatch.setattr(streamwatch._torchhooks, "entries_of", lambda handles: None)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen = []
@@ -474,7 +475,7 @@ def test_hooks_whose_handles_hide_their_dicts_are_registered_each_time(
 def test_a_group_torch_refuses_half_way_leaves_none_of_its_hooks_in() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     calls = [functools.partial(model[0].register_forward_hook, lambda *a: None), _refused]
-    group = streamwatch._taps._HookGroup(calls, switched=True)
+    group = streamwatch._torchhooks.HookGroup(calls, switched=True)
     with pytest.raises(RuntimeError, match="refused"):
         group.set(True)
     assert (len(model[0]._forward_hooks), group.on, group.entries) == (0, False, None)

@@ -322,10 +322,10 @@ def test_histograms_are_prometheus_histograms_with_the_fixed_buckets() -> None:
 def test_step_phase_times_are_read_at_the_step_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fake clock (advanced by the model, the test and a user optimizer hook) gives exact parts:
     data wait, forward, backward and optimizer, served as streamwatch_step_phase_seconds{part}."""
-    from streamwatch import _taps
+    from streamwatch import _tapstate
 
     clock = [100.0]
-    monkeypatch.setattr(_taps.StepTimes, "clock", staticmethod(lambda: clock[0]))
+    monkeypatch.setattr(_tapstate.StepTimes, "clock", staticmethod(lambda: clock[0]))
 
     class Tick(nn.Module):
         def __init__(self, seconds: float) -> None:

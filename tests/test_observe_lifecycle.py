@@ -16,6 +16,7 @@ from torch import nn
 import streamwatch as sw
 import streamwatch._channel
 import streamwatch._taps
+import streamwatch._tapstate
 from streamwatch._observe import STATS
 from streamwatch._taps import KINDS
 from tests.threads import JOIN_S, spawn, wait_until
@@ -533,7 +534,7 @@ def test_failing_summaries_leave_training_bit_for_bit_unchanged(
         raise Boom("summaries are broken")
 
     reference = trained(observe=False)
-    monkeypatch.setattr(streamwatch._taps, "summarize", broken)  # the torch path
+    monkeypatch.setattr(streamwatch._tapstate, "summarize", broken)  # the torch path
     monkeypatch.setattr(streamwatch._kernel.FusedKernel, "run", broken)  # the fused CPU kernel
     observed = trained(observe=True)
     for a, b in zip(reference, observed, strict=True):

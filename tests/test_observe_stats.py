@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import streamwatch as sw
-from streamwatch import _taps
+from streamwatch import _tapstate
 from streamwatch._summary import COLUMNS, DERIVED
 from streamwatch._taps import KINDS
 from tests.training import Step, Train
@@ -713,13 +713,13 @@ def test_a_strided_cpu_view_is_summarised_exactly_and_left_as_it_was(
     torch.manual_seed(5)
     model = nn.Sequential(BatchFirst())
     torch_rows: list[tuple[int, ...]] = []
-    summarize = _taps.summarize
+    summarize = _tapstate.summarize
 
     def counted(x: torch.Tensor, **kwargs: Any) -> Any:
         torch_rows.append(tuple(x.shape))
         return summarize(x, **kwargs)
 
-    monkeypatch.setattr(_taps, "summarize", counted)
+    monkeypatch.setattr(_tapstate, "summarize", counted)
     recs = sw.sinks.collect()
     seen: list[torch.Tensor] = []
     with sw.observe(model, stats=("dead", "nonfinite"), sinks=[recs], every=1, channel_last=True) as watch:

@@ -1,0 +1,135 @@
+"""Attaching a Watch: the model and optimizer it is given, checked, and who observes what.
+
+One Watch per model and per module (:class:`Attachments`): a module two observed models share would have
+both models' passes in each watch's rows. The optimizer a framework wraps is unwrapped to the torch
+optimizer whose hooks fire (:func:`unwrap_optimizer`), and one that steps none of the model's parameters
+is warned about (:func:`check_optimizer_steps`).
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Linear(2, 1)
+    >>> on_cpu(model), unwrap_optimizer(None)
+    (True, None)
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+
+import torch
+from torch import nn
+
+__all__ = ["OBSERVED", "Attachments", "check_optimizer_steps", "on_cpu", "unwrap_optimizer"]
+
+
+class Attachments:
+    """The models and modules the open Watches observe: one Watch per model and per module. A module
+    two observed models share would have both models' passes merged into each watch's rows (its hooks
+    cannot tell whose forward called it), so the second ``observe()`` naming it is refused."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._modules: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+    def claim(self, model: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
+        """Take ``model`` and its selected ``modules`` for one Watch, or raise naming the clash."""
+        with self._lock:
+            if model in self._models:
+                raise RuntimeError(
+                    f"{type(model).__name__} is already observed by another Watch; close that one first "
+                    "(one Watch per model — use watch.pipe() to add pipelines to it)"
+                )
+            for name, module in modules:
+                owner = self._modules.get(module)
+                if owner is not None:
+                    raise RuntimeError(
+                        f"Layer {name or '(the model itself)'!r} ({type(module).__name__}) of "
+                        f"{type(model).__name__} is already observed by another Watch, as {owner}: a module "
+                        "two observed models share would have both models' passes in each watch's rows. "
+                        "Close that Watch first, or leave the shared module out of this one with select="
+                    )
+            self._models.add(model)
+            for name, module in modules:
+                self._modules[module] = f"layer {name!r} of a {type(model).__name__}" if name else "its model"
+
+    def release(self, model: nn.Module | None, modules: list[tuple[str, nn.Module]]) -> None:
+        """Give back what :meth:`claim` took (idempotent)."""
+        with self._lock:
+            if model is not None:
+                self._models.discard(model)
+            for _, module in modules:
+                self._modules.pop(module, None)
+
+
+OBSERVED = Attachments()
+
+
+def on_cpu(model: nn.Module) -> bool:
+    """Whether the model's tensors live on the CPU (or it has none): then the fused kernel is built."""
+    for param in model.parameters():
+        return param.device.type == "cpu"
+    for buffer in model.buffers():
+        return buffer.device.type == "cpu"
+    return True
+
+
+def unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer | None:
+    """The torch optimizer to hook: ``optimizer`` itself, or the one a framework's wrapper steps
+    (Accelerate's ``AcceleratedOptimizer.optimizer``, Lightning's ``LightningOptimizer._optimizer``):
+    those subclass or imitate ``torch.optim.Optimizer`` without its hook tables, and step the inner one
+    only when a step really happens (not on an accumulation micro-step, not when a scaler skips it).
+
+    Example:
+        >>> import torch
+        >>> inner = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+        >>> class Wrapper(torch.optim.Optimizer):
+        ...     def __init__(self, optimizer):  # does not call Optimizer.__init__, as Accelerate's does not
+        ...         self.optimizer = optimizer
+        >>> unwrap_optimizer(Wrapper(inner)) is inner, unwrap_optimizer(inner) is inner
+        (True, True)
+    """
+    seen = optimizer
+    for _ in range(8):  # wrappers of wrappers, bounded
+        if optimizer is None or (
+            isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks")
+        ):
+            return optimizer
+        inner = next(
+            (
+                value
+                for value in (getattr(optimizer, name, None) for name in ("optimizer", "_optimizer"))
+                if isinstance(value, torch.optim.Optimizer)
+            ),
+            None,
+        )
+        if inner is None:
+            break
+        optimizer = inner
+    if isinstance(seen, torch.optim.Optimizer):
+        raise TypeError(
+            f"Expected `optimizer` to be a torch.optim.Optimizer initialised by its __init__ (it has no "
+            f"step hooks), or a wrapper whose `optimizer` attribute is one; got a {type(seen).__qualname__} "
+            "without them: pass the torch optimizer it wraps"
+        )
+    raise TypeError(f"Expected `optimizer` to be a torch.optim.Optimizer or None, got {seen!r}")
+
+
+def check_optimizer_steps(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Warn when ``optimizer`` steps none of ``model``'s parameters (another model's optimizer): its
+    ``update`` and ``param`` taps, read around its step, would then watch nothing of the model."""
+    if optimizer is None:
+        return
+    own = {id(p) for p in model.parameters()}
+    stepped = [p for group in optimizer.param_groups for p in group.get("params", ())]
+    if own and stepped and not any(id(p) in own for p in stepped):
+        warnings.warn(
+            f"streamwatch: `optimizer` ({type(optimizer).__name__}, {len(stepped)} parameters) steps none of "
+            f"`model`'s {len(own)} parameters ({type(model).__name__}): is it another model's? The update "
+            "and weight rows are read around its step, so they would watch nothing of this model; pass the "
+            "optimizer that steps it, observe(model, optimizer)",
+            UserWarning,
+            stacklevel=4,  # the user's observe() call (through Watch.__init__)
+        )

@@ -1,0 +1,334 @@
+"""The parameter kinds' taps: gradients (``param_grad``), weights (``param``), updates (``update``).
+
+With an optimizer they are read at its step hooks: every gradient as it is about to be applied (after
+accumulation, unscaling, clipping, DDP's averaging) at the pre-step hook, the update Δ = w_after − w_before
+and the weights at the post-step hook. Without one, gradients are read by post-accumulate hooks (the last,
+complete one of a step wins) and weights at the step's end. Parameters the optimizer does not step (another
+optimizer's, a frozen body's) have no update row; their weights are read at the step's end.
+
+Example:
+    >>> import torch, streamwatch as sw
+    >>> model = torch.nn.Linear(3, 2)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> records = sw.sinks.collect()
+    >>> with sw.observe(model, opt, every=1, cadence={"update": 1}, sinks=[records]) as watch:
+    ...     model(torch.randn(4, 3)).sum().backward(); opt.step(); watch.step()
+    >>> sorted({key.kind for key in records.items[0].keys} - {"activation", "output_grad"})
+    ['param', 'param_grad', 'update']
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from streamwatch._record import SeriesKey, StepBuffer
+from streamwatch._tapstate import TapState, guarded, summarize_into
+
+__all__ = ["NO_HOOK", "ParamTaps", "place_in_backward"]
+
+
+def _has_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an optimizer step hook's call passes a closure: ``step(closure)`` or ``step(closure=...)``
+    (torch hands the hooks the step's arguments with the optimizer itself first)."""
+    return (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None
+
+
+class _NoHook:
+    """The handle of a hook not installed (:func:`_grad_hook_on` on a frozen parameter)."""
+
+    __slots__ = ()
+
+    def remove(self) -> None:
+        pass
+
+
+NO_HOOK = _NoHook()
+
+
+def _grad_hook_on(param: nn.Parameter, hook: Callable[[nn.Parameter], None]) -> Any:
+    """Install ``hook`` after ``param``'s gradient is accumulated, if it requires one (torch refuses a
+    hook on a tensor that does not: a parameter frozen mid-run is passed over until it is unfrozen)."""
+    if not param.requires_grad:
+        return NO_HOOK
+    return param.register_post_accumulate_grad_hook(hook)
+
+
+class ParamTaps:
+    """The parameter kinds' taps for one Watch.
+
+    Args:
+        state: the Watch's tap state.
+        params: ``(layer, name, parameter)`` of every observed parameter.
+        optimizer: the observed optimizer, or None.
+        taps: the tapped kinds.
+
+    Attributes:
+        params: the observed parameters (emptied at :meth:`clear`: a closed Watch keeps none alive).
+        has_optimizer: an optimizer is observed (its step hooks read the parameter kinds).
+        found_inf: a ``GradScaler``'s found-inf flag at a fused step whose updates were summarised (the
+            record carries it; the worker drops the updates of a step that did not happen).
+        grad_registrations: without an optimizer, one post-accumulate hook per gradient (registered
+            each time they go in: torch refuses one on a frozen parameter).
+        step_registrations: with an optimizer, its pre- and post-step hooks.
+    """
+
+    def __init__(
+        self,
+        state: TapState,
+        params: list[tuple[str, str, nn.Parameter]],
+        optimizer: torch.optim.Optimizer | None,
+        taps: frozenset[str],
+    ) -> None:
+        self.state = state
+        self.params = params
+        self.has_optimizer = optimizer is not None
+        self.found_inf: torch.Tensor | None = None
+        self._before: list[torch.Tensor] | None = None
+        self._grads: list[tuple[SeriesKey, nn.Parameter]] = []  # the param_grad tap's keys and parameters
+        self._grad_flags: list[bool] = []  # their requires_grad when their hooks went in (no optimizer)
+        # With an optimizer: the parameters it steps (read at its hooks) and the others (at the step's
+        # end), by its param groups as they were last seen (:meth:`_split`)
+        self._split_signature: tuple[tuple[int, int], ...] | None = None
+        self._owned_params: list[tuple[str, str, nn.Parameter]] = []
+        self._other_params: list[tuple[str, str, nn.Parameter]] = []
+        self._owned_grads: list[tuple[SeriesKey, nn.Parameter]] = []
+        self._other_grads: list[tuple[SeriesKey, nn.Parameter]] = []
+        self._before_params: list[tuple[str, str, nn.Parameter]] = []
+        self._grads_after: list[tuple[SeriesKey, nn.Parameter]] | None = None
+        self._closure = False  # the optimizer step under way was given a closure
+        self.params_taken = False
+        self.grads_taken = False  # this step's gradients are summarised (at the optimizer's pre-step)
+        self.grad_registrations: list[Callable[[], Any]] = []
+        self.step_registrations: list[Callable[[], Any]] = []
+        if "param_grad" in taps:
+            self._grads = [(SeriesKey("train", layer, "param_grad", pname), p) for layer, pname, p in params]
+            if optimizer is None:  # with an optimizer: all of them at its pre-step hook, in one call
+                for key, param in self._grads:  # (a frozen one gets its hook when it is unfrozen)
+                    self.grad_registrations.append(
+                        functools.partial(_grad_hook_on, param, self._param_grad_hook(key))
+                    )
+        if optimizer is not None:
+            before = guarded(state, self._before_optimizer_step)
+            after = guarded(state, self._after_optimizer_step)
+            self.step_registrations.append(functools.partial(optimizer.register_step_pre_hook, before))
+            self.step_registrations.append(functools.partial(optimizer.register_step_post_hook, after))
+
+    def new_step(self) -> None:
+        """A step begins: nothing of it is read yet."""
+        self.grads_taken = self.params_taken = False
+        self._grads_after = None
+
+    def grad_hooks_going_in(self) -> None:
+        """The post-accumulate hooks go in: remember which parameters require a gradient now."""
+        self._grad_flags = [param.requires_grad for _, param in self._grads]
+
+    def refresh_grad_hooks(self, handles: list[Any]) -> None:
+        """A parameter frozen or unfrozen since its hooks went in (a fine-tuning schedule): an unfrozen
+        one gets its hook now (a frozen one keeps its own: it fires if it is unfrozen)."""
+        if self._grad_flags == [param.requires_grad for _, param in self._grads]:
+            return
+        for i, (_, param) in enumerate(self._grads):
+            if handles[i] is NO_HOOK and param.requires_grad:
+                handles[i] = self.grad_registrations[i]()
+        self.grad_hooks_going_in()
+
+    def _param_grad_hook(self, key: SeriesKey) -> Callable[[nn.Parameter], None]:
+        state = self.state
+
+        def body(param: nn.Parameter) -> None:
+            if state.on.get("param_grad") and param.grad is not None:
+                # Gradient accumulation fires this once per micro-step: the last (full) gradient wins.
+                summarize_into(state, key, param.grad, None, replace=True)
+
+        return guarded(state, body)
+
+    def summarize_grads(
+        self, grads: list[tuple[SeriesKey, nn.Parameter]] | None = None, scale: torch.Tensor | None = None
+    ) -> None:
+        """Every parameter's gradient (or ``grads``'; divided by ``scale`` where a ``GradScaler`` left
+        them scaled for a fused optimizer) as the optimizer is about to apply it (accumulated, unscaled by a
+        ``GradScaler``, clipped if the loop clips, averaged by DDP), in one pass: at the optimizer's
+        pre-step hook, or at ``watch.step()`` on a sampled step whose optimizer step did not run (a
+        ``GradScaler`` skipping a step with infs). Each row is placed in the step's execution order where
+        autograd produced that gradient: parameters in reverse order, each right after the gradient
+        w.r.t. its own module's output (:func:`place_in_backward`). One failing tensor stops only itself."""
+        state = self.state
+        self.grads_taken = True
+        buffer = state.buffer
+        start = len(buffer.keys)
+        present: list[tuple[SeriesKey, torch.Tensor]] = []
+        for key, param in reversed(self._grads if grads is None else grads):
+            grad = param.grad
+            if grad is not None:
+                present.append((key, grad))
+        if scale is not None and present:  # still scaled: a fused optimizer unscales inside its kernel
+            with torch.no_grad():
+                tensors = [grad.detach() for _, grad in present]
+                unscaled: list[torch.Tensor] = (
+                    list(torch._foreach_div(tensors, scale))
+                    if all(t.device == scale.device for t in tensors)
+                    else [t / scale.to(t.device) for t in tensors]
+                )
+            present = [(key, grad) for (key, _), grad in zip(present, unscaled, strict=True)]
+        for key, grad in present:
+            state.call(summarize_into, state, key, grad, None, True)
+        place_in_backward(buffer, start)
+
+    def summarize_params(self, params: list[tuple[str, str, nn.Parameter]] | None = None) -> None:
+        """Weights and biases, each on its own row (``kind="param"``): every parameter's, or ``params``'."""
+        self.params_taken = True
+        for layer, pname, param in self.params if params is None else params:
+            summarize_into(self.state, SeriesKey("train", layer, "param", pname), param, None, replace=True)
+
+    def summarize_rest(self) -> None:
+        """At a sampled step's end, with an optimizer: what its hooks did not read. Every gradient and
+        weight if they did not run (a ``GradScaler`` skipped the step); else the weights of the
+        parameters it does not step (another optimizer's may step after its hooks). Their gradients are
+        read at its pre-step hook, as they are then: a loop may zero them before ``watch.step()``."""
+        on = self.state.on
+        if self.grads_taken and not on.get("param"):
+            return  # (the common step: its hooks read everything)
+        if on.get("param_grad") and self._grads and not self.grads_taken:
+            self.summarize_grads()
+        if on.get("param") and self.params:
+            if not self.params_taken:
+                self.summarize_params()
+            elif self._other_params:
+                self.summarize_params(self._other_params)
+
+    def _split(
+        self, optimizer: Any
+    ) -> tuple[list[tuple[str, str, nn.Parameter]], list[tuple[SeriesKey, nn.Parameter]]]:
+        """The parameters ``optimizer`` steps (its param groups, as they are now) and their gradient keys;
+        sets the others aside for :meth:`summarize_rest`. Cached while the groups keep their lists."""
+        groups = optimizer.param_groups
+        signature = tuple((id(group["params"]), len(group["params"])) for group in groups)
+        if signature != self._split_signature:
+            owned = {id(param) for group in groups for param in group["params"]}
+            self._owned_params = [t for t in self.params if id(t[2]) in owned]
+            self._other_params = [t for t in self.params if id(t[2]) not in owned]
+            self._owned_grads = [t for t in self._grads if id(t[1]) in owned]
+            self._other_grads = [t for t in self._grads if id(t[1]) not in owned]
+            self._split_signature = signature
+        return self._owned_params, self._owned_grads
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        state = self.state
+        state.times.optimizer_start = state.times.clock()
+        on = state.on
+        if on.get("param_grad") or on.get("update") or on.get("param"):
+            params, grads = self._split(optimizer)
+            if on.get("param_grad") and self._grads:
+                if self._other_grads:  # another optimizer's: as they are now (a loop may zero them
+                    self.summarize_grads(self._other_grads)  # after the steps, before watch.step())
+                if _has_closure(args, kwargs):
+                    self._grads_after = grads  # a closure (LBFGS) computes them inside the step
+                elif grads:
+                    scale = getattr(optimizer, "grad_scale", None)  # (a GradScaler, fused optimizer)
+                    self.summarize_grads(grads, scale if isinstance(scale, torch.Tensor) else None)
+            if on.get("update") and params:
+                # Costs one copy of the parameters, only on steps that sample updates (docs/observe.md).
+                # Those without a gradient are not stepped (a frozen layer in the optimizer's groups);
+                # with a closure the gradients come inside the step (judged after it, _summarize_updates).
+                self._closure = closure = _has_closure(args, kwargs)
+                stepped = params if closure else [t for t in params if t[2].grad is not None]
+                with torch.no_grad():
+                    self._before = [param.detach().clone() for _, _, param in stepped]
+                self._before_params = stepped
+        for metric in state.step_metrics:
+            state.call(metric.before_optimizer_step, state.buffer)
+
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        state = self.state
+        state.times.optimizer_end = state.times.clock()
+        for metric in state.step_metrics:
+            state.call(metric.after_optimizer_step, state.buffer)
+        # The updates first, then the weights they produced: in the step's execution order an update
+        # comes before the weight it changed (a bad update is the origin, a bad weight its consequence).
+        grads, self._grads_after = self._grads_after, None
+        if grads is not None:  # (the last closure's: the gradient the step applied last)
+            self.summarize_grads(grads)
+        found = getattr(optimizer, "found_inf", None)  # a GradScaler's, for a fused optimizer: a step
+        if self._before is not None and isinstance(found, torch.Tensor):  # it skips inside the kernel
+            self.found_inf = found.detach().reshape(()).to(torch.float32, copy=True)  # (read by the worker)
+        self._summarize_updates()
+        if state.on.get("param"):
+            self.summarize_params(self._split(optimizer)[0])
+
+    def _summarize_updates(self) -> None:
+        state = self.state
+        before, self._before = self._before, None
+        if before is None:
+            return
+        # Fused path: Δ's statistics straight from the two copies, never materialised; the rest
+        # (CUDA, half precision, subclasses, compiled code) subtracts in one foreach call.
+        kernel = None if torch.compiler.is_compiling() else state.kernel
+        rest: list[tuple[SeriesKey, torch.Tensor, torch.Tensor]] = []
+        for (layer, pname, param), old in zip(self._before_params, before, strict=True):
+            if self._closure and param.grad is None:
+                continue  # not stepped (copied before a closure computed the gradients)
+            key = SeriesKey("train", layer, "update", pname)
+            after = param.detach()
+            if kernel is not None and after.numel() and kernel.accepts(after) and kernel.accepts(old):
+                state.buffer.add_host(kernel, key, after, replace=True, minus=old)
+            else:
+                rest.append((key, after, old))
+        if rest:
+            with torch.no_grad():
+                deltas = torch._foreach_sub([after for _, after, _ in rest], [old for _, _, old in rest])
+            for (key, _, _), delta in zip(rest, deltas, strict=True):
+                summarize_into(state, key, delta, None, replace=True)
+
+    def clear(self) -> None:
+        """Forget every parameter and registration (``remove()``: a closed Watch keeps none alive)."""
+        self._before = None
+        self._before_params = self._owned_params = self._other_params = []
+        self._owned_grads = self._other_grads = []
+        self.params = []
+        self._grads = []
+        self.grad_registrations, self.step_registrations = [], []
+
+
+def place_in_backward(buffer: StepBuffer, start: int) -> None:
+    """Give the rows from ``start`` on (parameter gradients summarised together, in reverse parameter
+    order) their places in the step's execution order: each right after the last gradient w.r.t. its
+    own module's output (autograd computes a module's parameter gradients from it), a parameter whose
+    module has no such row right after the one placed before it, the first such ones before the step's
+    first backward row. Without backward rows they stay where they are, after the forward.
+
+    Example:
+        >>> buffer = StepBuffer()
+        >>> for layer, kind in [("a", "activation"), ("b", "activation"), ("b", "output_grad"),
+        ...                     ("a", "output_grad"), ("b", "param_grad"), ("a", "param_grad")]:
+        ...     buffer._append(SeriesKey("train", layer, kind, ""), 1, False)
+        >>> place_in_backward(buffer, 4)
+        >>> [" ".join(buffer.keys[i][1:3]) for i in sorted(range(6), key=buffer.order.__getitem__)]
+        ['a activation', 'b activation', 'b output_grad', 'b param_grad', 'a output_grad', 'a param_grad']
+    """
+    keys, order = buffer.keys, buffer.order
+    backward: dict[str, int] = {}  # module -> position of the last gradient w.r.t. its output
+    first = None  # position of the step's first backward row
+    for key, position in zip(keys[:start], order[:start], strict=True):
+        if isinstance(key, SeriesKey) and key.phase == "train" and key.kind.endswith("_grad"):
+            if first is None or position < first:
+                first = position
+            if key.kind == "output_grad" and position > backward.get(key.layer, -1):
+                backward[key.layer] = position
+    if first is None or len(keys) == start:
+        return
+    slots: list[tuple[float, int, int]] = [(position, 0, i) for i, position in enumerate(order[:start])]
+    anchor: tuple[float, int] = (first, -1)  # before the first backward row
+    for i in range(start, len(keys)):
+        key = keys[i]
+        layer = key.layer if isinstance(key, SeriesKey) else None
+        if layer in backward:
+            anchor = (backward[layer], 1)
+        slots.append((anchor[0], anchor[1], i))
+    slots.sort()
+    for rank, (_, _, i) in enumerate(slots):
+        order[i] = rank

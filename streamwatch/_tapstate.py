@@ -1,0 +1,234 @@
+"""What every hook reads and writes: the tap state, and summarising one tensor into the step.
+
+:class:`TapState` is what the hooks read on every call (which kinds this step samples, the step's buffer,
+the fused kernel) and what they count (skipped tensors, errors, their own time); the Watch's step
+boundary writes it at each step's end. :func:`summarize_into` turns one tensor into one row of the
+step's buffer (the fused CPU kernel where it can read the tensor, else torch ops), skipping odd tensors
+and counting them. :func:`guarded` wraps a hook body so that nothing it raises reaches the training step.
+
+Example:
+    >>> import torch
+    >>> from streamwatch._record import SeriesKey
+    >>> state = TapState()
+    >>> summarize_into(state, SeriesKey("train", "fc", "activation", ""), torch.ones(2, 3), None)
+    >>> summarize_into(state, SeriesKey("train", "fc", "activation", "1"), torch.ones(0), None)
+    >>> len(state.buffer), state.skipped
+    (1, {'empty': 1})
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any
+
+import torch
+
+from streamwatch._kernel import FusedKernel
+from streamwatch._record import SeriesKey, StepBuffer
+from streamwatch._summary import summarize, unit_dim_for
+
+__all__ = ["Hook", "StepTimes", "TapState", "guarded", "inert", "local", "prepare", "summarize_into"]
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """Host wall-clock boundaries of the current training step (``perf_counter`` seconds; 0: not seen).
+
+    Set by the root module's forward hooks and the optimizer's step hooks, read at ``watch.step()``,
+    which hands them with the step's end to the worker: reading the clock never waits for the device.
+    On CUDA the host runs ahead of the device, so a part is when the host got through it — a rank that
+    waits (the gradient all-reduce, a data loader) shows it. The worker turns them into the step's
+    parts (:func:`~streamwatch._record.step_parts`).
+
+    Example:
+        >>> t = StepTimes(step_end=1.0, forward_start=1.5, forward_end=2.0)
+        >>> t.optimizer_start, t.optimizer_end = 3.0, 3.25
+        >>> from streamwatch._record import step_parts
+        >>> marks = (t.step_end, t.forward_start, t.forward_end, t.optimizer_start, t.optimizer_end, 3.5)
+        >>> step_parts(marks, {})
+        {'part/data_wait': 0.5, 'part/forward': 0.5, 'part/backward': 1.0, 'part/optimizer': 0.25}
+    """
+
+    step_end: float = 0.0
+    forward_start: float = 0.0
+    forward_end: float = 0.0
+    optimizer_start: float = 0.0
+    optimizer_end: float = 0.0
+
+    clock = staticmethod(perf_counter)
+    """The clock every boundary is read from: ``time.perf_counter`` itself (a C call; tests may fake
+    it)."""
+
+
+@dataclass(slots=True)
+class TapState:
+    """What hooks read on every call; written by the Watch at each step boundary (one thread)."""
+
+    on: Mapping[str, bool] = field(default_factory=dict)  # this step samples this kind
+    forward: bool = False  # any forward-side kind is sampled this step
+    taps: frozenset[str] = frozenset()
+    buffer: StepBuffer = field(default_factory=StepBuffer)
+    channel_last: bool | None = None  # the user's override; None: per module, and 4-D/5-D tensors are NCHW
+    dead_units: bool = True
+    count_nonfinite: bool = False
+    kernel: FusedKernel | None = None  # the fused CPU kernel, if it could be built
+    skipped: dict[str, int] = field(default_factory=dict)
+    errors: list[BaseException] = field(default_factory=list)
+    hook_errors: int = 0
+    paused: bool = False  # an opt-in metric runs the model itself (probe batch, Hessian): no taps
+    # the root module's last call was a training forward (train mode, gradients on): a submodule in eval
+    # mode inside it (a frozen BatchNorm) is part of the training step, not an evaluation pass
+    root_training: bool = False
+    compiled: bool = False  # a hook ran inside torch.compile: hooks stay installed (TapSet.static)
+    timed: bool = True  # the step samples something: its parts are timed, the optimizer hooks are in
+    busy: float = 0.0  # seconds spent inside streamwatch's hooks since the last step boundary
+    times: StepTimes = field(default_factory=StepTimes)
+    # this step's opt-in metrics: tensor metrics by the kind they read, and parameter-level ones
+    kind_metrics: dict[str, list[Callable[[StepBuffer, SeriesKey, torch.Tensor], None]]] = field(
+        default_factory=dict
+    )
+    step_metrics: tuple[Any, ...] = ()
+    # how many coming step ends may take the Watch's quiet path; anything that records (an evaluation
+    # pass arming its hooks) or fails on the training thread sets it to 0
+    quiet: int = 0
+
+    def skip(self, reason: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+    def fail(self, exc: BaseException) -> None:
+        """Count (and keep the first few of) an exception caught on the training thread."""
+        self.hook_errors += 1
+        self.quiet = 0  # the next boundary surfaces it
+        if len(self.errors) < 16:
+            self.errors.append(exc)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> None:
+        """``fn(*args)``, an exception counted and kept, never raised (one metric cannot stop another)."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            self.fail(exc)
+
+
+def local(x: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (FSDP2's sharded parameters, gradients and updates; tensor
+    parallel): a view, no collective. Its sums of squares and counts add up across ranks to the whole
+    tensor's (docs/scale.md). Any other tensor as it is."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # loaded by whatever made a DTensor
+    if dtensor is not None and isinstance(x, dtensor.DTensor):
+        return x.to_local()  # type: ignore[no-any-return]
+    return x
+
+
+def prepare(x: torch.Tensor, state: TapState) -> torch.Tensor | None:
+    """A dense real floating view of ``x`` to summarise, or None (skipped and counted)."""
+    x = local(x)
+    if x.is_nested:  # (strided or jagged: no single shape to take units or a flat pass from)
+        state.skip("nested")
+        return None
+    if x.is_sparse or x.layout != torch.strided:
+        state.skip("sparse")
+        return None
+    if x.is_complex():
+        state.skip("complex")
+        return None
+    if x.is_quantized or x.device.type == "meta":
+        state.skip("unsupported_tensor")
+        return None
+    if x.numel() == 0:
+        state.skip("empty")
+        return None
+    x = x.detach()
+    if not x.is_floating_point():
+        x = x.to(torch.float32)  # bool masks, integer ids: summarised as numbers
+    return x
+
+
+def summarize_into(
+    state: TapState,
+    key: SeriesKey,
+    x: torch.Tensor,
+    channel_last: bool | None,
+    replace: bool = False,
+    bounds: tuple[float, float] | None = None,
+) -> None:
+    """Summarise ``x`` into the current step buffer under ``key`` (skips odd tensors, counted).
+
+    ``channel_last`` says where units are for per-unit activity (None: none taken); ``bounds`` are the
+    producing module's saturation bounds (activations only).
+    """
+    prepared = prepare(x, state)
+    if prepared is None:
+        return
+    unit_dim = None
+    if channel_last is not None and state.dead_units:
+        if state.channel_last is None and prepared.dim() >= 4:
+            channel_last = False  # NCHW / NCDHW: a ReLU after a Conv2d has channels in dim 1 too
+        unit_dim = unit_dim_for(prepared, channel_last)
+    kernel = state.kernel
+    readable = kernel.readable(prepared) if kernel is not None else None
+    if readable is not None and not torch.compiler.is_compiling():
+        assert kernel is not None
+        prepared = readable  # (a strided view: copied once, contiguous)
+        state.buffer.add_host(kernel, key, prepared, unit_dim=unit_dim, bounds=bounds, replace=replace)
+    else:
+        row = summarize(prepared, unit_dim=unit_dim, count_nonfinite=state.count_nonfinite, bounds=bounds)
+        state.buffer.add(key, prepared.numel(), row, replace=replace)
+    if state.kind_metrics:  # opt-in tensor metrics (histograms, p-norms) on this step's tensors
+        for metric in state.kind_metrics.get(key.kind, ()):
+            state.call(metric, state.buffer, key, prepared)
+
+
+def inert(*args: Any, **kwargs: Any) -> None:
+    """What a copy of an observed model holds in place of a streamwatch hook: nothing happens."""
+
+
+def _make_inert() -> Callable[..., None]:
+    return inert
+
+
+class Hook:
+    """A hook streamwatch installs. ``copy.deepcopy`` of the model (an EMA or a teacher copy) and
+    pickling it whole (``torch.save(model)``) copy a module's hooks: they get :func:`inert` instead, so
+    the copy carries nothing of the Watch (its calls are not summarised into it, and a hook that holds
+    the kernel's C pointers does not make the copy fail).
+
+    Example:
+        >>> import copy, pickle
+        >>> hook = Hook(print)
+        >>> copy.deepcopy(hook) is inert, pickle.loads(pickle.dumps(hook)) is inert
+        (True, True)
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
+        return inert
+
+    def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
+        return _make_inert, ()
+
+
+def guarded(state: TapState, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a hook body so that nothing it raises reaches the training step (counted, kept)."""
+
+    def hook(*args: Any) -> None:
+        compiling = torch.compiler.is_compiling()  # a constant to dynamo: no wall clock inside a graph
+        start = 0.0 if compiling else perf_counter()
+        try:
+            fn(*args)
+        except Exception as exc:
+            state.fail(exc)
+        if not compiling:
+            state.busy += perf_counter() - start  # streamwatch's own time on the training thread
+
+    return Hook(hook)
