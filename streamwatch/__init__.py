@@ -27,7 +27,7 @@ from streamwatch._exceptions import (
 )
 from streamwatch._nonfinite import FirstNonFinite
 from streamwatch._observe import DEFAULT_METRICS, DEFAULT_OVERHEAD, SCALAR_SECONDS, Sample, Watch, observe
-from streamwatch._pipeline import Chain, Node, Operator, Pipeline, Sink, Source, Stream, source
+from streamwatch._pipeline import Operator, Pipeline, Sink, source
 from streamwatch._record import SeriesKey, StepRecord
 from streamwatch._select import Select
 from streamwatch._store import SeriesSource, SeriesStore, WatchStatistics
@@ -38,7 +38,6 @@ __all__ = [
     "DEFAULT_OVERHEAD",
     "OVERFLOW_POLICIES",
     "SCALAR_SECONDS",
-    "Chain",
     "ChannelClosed",
     "ChannelStatistics",
     "Empty",
@@ -46,7 +45,6 @@ __all__ = [
     "FirstNonFinite",
     "Full",
     "Lagged",
-    "Node",
     "NonFiniteError",
     "Operator",
     "OverflowPolicy",
@@ -63,9 +61,7 @@ __all__ = [
     "SeriesSource",
     "SeriesStore",
     "Sink",
-    "Source",
     "StepRecord",
-    "Stream",
     "StreamwatchError",
     "Watch",
     "WatchStatistics",
@@ -85,3 +81,29 @@ try:
     __version__ = _metadata.version("streamwatch")
 except _metadata.PackageNotFoundError:  # pragma: no cover - imported from a source tree that is not installed
     __version__ = "0+unknown"
+
+_MOVED = {
+    "Chain": ("streamwatch._pipeline", "what composing operators with | gives"),
+    "Node": ("streamwatch._pipeline", "an operator's runtime state inside a pipeline"),
+    "Source": ("streamwatch._pipeline", "what streamwatch.source() returns"),
+    "Stream": ("streamwatch._pipeline", "a source with operators, before its sink"),
+}
+
+
+def __getattr__(name: str) -> object:
+    """Names that left the public namespace (internals): still importable, with a ``DeprecationWarning``
+    saying where they live now (removed in a later release)."""
+    moved = _MOVED.get(name)
+    if moved is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    import warnings
+
+    module, why = moved
+    warnings.warn(
+        f"{__name__}.{name} is internal ({why}) and leaves the public API; it is {module}.{name} for now "
+        "and will be removed",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(module), name)

@@ -49,10 +49,8 @@ Example:
 
 from __future__ import annotations
 
-import asyncio
 import math
 import queue
-import sys
 import threading
 import time
 import warnings
@@ -65,6 +63,7 @@ from typing import Any, Generic, Literal, TypeVar, cast
 import anyio.lowlevel
 
 from streamwatch._exceptions import ChannelClosed, Empty, EndOfChannel, Full, Lagged, RecvTimeout, SendTimeout
+from streamwatch._wakers import Waker, async_waker, wake_all
 
 __all__ = [
     "OVERFLOW_POLICIES",
@@ -74,6 +73,7 @@ __all__ = [
     "Receiver",
     "Sender",
     "channel",
+    "lagging_pair",
 ]
 
 T = TypeVar("T")
@@ -86,8 +86,6 @@ _POLICY_SET = frozenset(OVERFLOW_POLICIES)
 _LEAK = (
     "unclosed {!r}: close it (or use it as a context manager) when done; closed now by the garbage collector"
 )
-
-Waker = Callable[[], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,20 +214,20 @@ class _State(Generic[T]):
         if n > self.high_water:
             self.high_water = n
         if self.async_recv:
-            _wake_all(self.async_recv)
+            wake_all(self.async_recv)
 
     def maybe_end(self) -> None:
         """Put the end sentinel once nothing more can arrive: closing and no permit outstanding."""
         if not self.end_put and self.closing() and self.reserved == 0:
             self.end_put = True
             self.buffer.put(_END)
-            _wake_all(self.async_recv)
+            wake_all(self.async_recv)
 
     def wake_senders(self) -> None:
         if self.send_waiting:
             self.not_full.notify_all()
         if self.async_send:
-            _wake_all(self.async_send)
+            wake_all(self.async_send)
 
     # -- consumer side, no lock ---------------------------------------------------------------------
 
@@ -267,55 +265,6 @@ class _State(Generic[T]):
                 blocked_send_seconds=self.blocked_send_seconds,
                 closed=self.closing(),
             )
-
-
-def _wake_all(wakers: list[Waker]) -> None:
-    for wake in wakers:
-        wake()
-    wakers.clear()
-
-
-def _trio_token() -> Any:
-    """The running trio loop's token, or None outside trio.
-
-    Read without importing trio (and without sniffio, which anyio no longer depends on): code can only
-    be running under trio if trio is already imported.
-    """
-    trio = sys.modules.get("trio")
-    if trio is None:
-        return None
-    try:
-        return trio.lowlevel.current_trio_token()
-    except RuntimeError:  # trio is imported, but this is not a trio task
-        return None
-
-
-def _async_waker() -> tuple[Waker, Callable[[], Any]]:
-    """A ``(wake, wait)`` pair for the running event loop; ``wake`` may be called from any thread."""
-    token = _trio_token()
-    if token is not None:
-        import trio
-
-        trio_event = trio.Event()
-
-        def wake_trio() -> None:
-            try:
-                token.run_sync_soon(trio_event.set)
-            except trio.RunFinishedError:  # the loop is gone; nobody is waiting any more
-                pass
-
-        return wake_trio, trio_event.wait
-
-    loop = asyncio.get_running_loop()
-    asyncio_event = asyncio.Event()
-
-    def wake_asyncio() -> None:
-        try:
-            loop.call_soon_threadsafe(asyncio_event.set)
-        except RuntimeError:  # the loop is closed
-            pass
-
-    return wake_asyncio, asyncio_event.wait
 
 
 def _check_timeout(timeout: float | None) -> float | None:
@@ -361,6 +310,31 @@ def channel(
 
 
 _C = TypeVar("_C", bound="_Closing")
+
+
+def _check_capacity(capacity: object) -> int:
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"Expected `capacity` to be an integer >= 1, got {capacity!r}")
+    return capacity
+
+
+def lagging_pair(capacity: int) -> tuple[Sender[Any], Receiver[Any]]:
+    """A sender and a receiver over one buffer of ``capacity`` whose receiver reports what a full buffer
+    overwrote (:class:`~streamwatch.Lagged`) and neither warns when left open (they live and die with
+    their owner): a subscription's buffer, sent to with ``offer(item, "drop_oldest")``.
+
+    Example:
+        >>> tx, rx = lagging_pair(1)
+        >>> tx.offer("a", "drop_oldest"), tx.offer("b", "drop_oldest")
+        (True, True)
+        >>> try:
+        ...     rx.recv_nowait()
+        ... except Lagged as lag:
+        ...     print(lag.missed, rx.recv_nowait())
+        1 b
+    """
+    state: _State[Any] = _State(_check_capacity(capacity), None)
+    return Sender(state, warn_on_leak=False), Receiver(state, report_lag=True, warn_on_leak=False)
 
 
 class _Closing:
@@ -478,7 +452,7 @@ class Sender(_Endpoint, Generic[T_contra]):
             with state.lock:
                 if self._closed or state.receiver_closed:
                     raise self._closed_error(item)
-                wake, wait = _async_waker()
+                wake, wait = async_waker()
                 state.async_send.append(wake)  # register, then check: no lost wake-up
                 try:
                     state.tokens.pop()
@@ -550,7 +524,7 @@ class Sender(_Endpoint, Generic[T_contra]):
                 if n > state.high_water:
                     state.high_water = n
                 if state.async_recv:
-                    _wake_all(state.async_recv)
+                    wake_all(state.async_recv)
                 return True
             if policy == "drop_oldest":
                 try:
@@ -844,7 +818,7 @@ class Receiver(_Endpoint, Generic[T_co]):
             except queue.Empty:
                 pass
             with state.lock:
-                wake, wait = _async_waker()
+                wake, wait = async_waker()
                 state.async_recv.append(wake)  # register, then check: producers put under the lock
                 if state.buffer.qsize():
                     state.async_recv.remove(wake)

@@ -29,7 +29,7 @@ import math
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import numpy as np
 
@@ -44,13 +44,10 @@ from streamwatch._families import (
     Family,
     stepped_weight_sumsq,
 )
-from streamwatch._kernel import _module_function
+from streamwatch._kernel import ewm_fold
 from streamwatch._pipeline import Operator, Pipeline, Sink, describe, source
 from streamwatch._record import Sample, SeriesKey, StepRecord
 from streamwatch._store import SeriesStore
-
-if TYPE_CHECKING:
-    from streamwatch._observe import Watch
 
 __all__ = [
     "DEFAULT_DETECTORS",
@@ -61,6 +58,7 @@ __all__ = [
     "LossSpike",
     "UpdateRatioBand",
     "Values",
+    "Watched",
     "attach",
     "check_detectors",
     "pipelines",
@@ -147,7 +145,7 @@ class Baseline(NamedTuple):
         return f"<baseline series={len(self.names)}>"
 
 
-_EWM_FOLD = _module_function("ewm_fold")
+_EWM_FOLD = ewm_fold()
 """The compiled fold of a smoothed detector (None: :meth:`_Smoothed.fold_reference`'s Python)."""
 
 
@@ -707,11 +705,29 @@ def pipelines(store: SeriesStore, detectors: Iterable[Detector] = DEFAULT_DETECT
     return [detector.pipeline(store) for detector in check_detectors(detectors)]
 
 
-_ATTACHED: weakref.WeakKeyDictionary[Watch, set[type[Detector]]] = weakref.WeakKeyDictionary()
+class Watched(Protocol):
+    """What :func:`attach` reads of a watch (a :class:`streamwatch.Watch`)."""
+
+    @property
+    def detectors(self) -> tuple[Detector, ...]:
+        """The detectors ``observe()`` runs."""
+        ...
+
+    @property
+    def store(self) -> SeriesStore:
+        """The series store the detectors publish into."""
+        ...
+
+    def pipe(self, pipeline: Pipeline) -> Pipeline:
+        """Attach a pipeline to the watch's worker."""
+        ...
+
+
+_ATTACHED: weakref.WeakKeyDictionary[Watched, set[type[Detector]]] = weakref.WeakKeyDictionary()
 """The detector classes :func:`attach` added to each watch (beside those ``observe()`` built in)."""
 
 
-def attach(watch: Watch, detectors: Iterable[Detector] = DEFAULT_DETECTORS) -> list[Pipeline]:
+def attach(watch: Watched, detectors: Iterable[Detector] = DEFAULT_DETECTORS) -> list[Pipeline]:
     """Attach detectors to a running watch (each with ``watch.pipe``, publishing into ``watch.store``).
 
     ``observe()`` runs :data:`DEFAULT_DETECTORS` already (``observe(detectors=...)`` chooses them); this

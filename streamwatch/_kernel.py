@@ -426,6 +426,20 @@ def correct_counters() -> dict[torch.dtype, Callable[[int, int, int, int], float
     return _by_dtype("correct_f32", "correct_f64")
 
 
+def ewm_fold() -> Any:
+    """The compiled module's fold of a smoothed detector's baseline (``_detectors._Smoothed.fold``: the
+    same bits as its Python reference, one C call per record); None when the module is missing or
+    predates it. ``STREAMWATCH_KERNEL`` chooses how tensors are summarised and leaves this alone. Never
+    raises, never warns.
+
+    Example:
+        >>> fold = ewm_fold()
+        >>> fold is None or callable(fold)
+        True
+    """
+    return _module_function("ewm_fold")
+
+
 def _by_dtype(f32: str, f64: str) -> dict[torch.dtype, Any]:
     """The compiled module's functions ``f32`` and ``f64`` by the dtype they read; empty when the module
     is missing, predates them, or ``STREAMWATCH_KERNEL=torch``."""
@@ -438,7 +452,7 @@ def _by_dtype(f32: str, f64: str) -> dict[torch.dtype, Any]:
 def _module_function(name: str) -> Any:
     """The compiled module's function ``name``; None when the module is missing or predates it."""
     try:
-        from streamwatch import _fused  # type: ignore[attr-defined]  # (the compiled module)
+        from streamwatch import _fused  # (the compiled module)
 
         return getattr(_fused, name)
     except (ImportError, AttributeError):

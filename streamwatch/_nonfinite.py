@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -46,9 +46,6 @@ from streamwatch._exceptions import NonFiniteError
 from streamwatch._families import FIRST_NONFINITE_INFO, FIRST_NONFINITE_STEP
 from streamwatch._pipeline import Sink
 from streamwatch._record import Sample, SeriesKey, StepRecord
-
-if TYPE_CHECKING:
-    from streamwatch._store import SeriesStore
 
 __all__ = [
     "DEFAULT_ESCALATE",
@@ -243,6 +240,14 @@ def first_of_run(records: Iterable[StepRecord]) -> FirstNonFinite | None:
     return None
 
 
+class Publishes(Protocol):
+    """Where the tracker publishes where the first NaN started (a :class:`streamwatch.SeriesStore`)."""
+
+    def put(self, samples: Iterable[Sample], replace: bool = False) -> None:
+        """Latest values, replacing those with the same names (and, with ``replace``, every label set)."""
+        ...
+
+
 class NonFiniteTracker(Sink):
     """The worker side: the run's first non-finite value, published into ``store``, and the reaction.
 
@@ -272,7 +277,7 @@ class NonFiniteTracker(Sink):
         [('streamwatch_first_nonfinite_info', 1.0), ('streamwatch_first_nonfinite_step', 1.0)]
     """
 
-    def __init__(self, store: SeriesStore | None, reaction: Reaction | None = "warn") -> None:
+    def __init__(self, store: Publishes | None, reaction: Reaction | None = "warn") -> None:
         self.store = store
         self.reaction: Reaction | None = reaction
         self.first: FirstNonFinite | None = None

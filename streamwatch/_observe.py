@@ -270,14 +270,10 @@ class Watch:
     ) -> Exporter:
         """Serve this watch's latest values on ``http://host:(port + LOCAL_RANK)/metrics`` for Prometheus.
 
-        One endpoint per process; under torchrun each local rank takes the next port. The collector
-        builds the metric families at scrape time (no per-series objects, nothing on the training
-        thread). The server has two threads whatever the load: one multiplexes every connection (at
-        most 64; a silent or half-sent connection holds no thread and is closed after ``timeout``), one
-        answers in batches, at most 4 a second, rendering once per change of the values however many
-        scrapers ask and at most 2 % of the time (requests wait for the next batch). Only
-        ``GET``/``HEAD /metrics`` are served (other methods: 405, other paths: 404). ``close()`` joins
-        both threads and closes every connection.
+        One endpoint per process; under torchrun each local rank takes the next port. The families are
+        built at scrape time, off the training thread, by a server of two threads whatever the load
+        (bounded connections and timeouts, one render per change of the values; docs/prometheus.md).
+        Only ``GET``/``HEAD /metrics`` are served. ``close()`` joins both threads.
 
         Args:
             port: the base port (``0``: any free port, see :attr:`Exporter.url`).

@@ -29,3 +29,26 @@ def test_every_public_callable_has_a_docstring(module) -> None:
         and not (getattr(module, name).__doc__ or "").strip()
     ]
     assert undocumented == []
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        (streamwatch, "Chain"),
+        (streamwatch, "Node"),
+        (streamwatch, "Source"),
+        (streamwatch, "Stream"),
+        (metrics, "Binding"),
+        (metrics, "DERIVED"),
+    ],
+)
+def test_internals_that_left_the_namespace_still_import_with_a_deprecation_warning(module, name) -> None:
+    with pytest.warns(DeprecationWarning, match=rf"{module.__name__}\.{name} is internal"):
+        value = getattr(module, name)
+    assert value is not None
+    assert name not in module.__all__
+
+
+def test_an_unknown_name_is_still_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="has no attribute 'Nonexistent'"):
+        streamwatch.Nonexistent  # noqa: B018

@@ -390,12 +390,12 @@ def test_lightning_ddp_records_carry_the_trainers_global_rank(pl: Any, tmp_path:
 
 
 def test_rank_mismatch_is_warned(monkeypatch: pytest.MonkeyPatch) -> None:
-    from streamwatch.integrations import _check_rank
+    from streamwatch.integrations._common import check_rank
 
     monkeypatch.delenv("RANK", raising=False)
-    _check_rank(0, "trainer.global_rank")  # agrees: silent (filterwarnings=error)
+    check_rank(0, "trainer.global_rank")  # agrees: silent (filterwarnings=error)
     with pytest.warns(RuntimeWarning, match=r"global rank is 1 \(trainer.global_rank\).*rank=0"):
-        _check_rank(1, "trainer.global_rank")
+        check_rank(1, "trainer.global_rank")
 
 
 # -- Hugging Face transformers --------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 
 import streamwatch as sw
 from streamwatch import ops
+from streamwatch._pipeline import Chain, Node, Stream
 from streamwatch.ops._combine import ZipNode
 from streamwatch.testing import FakeClock
 
@@ -529,7 +530,7 @@ def test_reductions_accept_numpy_scalars_and_torch_tensors() -> None:
 # -- zip ---------------------------------------------------------------------------------------------
 
 
-def zip_run(*streams: sw.Stream, items: Iterable[Any], **kwargs: Any) -> tuple[list[Any], dict[str, int]]:
+def zip_run(*streams: Stream, items: Iterable[Any], **kwargs: Any) -> tuple[list[Any], dict[str, int]]:
     out = sw.sinks.collect()
     pipeline = ops.zip(*streams, **kwargs) | out
     pipeline.run(items)
@@ -640,7 +641,7 @@ def test_zip_flushes_after_its_inputs_close() -> None:
 
 def test_chain_is_reusable_without_sharing_state() -> None:
     chain = ops.map(lambda x: x * 10) | ops.window(2) | ops.sum()
-    assert isinstance(chain, sw.Chain)
+    assert isinstance(chain, Chain)
     assert chain == ops.map(chain.ops[0].fn) | ops.window(2) | ops.sum()  # type: ignore[attr-defined]
     out_a, out_b = sw.sinks.collect(), sw.sinks.collect()
     a = sw.source() | chain | out_a
@@ -656,7 +657,7 @@ def test_chain_is_reusable_without_sharing_state() -> None:
 
 def test_a_custom_operator_opening_a_chain_flushes_and_counts_like_the_chain() -> None:
     class Smooth(sw.Operator):
-        def open(self, emit: Callable[[Any], None]) -> sw.Node:
+        def open(self, emit: Callable[[Any], None]) -> Node:
             return (ops.filter(bool) | ops.window(2) | ops.std()).open(emit)
 
     out, plain = sw.sinks.collect(), sw.sinks.collect()

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import streamwatch as sw
 from streamwatch import ops
+from streamwatch._pipeline import Stream
 from streamwatch.testing import FakeClock
 
 settings.register_profile("ops", deadline=None, max_examples=150)
@@ -355,7 +356,7 @@ def interleaved_sides(draw: st.DrawFn) -> tuple[int, list[tuple[int, int]]]:
     return n_sides, [(side, next(cursors[side])) for side in order]
 
 
-def side_streams(n_sides: int) -> list[sw.Stream]:
+def side_streams(n_sides: int) -> list[Stream]:
     """One stream per side of a zip, fed from one source of ``(side, key)`` pairs."""
     source = sw.source()
     return [source | ops.filter(partial(on_side, side)) for side in range(n_sides)]

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "streamwatch"
 
 _spec = importlib.util.spec_from_file_location("sizes", ROOT / ".ci" / "sizes.py")
-assert _spec is not None and _spec.loader is not None
+assert _spec is not None
+assert _spec.loader is not None
 sizes = importlib.util.module_from_spec(_spec)
 sys.modules["sizes"] = sizes
 _spec.loader.exec_module(sizes)

@@ -73,7 +73,7 @@ except ImportError as _err:
     ) from _err
 
 from streamwatch._observe import Watch
-from streamwatch.integrations import _check_rank, _close_at_end, _observe_options, _watch
+from streamwatch.integrations._common import check_rank, close_at_end, make_watch, observe_options
 
 __all__ = ["StreamwatchCallback"]
 
@@ -105,7 +105,7 @@ class StreamwatchCallback(Callback):
 
     def __init__(self, **observe_kwargs: Any) -> None:
         super().__init__()
-        self._options = _observe_options(observe_kwargs, type(self).__name__)
+        self._options = observe_options(observe_kwargs, type(self).__name__)
         self.watch: Watch | None = None
         self._loss: torch.Tensor | float | None = None
         self._samples: int | None = 0
@@ -115,8 +115,8 @@ class StreamwatchCallback(Callback):
         """Create the watch: the LightningModule and the trainer's first optimizer."""
         self.close()  # a watch of an earlier fit that was never torn down
         optimizers = trainer.optimizers
-        _check_rank(trainer.global_rank, "trainer.global_rank")
-        self.watch = _watch(
+        check_rank(trainer.global_rank, "trainer.global_rank")
+        self.watch = make_watch(
             pl_module, optimizers[0] if optimizers else None, self._options, _steps_done(trainer)
         )
         self._global_step = trainer.global_step
@@ -212,7 +212,7 @@ class StreamwatchCallback(Callback):
         """The fit (or another trainer function) ended: close the watch (a pipeline that failed during
         the fit is warned about, not raised: the fit finished)."""
         self._reset()
-        _close_at_end(self.watch, type(self).__name__)
+        close_at_end(self.watch, type(self).__name__)
 
     def close(self) -> None:
         """Close the watch (flush every completed step, remove every hook). Idempotent; ``teardown`` calls

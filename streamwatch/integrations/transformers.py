@@ -59,7 +59,7 @@ except ImportError as _err:
     ) from _err
 
 from streamwatch._observe import Watch
-from streamwatch.integrations import _check_rank, _close_at_end, _observe_options, _watch
+from streamwatch.integrations._common import check_rank, close_at_end, make_watch, observe_options
 
 __all__ = ["StreamwatchCallback"]
 
@@ -93,7 +93,7 @@ class StreamwatchCallback(TrainerCallback):
 
     def __init__(self, **observe_kwargs: Any) -> None:
         super().__init__()
-        self._options = _observe_options(observe_kwargs, type(self).__name__)
+        self._options = observe_options(observe_kwargs, type(self).__name__)
         self.watch: Watch | None = None
         self._pending = False  # the step ended; its loss comes with the Trainer's next log
 
@@ -107,8 +107,8 @@ class StreamwatchCallback(TrainerCallback):
             raise TypeError(
                 f"StreamwatchCallback: the Trainer passed no torch.nn.Module as `model`, got {model!r}"
             )
-        _check_rank(int(args.process_index), "args.process_index")
-        self.watch = _watch(
+        check_rank(int(args.process_index), "args.process_index")
+        self.watch = make_watch(
             model, _torch_optimizer(kwargs.get("optimizer")), self._options, state.global_step
         )
 
@@ -154,7 +154,7 @@ class StreamwatchCallback(TrainerCallback):
         """Training ended: close the watch (a pipeline that failed during the run is warned about, not
         raised: the training finished)."""
         self._end_pending()
-        _close_at_end(self.watch, type(self).__name__)
+        close_at_end(self.watch, type(self).__name__)
 
     def close(self) -> None:
         """Record a pending step, then close the watch (flush every completed step, remove every hook).

@@ -11,16 +11,14 @@ Every value they compute is served by ``watch.snapshot()`` (and ``/metrics``) as
 it belongs to; docs/metrics.md lists them all with their cost.
 """
 
-from streamwatch.metrics._base import Binding, Metric
-from streamwatch.metrics._derived import DERIVED, layer_mean, update_ratio
+from streamwatch.metrics._base import Metric
+from streamwatch.metrics._derived import layer_mean, update_ratio
 from streamwatch.metrics._histogram import Buckets, histogram
 from streamwatch.metrics._probe import ActivationSimilarity, HessianMaxEig, TestAccuracy
 from streamwatch.metrics._tensor import ConditionNumber, GradientCosine, Histogram, PNorm, SpectralNorm
 
 __all__ = [
-    "DERIVED",
     "ActivationSimilarity",
-    "Binding",
     "Buckets",
     "ConditionNumber",
     "GradientCosine",
@@ -34,3 +32,27 @@ __all__ = [
     "layer_mean",
     "update_ratio",
 ]
+
+_MOVED = {
+    "Binding": ("streamwatch.metrics._base", "what an opt-in metric is bound to by observe()"),
+    "DERIVED": ("streamwatch.metrics._derived", "the registry of worker-side metric names"),
+}
+
+
+def __getattr__(name: str) -> object:
+    """Names that left the public namespace (internals): still importable, with a ``DeprecationWarning``
+    saying where they live now (removed in a later release)."""
+    moved = _MOVED.get(name)
+    if moved is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    import warnings
+
+    module, why = moved
+    warnings.warn(
+        f"{__name__}.{name} is internal ({why}) and leaves the public API; it is {module}.{name} for now "
+        "and will be removed",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(module), name)

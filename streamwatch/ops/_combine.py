@@ -7,7 +7,7 @@ from functools import partial
 from typing import Any
 
 from streamwatch._pipeline import Emit, Node, Stream
-from streamwatch.ops._transform import _callable, _describe, _positive_int
+from streamwatch.ops._checks import check_callable, describe, positive_int
 
 __all__ = ["Zip", "ZipNode", "zip"]
 
@@ -87,7 +87,7 @@ class Zip(Stream):
             stream._wire(partial(node.push_side, side), roots, nodes)
 
     def __repr__(self) -> str:
-        return f"<zip {len(self.streams)} streams key={_describe(self.key)} max_pending={self.max_pending}>"
+        return f"<zip {len(self.streams)} streams key={describe(self.key)} max_pending={self.max_pending}>"
 
 
 def zip(*streams: Stream, key: Callable[[Any], Hashable], max_pending: int = 64) -> Stream:
@@ -131,5 +131,5 @@ def zip(*streams: Stream, key: Callable[[Any], Hashable], max_pending: int = 64)
             raise TypeError(
                 f"Expected `streams[{i}]` to be a Stream (e.g. streamwatch.source()), got {stream!r}"
             )
-    _callable("key", key)
-    return Zip(streams, key, _positive_int("max_pending", max_pending))
+    check_callable("key", key)
+    return Zip(streams, key, positive_int("max_pending", max_pending))

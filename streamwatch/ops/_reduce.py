@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from streamwatch._pipeline import Emit, Node, Operator
-from streamwatch.ops._transform import _as_int
+from streamwatch.ops._checks import as_int
 
 __all__ = ["Max", "Mean", "Min", "Std", "Sum", "max", "mean", "min", "std", "sum"]
 
@@ -309,7 +309,7 @@ def std(ddof: int = 0) -> Std:
         [1.0]
     """
     message = f"Expected `ddof` to be a non-negative integer, got {ddof!r}"
-    n = _as_int(ddof, message)
+    n = as_int(ddof, message)
     if n < 0:
         raise ValueError(message)
     return Std(n)

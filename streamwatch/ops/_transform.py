@@ -1,66 +1,15 @@
-"""Item-by-item operators: ``map``, ``filter``, ``scan``, ``subsample``.
-
-Also home to the argument checks and the callable naming the other operator families share.
-"""
+"""Item-by-item operators: ``map``, ``filter``, ``scan``, ``subsample``."""
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from streamwatch._pipeline import Emit, Node, Operator
+from streamwatch.ops._checks import check_callable, describe, positive_int
 
 __all__ = ["Filter", "Map", "Scan", "Subsample", "filter", "map", "scan", "subsample"]
-
-
-# -- shared argument checks (build the message, then raise) ------------------------------------------
-
-
-def _as_int(value: object, message: str) -> int:
-    """``value`` as an ``int``, or ``TypeError(message)``; ``bool`` is not an integer here."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(message)
-    return int(value)
-
-
-def _as_float(value: object, message: str) -> float:
-    """``value`` as a ``float`` (ints accepted), or ``TypeError(message)``; ``bool`` is refused."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(message)
-    return float(value)
-
-
-def _positive_int(name: str, value: object) -> int:
-    message = f"Expected `{name}` to be a positive integer, got {value!r}"
-    n = _as_int(value, message)
-    if n < 1:
-        raise ValueError(message)
-    return n
-
-
-def _positive_number(name: str, value: object) -> float:
-    message = f"Expected `{name}` to be a finite positive number, got {value!r}"
-    x = _as_float(value, message)
-    if not (x > 0 and math.isfinite(x)):
-        raise ValueError(message)
-    return x
-
-
-def _callable(name: str, value: object) -> None:
-    if not callable(value):
-        raise TypeError(f"Expected `{name}` to be callable, got {value!r}")
-
-
-def _describe(fn: object) -> str:
-    """How a user function appears in reprs: its qualified name (``<lambda>``, ``abs``) or its repr.
-
-    The ``outer.<locals>.`` part of a function defined inside another is left out.
-    """
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
-    return name.rpartition(".<locals>.")[2] if isinstance(name, str) else repr(fn)
 
 
 # -- map ---------------------------------------------------------------------------------------------
@@ -87,7 +36,7 @@ class Map(Operator):
         return MapNode(emit, self.fn)
 
     def __repr__(self) -> str:
-        return f"<map {_describe(self.fn)}>"
+        return f"<map {describe(self.fn)}>"
 
 
 def map(fn: Callable[[Any], Any]) -> Map:
@@ -104,7 +53,7 @@ def map(fn: Callable[[Any], Any]) -> Map:
         >>> out.items
         [1, 2, 3]
     """
-    _callable("fn", fn)
+    check_callable("fn", fn)
     return Map(fn)
 
 
@@ -133,7 +82,7 @@ class Filter(Operator):
         return FilterNode(emit, self.pred)
 
     def __repr__(self) -> str:
-        return f"<filter {_describe(self.pred)}>"
+        return f"<filter {describe(self.pred)}>"
 
 
 def filter(pred: Callable[[Any], object]) -> Filter:
@@ -147,7 +96,7 @@ def filter(pred: Callable[[Any], object]) -> Filter:
         >>> out.items
         [3, 2]
     """
-    _callable("pred", pred)
+    check_callable("pred", pred)
     return Filter(pred)
 
 
@@ -178,7 +127,7 @@ class Scan(Operator):
         return ScanNode(emit, self.fn, self.init)
 
     def __repr__(self) -> str:
-        return f"<scan {_describe(self.fn)} init={self.init!r}>"
+        return f"<scan {describe(self.fn)} init={self.init!r}>"
 
 
 def scan(fn: Callable[[Any, Any], Any], init: Any) -> Scan:
@@ -202,7 +151,7 @@ def scan(fn: Callable[[Any, Any], Any], init: Any) -> Scan:
         >>> out.items
         [1, 3, 6]
     """
-    _callable("fn", fn)
+    check_callable("fn", fn)
     return Scan(fn, init)
 
 
@@ -258,4 +207,4 @@ def subsample(n: int) -> Subsample:
         >>> out.items
         [1, 4, 7]
     """
-    return Subsample(_positive_int("n", n))
+    return Subsample(positive_int("n", n))

@@ -13,7 +13,7 @@ from typing import Any
 
 from streamwatch._clock import Clock, monotonic
 from streamwatch._pipeline import Emit, Node, Operator
-from streamwatch.ops._transform import _as_float, _callable, _positive_int, _positive_number
+from streamwatch.ops._checks import as_float, check_callable, positive_int, positive_number
 
 __all__ = ["Ewm", "Window", "WindowTime", "ewm", "window", "window_time"]
 
@@ -95,8 +95,8 @@ def window(size: int, step: int | None = None) -> Window:
         >>> out.items
         [[1, 2, 3], [3, 4, 5], [5, 6]]
     """
-    size = _positive_int("size", size)
-    return Window(size, size if step is None else _positive_int("step", step))
+    size = positive_int("size", size)
+    return Window(size, size if step is None else positive_int("step", step))
 
 
 # -- window_time -------------------------------------------------------------------------------------
@@ -228,9 +228,9 @@ def window_time(seconds: float, step: float | None = None, clock: Clock = monoto
         >>> out.items
         [[1, 2], [3, 4], [5]]
     """
-    seconds = _positive_number("seconds", seconds)
-    _callable("clock", clock)
-    return WindowTime(seconds, seconds if step is None else _positive_number("step", step), clock)
+    seconds = positive_number("seconds", seconds)
+    check_callable("clock", clock)
+    return WindowTime(seconds, seconds if step is None else positive_number("step", step), clock)
 
 
 # -- ewm ---------------------------------------------------------------------------------------------
@@ -295,7 +295,7 @@ def ewm(alpha: float) -> Ewm:
         [0, 2.0, 3.0, 1.5]
     """
     message = f"Expected `alpha` to be a number in (0, 1], got {alpha!r}"
-    a = _as_float(alpha, message)
+    a = as_float(alpha, message)
     if not 0 < a <= 1:
         raise ValueError(message)
     return Ewm(a)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from streamwatch._channel import ChannelStatistics, Receiver, Sender, _State
+from streamwatch._channel import ChannelStatistics, Receiver, Sender, lagging_pair
 from streamwatch._exceptions import ChannelClosed, EndOfChannel, PipelineError
 from streamwatch._pipeline import Sink
 
@@ -24,12 +24,9 @@ class Subscription(Sink):
     __slots__ = ("_error", "_rx", "_tx", "unsubscribed_drops")
 
     def __init__(self, capacity: int) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"Expected `capacity` to be an integer >= 1, got {capacity!r}")
-        state: _State[Any] = _State(capacity, None)
         # Both ends live and die with this subscription: no ResourceWarning of their own.
-        self._tx: Sender[Any] = Sender(state, warn_on_leak=False)
-        self._rx: Receiver[Any] = Receiver(state, report_lag=True, warn_on_leak=False)
+        pair: tuple[Sender[Any], Receiver[Any]] = lagging_pair(capacity)
+        self._tx, self._rx = pair
         self._error: BaseException | None = None
         self.unsubscribed_drops = 0  # outputs discarded after the subscriber called unsubscribe()
 
