@@ -509,22 +509,9 @@ class Sender(_Endpoint, Generic[T_contra]):
             timeout = _check_timeout(timeout)
         state = self._state
         dropped: Any
-        lock = state.lock
-        lock.acquire()
-        try:
-            if self._closed or state.receiver_closed:
-                raise self._closed_error(item)
-            tokens = state.tokens
-            if tokens:  # a free slot (the common case, written out: _try_token and put, one frame)
-                tokens.pop()
-                buffer = state.buffer
-                buffer.put(item)
-                state.sent += 1
-                n = buffer.qsize()
-                if n > state.high_water:
-                    state.high_water = n
-                if state.async_recv:
-                    wake_all(state.async_recv)
+        with state.lock:
+            if self._try_token(item):  # a free slot
+                state.put(item)
                 return True
             if policy == "drop_oldest":
                 try:
@@ -548,8 +535,6 @@ class Sender(_Endpoint, Generic[T_contra]):
                 return True
             else:  # "error"
                 raise Full(f"channel is full (capacity {state.capacity}); item handed back", item)
-        finally:
-            lock.release()
         if state.on_drop is not None:
             state.on_drop(dropped, reason)
         return reason == "drop_oldest"
