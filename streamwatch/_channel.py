@@ -63,6 +63,7 @@ from typing import Any, Generic, Literal, TypeVar, cast
 import anyio.lowlevel
 
 from streamwatch._exceptions import ChannelClosed, Empty, EndOfChannel, Full, Lagged, RecvTimeout, SendTimeout
+from streamwatch._validate import check_int, check_seconds
 from streamwatch._wakers import Waker, async_waker, wake_all
 
 __all__ = [
@@ -271,9 +272,8 @@ def _check_timeout(timeout: float | None) -> float | None:
     """Validate ``timeout`` and normalise it: ``None`` or ``inf`` wait forever (``None``)."""
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
-        raise ValueError(f"Expected `timeout` to be None or a number >= 0, got {timeout!r}")
-    return None if math.isinf(timeout) else float(timeout)
+    seconds = check_seconds(timeout, "timeout", optional=True)  # (None, above: no timeout)
+    return None if math.isinf(seconds) else seconds
 
 
 def _deadline(timeout: float | None) -> float | None:
@@ -301,8 +301,7 @@ def channel(
         1
         >>> rx.close()
     """
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"Expected `capacity` to be an integer >= 1, got {capacity!r}")
+    capacity = _check_capacity(capacity)
     if on_drop is not None and not callable(on_drop):
         raise TypeError(f"Expected `on_drop` to be callable or None, got {on_drop!r}")
     state: _State[Any] = _State(capacity, on_drop)
@@ -313,9 +312,7 @@ _C = TypeVar("_C", bound="_Closing")
 
 
 def _check_capacity(capacity: object) -> int:
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"Expected `capacity` to be an integer >= 1, got {capacity!r}")
-    return capacity
+    return check_int(capacity, "capacity")
 
 
 def lagging_pair(capacity: int) -> tuple[Sender[Any], Receiver[Any]]:
@@ -754,8 +751,7 @@ class Receiver(_Endpoint, Generic[T_co]):
         Raises:
             RecvTimeout: nothing arrived within ``timeout`` seconds.
         """
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"Expected `limit` to be an integer >= 1, got {limit!r}")
+        check_int(limit, "limit")
         if self._report_lag:
             self._raise_if_lagged()
             limit = 1  # a batch must never straddle a gap

@@ -48,6 +48,7 @@ from streamwatch._kernel import ewm_fold
 from streamwatch._pipeline import Operator, Pipeline, Sink, describe, source
 from streamwatch._record import Sample, SeriesKey, StepRecord
 from streamwatch._store import SeriesStore
+from streamwatch._validate import check_int, check_real
 
 __all__ = [
     "DEFAULT_DETECTORS",
@@ -212,12 +213,6 @@ class Detector(abc.ABC):
         return source() | self.chain() | _Publish(store, self)
 
 
-def _check_threshold(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise ValueError(f"Expected `{name}` to be a finite number > 0, got {value!r}")
-    return float(value)
-
-
 class _Smoothed(Detector):
     """A score of each new value against an exponentially weighted baseline of the values before it.
 
@@ -245,16 +240,9 @@ class _Smoothed(Detector):
     """The label naming a series (``""``: one series, no label)."""
 
     def _check(self) -> None:
-        _check_threshold(self.threshold, "threshold")
-        alpha = self.alpha
-        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < alpha <= 1:
-            raise ValueError(f"Expected `alpha` to be a number in (0, 1], got {alpha!r}")
-        warmup = self.warmup
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 2:
-            raise ValueError(
-                f"Expected `warmup` to be an int >= 2 (a baseline needs a mean and a deviation), "
-                f"got {warmup!r}"
-            )
+        check_real(self.threshold, "threshold", above=0, finite=True)
+        check_real(self.alpha, "alpha", above=0, at_most=1)
+        check_int(self.warmup, "warmup", minimum=2, note="a baseline needs a mean and a deviation")
 
     @abc.abstractmethod
     def extract(self, record: StepRecord) -> Values | None:
@@ -573,7 +561,8 @@ class UpdateRatioBand(Detector):
     high: float = 1e-1
 
     def __post_init__(self) -> None:
-        low, high = _check_threshold(self.low, "low"), _check_threshold(self.high, "high")
+        low = check_real(self.low, "low", above=0, finite=True)
+        high = check_real(self.high, "high", above=0, finite=True)
         if not low < high:
             raise ValueError(f"Expected `low` < `high`, got low={self.low!r}, high={self.high!r}")
 

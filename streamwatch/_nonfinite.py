@@ -46,6 +46,7 @@ from streamwatch._exceptions import NonFiniteError
 from streamwatch._families import FIRST_NONFINITE_INFO, FIRST_NONFINITE_STEP
 from streamwatch._pipeline import Sink
 from streamwatch._record import Sample, SeriesKey, StepRecord
+from streamwatch._validate import check_int
 
 __all__ = [
     "DEFAULT_ESCALATE",
@@ -599,12 +600,8 @@ def check_escalate(value: object) -> int:
         >>> check_escalate(50)
         50
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"Expected `escalate` to be an integer >= 0 (steps sampled in full after the sentinel trips; "
-            f"0 turns escalation off), got {value!r}"
-        )
-    return value
+    why = "steps sampled in full after the sentinel trips; 0 turns escalation off"
+    return check_int(value, "escalate", minimum=0, note=why)
 
 
 def check_sentinel(value: object) -> frozenset[str]:

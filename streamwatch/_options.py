@@ -37,6 +37,7 @@ from streamwatch._nonfinite import (
 from streamwatch._pipeline import Sink
 from streamwatch._select import Select, resolve_select
 from streamwatch._taps import DEFAULT_CADENCE, DEFAULT_TAPS, KINDS
+from streamwatch._validate import check_int
 from streamwatch._worker import seconds_or_forever
 from streamwatch.metrics._base import Metric
 from streamwatch.metrics._derived import DEFAULT_METRICS, DERIVED
@@ -158,8 +159,7 @@ def parse_options(
         overhead = DEFAULT_OVERHEAD  # the default is a budget, not an interval
     if every is None:
         every = 1
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"Expected `every` to be a positive integer, got {every!r}")
+    every = check_int(every, "every")
     budget = None if overhead is None else check_budget(overhead, "overhead")
     checked_start = check_start_step(start_step)
     chosen_detectors = check_detectors(detectors)
@@ -175,8 +175,7 @@ def parse_options(
         )
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"Expected `overflow` to be one of {OVERFLOW_POLICIES}, got {overflow!r}")
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"Expected `capacity` to be an integer >= 1, got {capacity!r}")
+    capacity = check_int(capacity, "capacity")
     timeout = seconds_or_forever(close_timeout, "close_timeout")
     checked_detail = check_detail(detail)
     chosen_sinks = _sinks(sinks)
@@ -218,12 +217,7 @@ def check_start_step(value: object) -> int:
         ...
         ValueError: Expected `start_step` to be an integer >= 0 (the steps already done when resuming), got -1
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            "Expected `start_step` to be an integer >= 0 (the steps already done when resuming), "
-            f"got {value!r}"
-        )
-    return int(value)
+    return check_int(value, "start_step", minimum=0, note="the steps already done when resuming")
 
 
 def _names(value: object, name: str, allowed: tuple[str, ...]) -> frozenset[str]:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import numpy as np
 
 from streamwatch._families import ALL_LAYERS, stepped_weight_sumsq
+from streamwatch._validate import check_int
 
 if TYPE_CHECKING:
     from streamwatch.sinks import RunData
@@ -185,8 +186,7 @@ def plot(run: RunData, out: str | Path, *, top: int = 12, rank: int | None = Non
         from streamwatch.sinks import read_run
         plot(read_run("run.jsonl"), "run.png")
     """
-    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
-        raise ValueError(f"Expected `top` to be a positive int, got {top!r}")
+    check_int(top, "top")
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.colors import LogNorm

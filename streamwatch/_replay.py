@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import math
 import threading
 import time
 from collections.abc import Sequence
@@ -35,6 +34,7 @@ from streamwatch._detectors import DEFAULT_DETECTORS, pipelines
 from streamwatch._nonfinite import NonFiniteTracker
 from streamwatch._pipeline import Pipeline, source
 from streamwatch._store import SeriesStore, WatchStatistics
+from streamwatch._validate import check_int, check_real
 from streamwatch.metrics._derived import DEFAULT_METRICS
 from streamwatch.sinks._http import MetricsServer, listen
 from streamwatch.sinks._prometheus import DEFAULT_TIMEOUT, StoreCollector, identity
@@ -95,19 +95,9 @@ class Replay:
         metrics: Sequence[str] = DEFAULT_METRICS,
         rank: int | None = None,
     ) -> None:
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
-            raise ValueError(f"Expected `port` to be an int in [0, 65535], got {port!r}")
-        if (
-            isinstance(speed, bool)
-            or not isinstance(speed, int | float)
-            or not speed >= 0
-            or math.isinf(speed)
-        ):
-            raise ValueError(
-                f"Expected `speed` to be a finite number >= 0 (records per second), got {speed!r}"
-            )
-        if isinstance(series_budget, bool) or not isinstance(series_budget, int) or series_budget < 1:
-            raise ValueError(f"Expected `series_budget` to be a positive int, got {series_budget!r}")
+        check_int(port, "port", minimum=0, maximum=65535)
+        check_real(speed, "speed", at_least=0, finite=True, note="records per second")
+        check_int(series_budget, "series_budget")
         self.ranks: tuple[int, ...] = tuple(sorted({r.rank for r in run.records}))
         """Every rank the run file has records of."""
         if rank is not None and rank not in self.ranks:

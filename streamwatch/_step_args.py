@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from streamwatch._accuracy import Score, TrainAccuracy
+from streamwatch._validate import check_int
 
 __all__ = ["StepArgs", "check_step", "dark_ready", "number_loss"]
 
@@ -76,12 +77,8 @@ def check_step(
         checked_loss = loss
     elif loss is not None:
         checked_loss = number_loss(loss)
-    if batch_size is not None and (
-        isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1
-    ):
-        raise ValueError(
-            f"Expected `batch_size` to be a positive integer (the samples in the step), got {batch_size!r}"
-        )
+    if batch_size is not None:
+        batch_size = check_int(batch_size, "batch_size", note="the samples in the step")
     accuracy = None if outputs is None and targets is None else _scored(outputs, targets, scoring)
     return StepArgs(checked_loss, accuracy, None if batch_size is None else int(batch_size))
 

@@ -44,6 +44,7 @@ from typing import Any
 from streamwatch._channel import Receiver
 from streamwatch._exceptions import PipelineError
 from streamwatch._pipeline import Pipeline, describe
+from streamwatch._validate import check_int, check_seconds
 
 __all__ = ["Worker", "WorkerStatistics"]
 
@@ -61,11 +62,8 @@ def seconds_or_forever(value: object, name: str) -> float | None:
         ...
         ValueError: Expected `close_timeout` to be a number of seconds > 0 (math.inf waits forever), got 0
     """
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return None if value == math.inf else float(value)
-    raise ValueError(
-        f"Expected `{name}` to be a number of seconds > 0 (math.inf waits forever), got {value!r}"
-    )
+    seconds = check_seconds(value, name, zero=False)
+    return None if seconds == math.inf else seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +118,7 @@ class Worker:
     ) -> None:
         if not isinstance(receiver, Receiver):
             raise TypeError(f"Expected `receiver` to be a streamwatch Receiver, got {receiver!r}")
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"Expected `batch` to be an integer >= 1, got {batch!r}")
+        check_int(batch, "batch")
         self._receiver = receiver
         self._batch = batch
         self._prepare = prepare

@@ -74,7 +74,7 @@ def check_invariant(stats: sw.ChannelStatistics) -> None:
     ids=["zero", "negative", "float", "bool", "str", "none"],
 )
 def test_channel_rejects_a_capacity_that_is_not_an_integer_of_at_least_one(capacity: Any, shown: str) -> None:
-    with pytest.raises(ValueError, match=f"^Expected `capacity` to be an integer >= 1, got {shown}$"):
+    with pytest.raises(ValueError, match=f"^Expected `capacity` to be a positive integer, got {shown}$"):
         sw.channel(capacity)
 
 
@@ -249,7 +249,7 @@ def test_blocking_calls_reject_an_invalid_timeout_when_they_would_wait(
     tx, rx = make_channel(1)
     if call not in ("recv", "recv_many"):
         tx.send_nowait("a")  # full: the send side would wait
-    expected = f"^Expected `timeout` to be None or a number >= 0, got {re.escape(repr(timeout))}$"
+    expected = f"^Expected `timeout` to be None or a number of seconds >= 0, got {re.escape(repr(timeout))}$"
     with pytest.raises(ValueError, match=expected):
         BLOCKING_CALLS[call](tx, rx, timeout)
     stats = tx.statistics()
@@ -260,7 +260,9 @@ def test_blocking_calls_reject_an_invalid_timeout_when_they_would_wait(
 @pytest.mark.parametrize("call", ["send", "reserve", "offer_block"])
 def test_send_side_rejects_an_invalid_timeout_even_when_there_is_room(make_channel: Any, call: str) -> None:
     tx, rx = make_channel(1)
-    with pytest.raises(ValueError, match=r"^Expected `timeout` to be None or a number >= 0, got -1$"):
+    with pytest.raises(
+        ValueError, match=r"^Expected `timeout` to be None or a number of seconds >= 0, got -1$"
+    ):
         BLOCKING_CALLS[call](tx, rx, -1)
 
 
@@ -731,7 +733,7 @@ def test_recv_many_frees_the_slots_it_takes(make_channel: Any) -> None:
 def test_recv_many_rejects_an_invalid_limit(make_channel: Any, limit: Any) -> None:
     tx, rx = make_channel(1)
     tx.send_nowait("kept")
-    expected = f"^Expected `limit` to be an integer >= 1, got {re.escape(repr(limit))}$"
+    expected = f"^Expected `limit` to be a positive integer, got {re.escape(repr(limit))}$"
     with pytest.raises(ValueError, match=expected):
         rx.recv_many(limit)
     assert rx.recv_nowait() == "kept"

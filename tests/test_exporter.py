@@ -178,6 +178,7 @@ def test_an_empty_or_bad_rank_variable_is_read_as_unset_or_refused_by_name(
         exporter = watch.expose(port=0)
         model(torch.randn(2, 6)).sum().backward()
         watch.step(loss=1.0)
+        assert watch.flush()  # (the scrape reads what the worker has handled)
         labels = _scrape(exporter.url)["streamwatch_loss"][0].labels
     assert (labels["rank"], labels["local_rank"], labels["world_size"]) == ("0", "0", "1")
     monkeypatch.setenv(name, "two")

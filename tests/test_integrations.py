@@ -585,7 +585,7 @@ BAD_VALUES: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
     "every_and_overhead": ({"every": 2, "overhead": 0.05}, ValueError, r"^Expected `every` or `overhead`"),
     "overhead_2": ({"overhead": 2}, ValueError, r"^Expected `overhead` to be a number in \(0, 1\)"),
     "taps_unknown": ({"taps": ("activations",)}, ValueError, r"^Expected `taps` to be a collection of"),
-    "capacity_0": ({"capacity": 0}, ValueError, r"^Expected `capacity` to be an integer >= 1"),
+    "capacity_0": ({"capacity": 0}, ValueError, r"^Expected `capacity` to be a positive integer"),
     "detail_typo": ({"detail": "rank_0"}, ValueError, r"^Expected `detail` to be one of"),
     "metrics_unknown": ({"metrics": ("spectral",)}, ValueError, r"^Unknown metric 'spectral'"),
     "sinks_string": ({"sinks": "run.jsonl"}, TypeError, r"^Expected `sinks` to be a Sink"),

@@ -463,7 +463,7 @@ def test_a_metric_object_serves_one_watch_at_a_time() -> None:
         sw.observe(_model(1), metrics=[metric], every=1)
     first.close()
     sw.observe(_model(1), metrics=[metric], every=1).close()  # free again after close()
-    with pytest.raises(ValueError, match="`every` to be an int >= 1"):
+    with pytest.raises(ValueError, match="`every` to be a positive integer"):
         sw.metrics.SpectralNorm(every=0)
 
 

@@ -182,31 +182,31 @@ def test_operators_are_frozen_and_compare_by_value() -> None:
         pytest.param(
             lambda: ops.window_time(0),
             ValueError,
-            r"^Expected `seconds` to be a finite positive number, got 0$",
+            r"^Expected `seconds` to be a finite number > 0, got 0$",
             id="seconds0",
         ),
         pytest.param(
             lambda: ops.window_time(math.inf),
             ValueError,
-            r"^Expected `seconds` to be a finite positive number, got inf$",
+            r"^Expected `seconds` to be a finite number > 0, got inf$",
             id="seconds-inf",
         ),
         pytest.param(
             lambda: ops.window_time(math.nan),
             ValueError,
-            r"^Expected `seconds` to be a finite positive number, got nan$",
+            r"^Expected `seconds` to be a finite number > 0, got nan$",
             id="seconds-nan",
         ),
         pytest.param(
             lambda: ops.window_time(True),
             TypeError,
-            r"^Expected `seconds` to be a finite positive number, got True$",
+            r"^Expected `seconds` to be a finite number > 0, got True$",
             id="seconds-bool",
         ),
         pytest.param(
             lambda: ops.window_time(1, step=-1),
             ValueError,
-            r"^Expected `step` to be a finite positive number, got -1$",
+            r"^Expected `step` to be a finite number > 0, got -1$",
             id="time-step",
         ),
         pytest.param(

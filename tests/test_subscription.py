@@ -126,7 +126,7 @@ async def test_a_waiting_subscriber_is_woken_by_the_worker_thread() -> None:
 
 
 def test_capacity_must_be_a_positive_integer() -> None:
-    with pytest.raises(ValueError, match=r"^Expected `capacity` to be an integer >= 1, got 0$"):
+    with pytest.raises(ValueError, match=r"^Expected `capacity` to be a positive integer, got 0$"):
         sw.sinks.subscribe(capacity=0)
 
 

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from streamwatch._record import StepBuffer
+from streamwatch._validate import check_int
 
 __all__ = ["Binding", "Metric", "preserved"]
 
@@ -161,9 +162,7 @@ class Metric:
     kinds: tuple[str, ...] = ()
 
     def __init__(self, every: int = 1) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"Expected `every` to be an int >= 1, got {every!r}")
-        self.every = every
+        self.every = check_int(every, "every")
         self.binding: Binding | None = None
 
     # -- lifecycle (the Watch calls these) ------------------------------------------------------------------

@@ -54,6 +54,8 @@ from collections.abc import Hashable
 
 import torch
 
+from streamwatch._validate import check_int
+
 __all__ = ["PowerIteration", "as_matrix", "condition_number", "spectral_norm"]
 
 
@@ -102,8 +104,7 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_iterations(iterations: int) -> None:
-    if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
-        raise ValueError(f"iterations must be an int >= 1, got {iterations!r}")
+    check_int(iterations, "iterations")
 
 
 def _direction(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

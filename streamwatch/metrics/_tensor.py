@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from streamwatch._record import SeriesKey, StepBuffer
+from streamwatch._validate import check_real
 from streamwatch.metrics._base import Metric
 from streamwatch.metrics._histogram import Buckets, histogram
 from streamwatch.metrics._spectral import PowerIteration, condition_number
@@ -260,8 +261,7 @@ class PNorm(Metric):
 
     def __init__(self, p: float = 1.0, kinds: Sequence[str] = ("param_grad",), every: int = 1) -> None:
         super().__init__(every)
-        if isinstance(p, bool) or not isinstance(p, int | float) or not p > 0:
-            raise ValueError(f"Expected `p` to be a number > 0 (or float('inf')), got {p!r}")
+        check_real(p, "p", above=0, note="or float('inf')")
         unknown = [k for k in kinds if k not in _TENSOR_KINDS]
         if unknown or not kinds:
             raise ValueError(f"Expected `kinds` from {_TENSOR_KINDS}, got {tuple(kinds)!r}")

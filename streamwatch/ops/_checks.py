@@ -8,8 +8,9 @@ Example:
 
 from __future__ import annotations
 
-import math
 import numbers
+
+from streamwatch._validate import check_int, check_real
 
 __all__ = ["as_float", "as_int", "check_callable", "describe", "positive_int", "positive_number"]
 
@@ -29,19 +30,14 @@ def as_float(value: object, message: str) -> float:
 
 
 def positive_int(name: str, value: object) -> int:
-    message = f"Expected `{name}` to be a positive integer, got {value!r}"
-    n = as_int(value, message)
-    if n < 1:
-        raise ValueError(message)
-    return n
+    """``value`` if it is an integer >= 1: a ``TypeError`` if it is no integer, else a ``ValueError``."""
+    return check_int(value, name, wrong_type=TypeError)
 
 
 def positive_number(name: str, value: object) -> float:
-    message = f"Expected `{name}` to be a finite positive number, got {value!r}"
-    x = as_float(value, message)
-    if not (x > 0 and math.isfinite(x)):
-        raise ValueError(message)
-    return x
+    """``value`` if it is a finite real number > 0: a ``TypeError`` if it is no number, else a
+    ``ValueError``."""
+    return check_real(value, name, above=0, finite=True, wrong_type=TypeError)
 
 
 def check_callable(name: str, value: object) -> None:

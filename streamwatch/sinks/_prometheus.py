@@ -70,6 +70,7 @@ from streamwatch._families import (
 )
 from streamwatch._record import Sample, SeriesKey
 from streamwatch._store import SeriesSource, StatisticsSource, WatchStatistics
+from streamwatch._validate import check_int, check_seconds
 from streamwatch.sinks._budget import CORE_STATS, Budget, HistogramKey, Served, histogram_series
 from streamwatch.sinks._http import MetricsServer, listen
 
@@ -478,12 +479,9 @@ class Exporter:
         timeout: float = DEFAULT_TIMEOUT,
         serve: bool = True,
     ) -> None:
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
-            raise ValueError(f"Expected `port` to be an int in [0, 65535], got {port!r}")
-        if isinstance(series_budget, bool) or not isinstance(series_budget, int) or series_budget < 1:
-            raise ValueError(f"Expected `series_budget` to be a positive int, got {series_budget!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
-            raise ValueError(f"Expected `timeout` to be a positive number of seconds, got {timeout!r}")
+        check_int(port, "port", minimum=0, maximum=65535)
+        check_int(series_budget, "series_budget")
+        timeout = check_seconds(timeout, "timeout", zero=False, forever=False)
         self.labels = identity(run)
         self.port = port + int(self.labels["local_rank"]) if port else 0
         if self.port > 65535:
