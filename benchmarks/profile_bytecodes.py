@@ -62,7 +62,7 @@ def count(name: str, governed: bool) -> tuple[int, collections.Counter[tuple[str
     armed = {"on": False, "done": False}
 
     def traced(self: sw.Watch, *args: Any, **kwargs: Any) -> None:
-        if armed["on"] and not armed["done"] and self._sampling_now:
+        if armed["on"] and not armed["done"] and self._boundary._sampling_now:
             armed["done"] = True
             sys.settrace(tracer)
             try:

@@ -48,6 +48,7 @@ AMBIGUOUS = "ambiguous_accuracy"
 """The reason a step's train accuracy was skipped (``statistics().skipped``): a class-index layout that
 fits both ways before any step settled which dimension holds the classes."""
 
+_CPU = torch.device("cpu")
 _CACHE = 64  # layouts kept: a loop repeats a few; ever-new shapes clear it (cheap to rebuild)
 _Tensor = torch.Tensor
 
@@ -103,7 +104,14 @@ class TrainAccuracy:
         Raises:
             ValueError: a layout streamwatch does not read (the message names the shapes and the fix).
         """
-        key = (outputs.shape, targets.shape, outputs.dtype, targets.dtype, outputs.device, targets.device)
+        key = (  # (a CPU tensor's device read as the constant: making a device object costs microseconds)
+            outputs.shape,
+            targets.shape,
+            outputs.dtype,
+            targets.dtype,
+            _CPU if outputs.is_cpu else outputs.device,
+            _CPU if targets.is_cpu else targets.device,
+        )
         found = self._cache.get(key)
         if found is None:
             found = _decide(*key)

@@ -130,7 +130,15 @@ class Outbox:
             host["batch_size"] = float(checked.batch_size)
             if seconds > 0:
                 host["samples_per_second"] = checked.batch_size / seconds
-        self._loss_scalar(checked.loss, host, device)
+        loss = checked.loss
+        if type(loss) is float:  # (a number, or a plain CPU loss check_step read)
+            host["loss"] = loss
+        elif isinstance(loss, torch.Tensor):
+            if loss.is_cpu:  # read at once, nothing to wait for (as float32, like a device loss)
+                scalar = loss.detach()
+                host["loss"] = float(scalar if scalar.dtype == torch.float32 else scalar.to(torch.float32))
+            else:
+                device["loss"] = loss.detach().reshape(()).to(torch.float32)
         if checked.accuracy is not None:
             scorer, outputs, targets, total = checked.accuracy
             correct = scorer(outputs, targets)
@@ -139,7 +147,16 @@ class Outbox:
             else:
                 device["correct"] = correct  # type: ignore[assignment]
             host["total"] = float(total)
-        self._learning_rates(host, device)
+        optimizer = self._optimizer  # each param group's learning rate (a tensor lr stays on its device)
+        for i, group in enumerate(() if optimizer is None else optimizer.param_groups):
+            lr = group.get("lr")
+            name = _LR_NAMES[i] if i < len(_LR_NAMES) else f"lr/{i}"
+            if type(lr) is float:
+                host[name] = lr
+            elif isinstance(lr, torch.Tensor):
+                device[name] = lr.detach().reshape(()).to(torch.float32)
+            elif lr is not None:
+                host[name] = float(lr)
         found_inf = self._taps.found_inf
         if found_inf is not None:  # a fused step a GradScaler skipped: the worker drops its update rows
             self._taps.found_inf = None
@@ -174,30 +191,3 @@ class Outbox:
             elif seconds is not None:  # (not the evaluation record of close())
                 self.sampled += 1
             self.sent_steps.append(step)  # its loss is there for the worker's non-finite verdict
-
-    @staticmethod
-    def _loss_scalar(loss: object, host: dict[str, float], device: dict[str, torch.Tensor]) -> None:
-        """The record's ``loss``: on the host where it is read already or lives on the CPU (read as
-        float32, like a device loss), else a device scalar for the step's one copy."""
-        if type(loss) is float:  # (a number, or a plain CPU loss check_step read)
-            host["loss"] = loss
-        elif isinstance(loss, torch.Tensor):
-            if loss.is_cpu:  # read at once, nothing to wait for
-                scalar = loss.detach()
-                host["loss"] = float(scalar if scalar.dtype == torch.float32 else scalar.to(torch.float32))
-            else:
-                device["loss"] = loss.detach().reshape(()).to(torch.float32)
-
-    def _learning_rates(self, host: dict[str, float], device: dict[str, torch.Tensor]) -> None:
-        """Each param group's learning rate (``lr/<group>``): a tensor lr stays on its device."""
-        optimizer = self._optimizer
-        groups = () if optimizer is None else optimizer.param_groups
-        for i, group in enumerate(groups):
-            lr = group.get("lr")
-            name = _LR_NAMES[i] if i < len(_LR_NAMES) else f"lr/{i}"
-            if type(lr) is float:
-                host[name] = lr
-            elif isinstance(lr, torch.Tensor):
-                device[name] = lr.detach().reshape(()).to(torch.float32)
-            elif lr is not None:
-                host[name] = float(lr)

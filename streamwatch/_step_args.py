@@ -129,6 +129,17 @@ def _scored(
         >>> scorer(o, t), n
         (1.0, 2)
     """
+    if type(outputs) is not _Tensor or type(targets) is not _Tensor:  # (else: plain tensors, checked)
+        _check_pair(outputs, targets)
+    decided = scoring.layout(outputs, targets)  # type: ignore[arg-type]
+    if decided is None:
+        return None
+    scorer, n = decided
+    return scorer, outputs, targets, n  # type: ignore[return-value]
+
+
+def _check_pair(outputs: object, targets: object) -> None:
+    """Both given, both tensors (subclasses too), or an error naming the one that is not."""
     if outputs is None or targets is None:
         raise ValueError(
             "Expected `outputs` and `targets` together (both for train accuracy, or neither), got "
@@ -137,13 +148,6 @@ def _scored(
     for name, value in (("outputs", outputs), ("targets", targets)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"Expected `{name}` to be a torch.Tensor (for train accuracy), got {value!r}")
-    assert isinstance(outputs, torch.Tensor)
-    assert isinstance(targets, torch.Tensor)
-    decided = scoring.layout(outputs, targets)
-    if decided is None:
-        return None
-    scorer, n = decided
-    return scorer, outputs, targets, n
 
 
 def dark_ready(loss: object) -> bool:

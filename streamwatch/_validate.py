@@ -51,6 +51,8 @@ def check_int(
         ...
         ValueError: Expected `every` to be a positive integer (steps), got 1.5
     """
+    if type(value) is int and value >= minimum and (maximum is None or value <= maximum):
+        return value  # (the common case, with no message to build)
     if maximum is not None:
         what = f"an integer in [{minimum}, {maximum}]"
     else:
@@ -95,6 +97,17 @@ def check_real(
         ...
         ValueError: Expected `alpha` to be a number in (0, 1], got nan
     """
+    real = not isinstance(value, bool) and isinstance(value, numbers.Real)
+    number = float(value) if real else math.nan  # type: ignore[arg-type]
+    if (
+        number == number
+        and (above is None or number > above)
+        and (at_least is None or number >= at_least)
+        and (below is None or number < below)
+        and (at_most is None or number <= at_most)
+        and (not finite or math.isfinite(number))
+    ):
+        return number
     low = f"({_g(above)}" if above is not None else f"[{_g(at_least)}" if at_least is not None else None
     high = f"{_g(below)})" if below is not None else f"{_g(at_most)}]" if at_most is not None else None
     if low is not None and high is not None:
@@ -106,20 +119,7 @@ def check_real(
     else:
         bounds = ""
     what = f"{'None or ' if optional else ''}a {'finite ' if finite else ''}{unit}{bounds}"
-    message = f"Expected `{name}` to be {what}{_note(note)}, got {value!r}"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise wrong_type(message)
-    number = float(value)
-    if not (
-        number == number
-        and (above is None or number > above)
-        and (at_least is None or number >= at_least)
-        and (below is None or number < below)
-        and (at_most is None or number <= at_most)
-        and (not finite or math.isfinite(number))
-    ):
-        raise ValueError(message)
-    return number
+    raise (ValueError if real else wrong_type)(f"Expected `{name}` to be {what}{_note(note)}, got {value!r}")
 
 
 def check_seconds(
