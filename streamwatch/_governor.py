@@ -62,17 +62,26 @@ Adaptation:
     most ``80 + 8 * N`` steps after a change in step times (tested for cost ratios that change up to
     50-fold either way), plus ``4 * dark_pairs`` where the step time itself moved by ``DARK_DRIFT`` or
     more (the floor's unseen part is measured again), plus up to ``QUIET_MAX`` for filed step ends.
+    The floor follows a change in the unseen part at its next measurement where the change is more
+    than ``DARK_AGREE`` standard errors (the reading replaces the pool); a smaller one moves the pool's
+    mean by its share, 1 of up to ``DARK_POOL``, per measurement.
 
 The floor:
     Two parts. The seen part is the monitor's own time on clean steps, passed to
     :meth:`Governor.tick`, over the rest of the step: the mean of the last ``FLOOR_WINDOW``. The unseen
     part is what own time cannot show (torch's dispatch of a module with a hook, caches the monitor
     leaves cold): the governor asks for *dark pairs* (:attr:`Governor.dark`), two steps the caller
-    runs with the monitor entirely out of the way, and takes the median of the clean steps between
-    them, each less its own time, over the second dark steps' median, in seconds and never below 0.
-    ``dark_pairs`` pairs make a measurement; it runs once calibrated and again when the baseline moves
-    by ``DARK_DRIFT`` either way, only where the interval is ``DARK_MIN_INTERVAL`` or more, and each
-    pair only with 4 steps of room before the next sampled step: no sampled step moves.
+    runs with the monitor entirely out of the way. ``dark_pairs`` pairs make a measurement; it runs
+    once calibrated and again when the baseline moves by ``DARK_DRIFT`` either way, only where the
+    interval is ``DARK_MIN_INTERVAL`` or more, and each pair only with 4 steps of room before the next
+    sampled step: no sampled step moves. A measurement reads the mean of the faster half of the clean
+    steps between the pairs, each less its own time, less that of the second dark steps, over the
+    baseline, with its standard error (a shared machine slows steps down and never speeds them up: the
+    faster half holds the signal; on the demo MLP it read with 0.6 times the median's spread). The
+    unseen part is the inverse-variance weighted mean of the last ``DARK_POOL`` readings that agree
+    within ``DARK_AGREE`` standard errors (one that does not replaces them), never below 0, held in
+    seconds from the latest baseline: one reading alone, replacing the last, moved the floor and
+    through ``N = ceil(r / (budget - f))`` the interval 2-7x between measurements of one stable model.
 
 Guards:
     A step time that is zero, negative, NaN or infinite (a coarse or broken clock) is ignored and
@@ -142,6 +151,11 @@ DARK_DECLINES = 4
 """A measurement is given up after this many declined pairs (and tried again after the next drift)."""
 DARK_DRIFT = 1.5
 """The unseen part is measured again when the baseline has moved by this factor either way since."""
+DARK_POOL = 8
+"""The unseen part is the weighted mean of the last this many measurements that agree (see *The floor*)."""
+DARK_AGREE = 3.0
+"""A measurement agrees with the ones held when they differ by at most this many standard errors; one that
+does not replaces them (the unseen part changed: it is followed at once)."""
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # the phase sequence k·φ mod 1 spreads sampled steps evenly
 _EPSILON = 1e-9  # a quotient that is an integer up to rounding (0.2 / 0.02, 1.0 / 0.1) is that integer
 
@@ -213,6 +227,36 @@ def _median(values: Sequence[float]) -> float:
     ordered = sorted(values)
     middle = len(ordered) // 2
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _faster_half(values: Sequence[float]) -> tuple[float, float]:
+    """The mean of the smaller half of ``values`` (at least one), and its standard error.
+
+    A trimmed mean: a shared machine slows steps down and never speeds them up, so the slower half
+    carries most of a step time's noise and the faster half most of its signal. The standard error is
+    Tukey and McLaughlin's for a trimmed mean: the deviation of the sample with its trimmed values set
+    to the nearest kept one, over ``kept / n * sqrt(n)``.
+    """
+    ordered = sorted(values)
+    n = len(ordered)
+    kept = (n + 1) // 2
+    mean = sum(ordered[:kept]) / kept
+    if n < 2:
+        return mean, 0.0
+    cut = ordered[kept - 1]
+    winsorized = ordered[:kept] + [cut] * (n - kept)
+    centre = sum(winsorized) / n
+    deviation = math.sqrt(sum((x - centre) ** 2 for x in winsorized) / (n - 1))
+    return mean, deviation / (kept / n * math.sqrt(n))
+
+
+def _pooled(readings: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """The inverse-variance weighted mean of ``(value, standard error)`` readings, and its standard error
+    (an error of 0, a noiseless reading, weighs as one of 1e-9)."""
+    weights = [1.0 / max(error, 1e-9) ** 2 for _, error in readings]
+    total = sum(weights)
+    mean = sum(w * value for w, (value, _) in zip(weights, readings, strict=True)) / total
+    return mean, 1.0 / math.sqrt(total)
 
 
 class Governor:
@@ -287,6 +331,7 @@ class Governor:
         "_steps",
         "_unseen",
         "_unseen_at",
+        "_unseen_pool",
         "_warmup",
         "dark",
         "deadline",
@@ -343,6 +388,8 @@ class Governor:
         self._rejected = 0
         self._own_floor = 0.0  # the mean own-time ratio of the clean steps (the floor's seen part)
         self._unseen: float | None = None  # seconds per step the monitor costs that own time misses
+        # the measurements it is pooled from: (ratio to their baseline, standard error), those that agree
+        self._unseen_pool: deque[tuple[float, float]] = deque(maxlen=DARK_POOL)
         self._unseen_at: float | None = None  # the baseline it was measured at
         self._dark_pairs = _check_int("dark_pairs", dark_pairs, 0)
         self._darks: deque[float] = deque(maxlen=max(1, dark_pairs))  # each pair's second dark step
@@ -594,21 +641,31 @@ class Governor:
             self._own_floor = sum(self._floors) / len(self._floors)
 
     def _measure_unseen(self) -> None:
-        """A measurement's last dark pair ended: the unseen part is the median of the clean steps
-        between the pairs, each less its own time, over the dark steps' median, in seconds (never
-        below 0). Each light step's own time is its own (those steps end at full boundaries, whose own
-        time the floor's window, mostly quiet steps, would understate)."""
+        """A measurement's last dark pair ended: its reading is the faster half's mean of the clean steps
+        between the pairs, each less its own time, less the faster half's mean of the dark steps, as a
+        ratio to the baseline, with its standard error. The unseen part is the weighted mean of the
+        readings that agree (:data:`DARK_POOL`, :data:`DARK_AGREE`), never below 0, held in seconds at
+        the latest baseline. Each light step's own time is its own (those steps end at full boundaries,
+        whose own time the floor's window, mostly quiet steps, would understate)."""
         darks, lights = self._darks, self._lights
         self._lights = []
-        if not lights:
+        baseline = self._step_seconds
+        if not lights or not darks or baseline is None:
             return
-        dark, light = _median(darks), _median(lights)
+        (light, light_error), (dark, dark_error) = _faster_half(lights), _faster_half(darks)
+        reading, error = (light - dark) / baseline, math.hypot(light_error, dark_error) / baseline
+        pool = self._unseen_pool
+        if pool:
+            held, held_error = _pooled(pool)
+            if abs(reading - held) > DARK_AGREE * math.hypot(error, held_error):
+                pool.clear()  # the unseen part moved: the new reading alone
+        pool.append((reading, error))
         # No margin for noise: a budget wants the cost's best estimate, not a low one (a noise margin of
         # two standard errors took half the real unseen part of a small model's step on a noisy VM, and
         # the governor sampled too often for its budget). Noise alone reads as a small positive cost
         # about half the time (below 0 is 0): the error errs toward sampling less.
-        self._unseen = max(0.0, light - dark)
-        self._unseen_at = self._step_seconds  # (the lights' median: the baseline's window is theirs)
+        self._unseen = max(0.0, _pooled(pool)[0]) * baseline
+        self._unseen_at = baseline  # (the lights' median: the baseline's window is theirs)
         self._refresh()
 
     def _baseline_or_nan(self) -> float:
