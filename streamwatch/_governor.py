@@ -62,13 +62,18 @@ Adaptation:
     most ``80 + 8 * N`` steps after a change in step times (tested for cost ratios that change up to
     50-fold either way), plus ``4 * dark_pairs`` where the step time itself moved by ``DARK_DRIFT`` or
     more (the floor's unseen part is measured again), plus up to ``QUIET_MAX`` for filed step ends.
-    The floor follows a change in the unseen part at its next measurement where the change is more
-    than ``DARK_AGREE`` standard errors (the reading replaces the pool); a smaller one moves the pool's
-    mean by its share, 1 of up to ``DARK_POOL``, per measurement.
+    The floor follows a change in own time within ``3 * FLOOR_WINDOW + REFRESH`` clean steps (two
+    whole blocks of the new time, see *The floor*), and a change in the unseen part at its next
+    measurement where the change is more than ``DARK_AGREE`` standard errors (the reading replaces the
+    pool); a smaller one moves the pool's mean by its share, 1 of up to ``DARK_POOL``, per measurement.
 
 The floor:
     Two parts. The seen part is the monitor's own time on clean steps, passed to
-    :meth:`Governor.tick`, over the rest of the step: the mean of the last ``FLOOR_WINDOW``. The unseen
+    :meth:`Governor.tick`, over the rest of the step: the median of the means of the last
+    ``FLOOR_BLOCKS`` blocks of ``FLOOR_WINDOW`` clean steps (before there are as many, the mean of all),
+    so that one stall inside the monitor's code moves it by nothing. The clean steps of a measurement
+    of the unseen part are not in it: they all end at full boundaries, the measurement's cost, not an
+    unsampled step's (they moved a sub-millisecond model's floor by half for a window). The unseen
     part is what own time cannot show (torch's dispatch of a module with a hook, caches the monitor
     leaves cold): the governor asks for *dark pairs* (:attr:`Governor.dark`), two steps the caller
     runs with the monitor entirely out of the way. ``dark_pairs`` pairs make a measurement; it runs
@@ -137,10 +142,16 @@ QUIET_MAX = 256
 """At most this many step ends in a row are filed (:attr:`Governor.filed`) before a tick measures them:
 the interval and the estimates then lag by at most that many steps more."""
 FLOOR_WINDOW = QUIET_MAX + 1
-"""The floor is the mean own-time ratio of the last this many clean steps: a mean, not a median, so
-that a cost paid on one clean step in several (a tick, and the quiet step after it that carries the
-tick's rest) counts in full: the window holds a whole run of filed step ends and its tick. Own time is
-measured exactly, with none of a step time's outliers."""
+"""The floor's seen part is taken over blocks of this many clean steps: each block's mean own-time ratio,
+a mean, not a median, so that a cost paid on one clean step in several (a tick, and the quiet step after
+it that carries the tick's rest) counts in full: a block holds a whole run of filed step ends and its
+tick."""
+FLOOR_BLOCKS = 3
+"""The seen part is the median of the last this many block means (before there are as many, the mean of
+every clean step so far): own time is measured exactly, but a stall inside the monitor's code (the
+machine took the thread away for milliseconds) is exact too, and in a plain mean one such step of a
+sub-millisecond model moved the floor by several percent for a whole window. The median drops the block
+that holds it."""
 DARK_PAIRS = 96
 """Dark steps measured per calibration of the floor's unseen part (see *The floor* above): pairs of
 steps run with the monitor entirely out of the way, each pair followed by two lit steps."""
@@ -307,7 +318,9 @@ class Governor:
         "_darks",
         "_declined",
         "_floor",
-        "_floors",
+        "_floor_blocks",
+        "_floor_count",
+        "_floor_sum",
         "_growth_limit",
         "_interval",
         "_last_sample_at",
@@ -363,8 +376,10 @@ class Governor:
         self._costs: deque[float] = deque(maxlen=_check_int("cost_window", cost_window, 1))
         # each cost sample's lower bound from the sampled step's own time (exact: no step-time noise)
         self._own_costs: deque[float] = deque(maxlen=cost_window)
-        self._floors: deque[float] = deque(maxlen=FLOOR_WINDOW)
-        self._floor = 0.0  # what an unsampled step costs: the mean of the clean steps' own-time ratios
+        self._floor_blocks: deque[float] = deque(maxlen=FLOOR_BLOCKS)  # mean own ratios of whole blocks
+        self._floor_sum = 0.0  # the own ratios of the block being filled, and how many
+        self._floor_count = 0
+        self._floor = 0.0  # what an unsampled step costs: the seen part and the unseen part
         self._probe = _check_int("probe", probe, 1)
         self._clock = clock
         now = float(clock())
@@ -386,7 +401,7 @@ class Governor:
         self._stale = 0  # clean steps filed since the medians were last taken (see REFRESH)
         self._sampled = 1
         self._rejected = 0
-        self._own_floor = 0.0  # the mean own-time ratio of the clean steps (the floor's seen part)
+        self._own_floor = 0.0  # the clean steps' own-time ratio (the floor's seen part, see _take_floor)
         self._unseen: float | None = None  # seconds per step the monitor costs that own time misses
         # the measurements it is pooled from: (ratio to their baseline, standard error), those that agree
         self._unseen_pool: deque[tuple[float, float]] = deque(maxlen=DARK_POOL)
@@ -524,7 +539,7 @@ class Governor:
 
     def _file_clean(self, filed: list[tuple[float, float]]) -> None:
         """:meth:`_advance` for clean unsampled step ends past the warm-up, in one pass."""
-        baseline, floors = self._baseline, self._floors
+        baseline, add_floor = self._baseline, self._add_floor
         plain = 0
         for reading, own in filed:
             boundary = self._boundary
@@ -535,7 +550,7 @@ class Governor:
             self._boundary = reading
             baseline.append(seconds)
             if 0 <= own < seconds:  # (NaN and inf fail it: not a floor)
-                floors.append(own / (seconds - own))
+                add_floor(own / (seconds - own))
             plain += 1
         if plain:
             self._steps += plain
@@ -602,9 +617,10 @@ class Governor:
         elif not self._prev_sampled:
             self._baseline.append(seconds)
             if math.isfinite(own) and 0 <= own < seconds:  # (else: an odd reading, not a floor)
-                self._floors.append(own / (seconds - own))
-                if self._dark_todo:
-                    self._lights.append(seconds - own)  # (what a dark step is compared with)
+                if self._dark_todo:  # (what a dark step is compared with; its full boundary is the
+                    self._lights.append(seconds - own)  # measurement's cost, not an unsampled step's)
+                else:
+                    self._add_floor(own / (seconds - own))
             self._stale += 1
             if self._stale >= REFRESH or self._cost_ratio is None:
                 self._refresh()
@@ -634,11 +650,24 @@ class Governor:
             self._lights = []
         self._update()
 
+    def _add_floor(self, ratio: float) -> None:
+        """A clean step's own-time ratio, into the block being filled (a whole block: its mean, kept)."""
+        self._floor_sum += ratio
+        self._floor_count += 1
+        if self._floor_count == FLOOR_WINDOW:
+            self._floor_blocks.append(self._floor_sum / FLOOR_WINDOW)
+            self._floor_sum, self._floor_count = 0.0, 0
+
     def _take_floor(self) -> None:
-        """The floor's seen part: the mean of the floor window (a plain sum: its few hundred small
-        ratios lose nothing that matters, and ``math.fsum`` takes four times as long)."""
-        if self._floors:
-            self._own_floor = sum(self._floors) / len(self._floors)
+        """The floor's seen part: the median of the last :data:`FLOOR_BLOCKS` block means, or until there
+        are as many, the mean of every clean step so far (plain sums: a few hundred small ratios lose
+        nothing that matters, and ``math.fsum`` takes four times as long)."""
+        blocks = self._floor_blocks
+        if len(blocks) == FLOOR_BLOCKS:
+            self._own_floor = _median(blocks)
+        elif blocks or self._floor_count:
+            count = len(blocks) * FLOOR_WINDOW + self._floor_count
+            self._own_floor = (sum(blocks) * FLOOR_WINDOW + self._floor_sum) / count
 
     def _measure_unseen(self) -> None:
         """A measurement's last dark pair ended: its reading is the faster half's mean of the clean steps
@@ -646,7 +675,7 @@ class Governor:
         ratio to the baseline, with its standard error. The unseen part is the weighted mean of the
         readings that agree (:data:`DARK_POOL`, :data:`DARK_AGREE`), never below 0, held in seconds at
         the latest baseline. Each light step's own time is its own (those steps end at full boundaries,
-        whose own time the floor's window, mostly quiet steps, would understate)."""
+        whose own time the floor's blocks, mostly quiet steps, would understate)."""
         darks, lights = self._darks, self._lights
         self._lights = []
         baseline = self._step_seconds

@@ -23,6 +23,7 @@ from streamwatch._governor import (
     CALIBRATION_INTERVAL,
     DARK_DRIFT,
     DARK_PAIRS,
+    FLOOR_WINDOW,
     QUIET_MAX,
     Governor,
     GovernorStatistics,
@@ -673,7 +674,8 @@ def test_forced_steps_measure_nothing_and_their_shadows_are_not_clean() -> None:
         pytest.approx(1.0),
         smallest_interval(1.0, 0.015),
     )
-    for _ in range(50):  # escalated: every step 5 plain steps long, 4 of them the monitor's own
+    escalated = 1000  # (long enough to fill two of the floor's blocks with clean steps, unforced)
+    for _ in range(escalated):  # escalated: every step 5 plain steps long, 4 of them the monitor's own
         clock.advance(5 * PLAIN)
         gov.tick(4 * PLAIN, forced=True)
     clock.advance(3 * PLAIN)  # the shadow of the last one (worker time spilling over): not clean either
@@ -683,7 +685,7 @@ def test_forced_steps_measure_nothing_and_their_shadows_are_not_clean() -> None:
     # unforced, the same episode moves the floor and the baseline (what the flag prevents)
     control = Governor(0.02, clock=(clock2 := FakeClock()))
     drive_with_floor(control, clock2, settle_steps(smallest_interval(1.0, 0.015)), 1.0, own)
-    for _ in range(50):
+    for _ in range(escalated):
         clock2.advance(5 * PLAIN)
         control.tick(4 * PLAIN)
     assert control.floor_ratio > 50 * before[1]  # the escalated steps moved the floor 0.5 % -> over 25 %
@@ -912,7 +914,7 @@ def test_declined_pairs_run_lit_and_a_measurement_is_given_up_after_a_few() -> N
     assert max(quiet) > 0
 
 
-# -- a steady floor: successive measurements of its unseen part -------------------------------------------
+# -- a steady floor: successive measurements, stalls ------------------------------------------------------
 
 
 def on_a_moving_machine(
@@ -982,3 +984,53 @@ def test_a_real_change_in_the_unseen_part_is_followed_at_its_first_measurement()
     assert after is not None
     assert before < 0.008
     assert after == pytest.approx(0.015, abs=0.005)
+
+
+def test_a_stall_inside_the_monitor_does_not_move_the_floor() -> None:
+    """A machine that takes the thread away for 30 plain steps while it is in the monitor's own code makes
+    one clean step's own time 30 steps long, exactly measured: in a plain mean over 257 clean steps that
+    moved the floor from 0.5 % to 12 % for 257 clean steps, and the interval from 67 to 268 (doubling
+    per cost sample until the stall left the window). The seen part
+    is the median of the last ``FLOOR_BLOCKS`` blocks' means: the one block that holds the stall moves
+    nothing."""
+    clock = FakeClock()
+    gov = Governor(0.02, clock=clock)
+    own = PLAIN * 0.005 / 1.005  # a floor of 0.5 %
+    expected = smallest_interval(1.0, 0.015)
+    drive_with_floor(gov, clock, settle_steps(expected), 1.0, own)
+    assert (gov.interval, gov.floor_ratio) == (expected, pytest.approx(0.005))
+    previous = gov.sampling
+    while gov.sampling or previous:  # (to a clean step: neither sampled nor a sampled step's shadow)
+        previous = gov.sampling
+        drive_with_floor(gov, clock, 1, 1.0, own)
+    clock.advance(31 * PLAIN)  # the step, stalled for 30 plain steps inside the monitor
+    gov.tick(own + 30 * PLAIN)
+    intervals, floors = [], []
+    for _ in range(3 * FLOOR_WINDOW):
+        drive_with_floor(gov, clock, 1, 1.0, own)
+        intervals.append(gov.interval)
+        floors.append(gov.floor_ratio)
+    assert set(intervals) == {expected}
+    assert max(floors) == pytest.approx(0.005)
+
+
+def test_a_measurements_full_boundaries_are_not_in_the_floor() -> None:
+    """While a measurement of the unseen part runs every step end ticks (a full boundary, here 8 % of a
+    step of own time where a quiet step has a tenth of it): the measurement's cost, not an unsampled
+    step's. Its clean steps are left out of the seen part, which reads the quiet steps' own time alone
+    from the measurement's end on (in the window's mean they raised it from 0.8 % to up to 7.7 % after it)."""
+    clock = FakeClock()
+    gov = Governor(0.05, clock=clock)
+    measuring = 0.08 * PLAIN
+    floors: list[tuple[bool, float]] = []  # (measured yet, the floor) at each step
+
+    def own(g: Governor) -> float:
+        floors.append((g.unseen_ratio is not None, g.floor_ratio))
+        return measuring if g._dark_todo else measuring / 10
+
+    drive_dark(gov, clock, 3_000, 1.0, 0.0, own=own)
+    assert gov.statistics().dark_steps == 2 * DARK_PAIRS
+    quiet = (measuring / 10) / (PLAIN - measuring / 10)
+    after = [floor for measured, floor in floors if measured]
+    assert len(after) > 1_000
+    assert max(after) == pytest.approx(quiet)
