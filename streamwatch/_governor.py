@@ -73,7 +73,7 @@ The floor:
     ``FLOOR_BLOCKS`` blocks of ``FLOOR_WINDOW`` clean steps (before there are as many, the mean of all),
     so that one stall inside the monitor's code moves it by nothing. The clean steps of a measurement
     of the unseen part are not in it: they all end at full boundaries, the measurement's cost, not an
-    unsampled step's (they moved a sub-millisecond model's floor by half for a window). The unseen
+    unsampled step's (measured often, the demo MLP's read twice its quiet steps' own time). The unseen
     part is what own time cannot show (torch's dispatch of a module with a hook, caches the monitor
     leaves cold): the governor asks for *dark pairs* (:attr:`Governor.dark`), two steps the caller
     runs with the monitor entirely out of the way. ``dark_pairs`` pairs make a measurement; it runs
