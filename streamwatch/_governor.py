@@ -80,13 +80,14 @@ The floor:
     once calibrated and again when the baseline moves by ``DARK_DRIFT`` either way, only where the
     interval is ``DARK_MIN_INTERVAL`` or more, and each pair only with 4 steps of room before the next
     sampled step: no sampled step moves. A measurement reads the mean of the faster half of the clean
-    steps between the pairs, each less its own time, less that of the second dark steps, over the
-    baseline, with its standard error (a shared machine slows steps down and never speeds them up: the
-    faster half holds the signal; on the demo MLP it read with 0.6 times the median's spread). The
-    unseen part is the inverse-variance weighted mean of the last ``DARK_POOL`` readings that agree
-    within ``DARK_AGREE`` standard errors (one that does not replaces them), never below 0, held in
-    seconds from the latest baseline: one reading alone, replacing the last, moved the floor and
-    through ``N = ceil(r / (budget - f))`` the interval 2-7x between measurements of one stable model.
+    steps between the pairs, each less its own time, less that of the second dark steps, over those
+    clean steps' median, with its standard error (a shared machine slows steps down and never speeds
+    them up: the faster half holds the signal; on the demo MLP it read with 0.6 times the median's
+    spread). The unseen part is the inverse-variance weighted mean of the last ``DARK_POOL`` readings
+    that agree within ``DARK_AGREE`` standard errors (one that does not replaces them), never below 0,
+    held in seconds from the latest measurement: one reading alone, replacing the last, moved the floor
+    and through ``N = ceil(r / (budget - f))`` the interval 2-7x between measurements of one stable
+    model.
 
 Guards:
     A step time that is zero, negative, NaN or infinite (a coarse or broken clock) is ignored and
@@ -672,17 +673,20 @@ class Governor:
     def _measure_unseen(self) -> None:
         """A measurement's last dark pair ended: its reading is the faster half's mean of the clean steps
         between the pairs, each less its own time, less the faster half's mean of the dark steps, as a
-        ratio to the baseline, with its standard error. The unseen part is the weighted mean of the
-        readings that agree (:data:`DARK_POOL`, :data:`DARK_AGREE`), never below 0, held in seconds at
-        the latest baseline. Each light step's own time is its own (those steps end at full boundaries,
-        whose own time the floor's blocks, mostly quiet steps, would understate)."""
+        fraction of those clean steps' median, with its standard error. The unseen part is the weighted
+        mean of the readings that agree (:data:`DARK_POOL`, :data:`DARK_AGREE`), never below 0, held in
+        seconds at the latest measurement's median. Each light step's own time is its own (those steps
+        end at full boundaries, whose own time the floor's blocks, mostly quiet steps, would
+        understate)."""
         darks, lights = self._darks, self._lights
         self._lights = []
-        baseline = self._step_seconds
-        if not lights or not darks or baseline is None:
+        if not lights or not darks:
             return
+        # A fraction of the measurement's own lit steps (their median), not of the baseline: a spell of
+        # stalls at its end moves the baseline's 15 steps, and would shrink a reading and its error alike.
+        level = _median(lights)
         (light, light_error), (dark, dark_error) = _faster_half(lights), _faster_half(darks)
-        reading, error = (light - dark) / baseline, math.hypot(light_error, dark_error) / baseline
+        reading, error = (light - dark) / level, math.hypot(light_error, dark_error) / level
         pool = self._unseen_pool
         if pool:
             held, held_error = _pooled(pool)
@@ -693,8 +697,8 @@ class Governor:
         # two standard errors took half the real unseen part of a small model's step on a noisy VM, and
         # the governor sampled too often for its budget). Noise alone reads as a small positive cost
         # about half the time (below 0 is 0): the error errs toward sampling less.
-        self._unseen = max(0.0, _pooled(pool)[0]) * baseline
-        self._unseen_at = baseline  # (the lights' median: the baseline's window is theirs)
+        self._unseen = max(0.0, _pooled(pool)[0]) * level
+        self._unseen_at = self._step_seconds  # (the lights' median: the baseline's window is theirs)
         self._refresh()
 
     def _baseline_or_nan(self) -> float:
