@@ -62,17 +62,32 @@ Adaptation:
     most ``80 + 8 * N`` steps after a change in step times (tested for cost ratios that change up to
     50-fold either way), plus ``4 * dark_pairs`` where the step time itself moved by ``DARK_DRIFT`` or
     more (the floor's unseen part is measured again), plus up to ``QUIET_MAX`` for filed step ends.
+    The floor follows a change in own time within ``3 * FLOOR_WINDOW + REFRESH`` clean steps (two
+    whole blocks of the new time, see *The floor*), and a change in the unseen part at its next
+    measurement where the change is more than ``DARK_AGREE`` standard errors (the reading replaces the
+    pool); a smaller one moves the pool's mean by its share, 1 of up to ``DARK_POOL``, per measurement.
 
 The floor:
     Two parts. The seen part is the monitor's own time on clean steps, passed to
-    :meth:`Governor.tick`, over the rest of the step: the mean of the last ``FLOOR_WINDOW``. The unseen
+    :meth:`Governor.tick`, over the rest of the step: the median of the means of the last
+    ``FLOOR_BLOCKS`` blocks of ``FLOOR_WINDOW`` clean steps (before there are as many, the mean of all),
+    so that one stall inside the monitor's code moves it by nothing. The clean steps of a measurement
+    of the unseen part are not in it: they all end at full boundaries, the measurement's cost, not an
+    unsampled step's (measured often, the demo MLP's read twice its quiet steps' own time). The unseen
     part is what own time cannot show (torch's dispatch of a module with a hook, caches the monitor
     leaves cold): the governor asks for *dark pairs* (:attr:`Governor.dark`), two steps the caller
-    runs with the monitor entirely out of the way, and takes the median of the clean steps between
-    them, each less its own time, over the second dark steps' median, in seconds and never below 0.
-    ``dark_pairs`` pairs make a measurement; it runs once calibrated and again when the baseline moves
-    by ``DARK_DRIFT`` either way, only where the interval is ``DARK_MIN_INTERVAL`` or more, and each
-    pair only with 4 steps of room before the next sampled step: no sampled step moves.
+    runs with the monitor entirely out of the way. ``dark_pairs`` pairs make a measurement; it runs
+    once calibrated and again when the baseline moves by ``DARK_DRIFT`` either way, only where the
+    interval is ``DARK_MIN_INTERVAL`` or more, and each pair only with 4 steps of room before the next
+    sampled step: no sampled step moves. A measurement reads the mean of the faster half of the clean
+    steps between the pairs, each less its own time, less that of the second dark steps, over those
+    clean steps' median, with its standard error (a shared machine slows steps down and never speeds
+    them up: the faster half holds the signal; on the demo MLP it read with 0.6 times the median's
+    spread). The unseen part is the inverse-variance weighted mean of the last ``DARK_POOL`` readings
+    that agree within ``DARK_AGREE`` standard errors (one that does not replaces them), never below 0,
+    held in seconds from the latest measurement: one reading alone, replacing the last, moved the floor
+    and through ``N = ceil(r / (budget - f))`` the interval 2-7x between measurements of one stable
+    model.
 
 Guards:
     A step time that is zero, negative, NaN or infinite (a coarse or broken clock) is ignored and
@@ -128,10 +143,16 @@ QUIET_MAX = 256
 """At most this many step ends in a row are filed (:attr:`Governor.filed`) before a tick measures them:
 the interval and the estimates then lag by at most that many steps more."""
 FLOOR_WINDOW = QUIET_MAX + 1
-"""The floor is the mean own-time ratio of the last this many clean steps: a mean, not a median, so
-that a cost paid on one clean step in several (a tick, and the quiet step after it that carries the
-tick's rest) counts in full: the window holds a whole run of filed step ends and its tick. Own time is
-measured exactly, with none of a step time's outliers."""
+"""The floor's seen part is taken over blocks of this many clean steps: each block's mean own-time ratio,
+a mean, not a median, so that a cost paid on one clean step in several (a tick, and the quiet step after
+it that carries the tick's rest) counts in full: a block holds a whole run of filed step ends and its
+tick."""
+FLOOR_BLOCKS = 3
+"""The seen part is the median of the last this many block means (before there are as many, the mean of
+every clean step so far): own time is measured exactly, but a stall inside the monitor's code (the
+machine took the thread away for milliseconds) is exact too, and in a plain mean one such step of a
+sub-millisecond model moved the floor by several percent for a whole window. The median drops the block
+that holds it."""
 DARK_PAIRS = 96
 """Dark steps measured per calibration of the floor's unseen part (see *The floor* above): pairs of
 steps run with the monitor entirely out of the way, each pair followed by two lit steps."""
@@ -142,6 +163,11 @@ DARK_DECLINES = 4
 """A measurement is given up after this many declined pairs (and tried again after the next drift)."""
 DARK_DRIFT = 1.5
 """The unseen part is measured again when the baseline has moved by this factor either way since."""
+DARK_POOL = 8
+"""The unseen part is the weighted mean of the last this many measurements that agree (see *The floor*)."""
+DARK_AGREE = 3.0
+"""A measurement agrees with the ones held when they differ by at most this many standard errors; one that
+does not replaces them (the unseen part changed: it is followed at once)."""
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # the phase sequence k·φ mod 1 spreads sampled steps evenly
 _EPSILON = 1e-9  # a quotient that is an integer up to rounding (0.2 / 0.02, 1.0 / 0.1) is that integer
 
@@ -215,6 +241,36 @@ def _median(values: Sequence[float]) -> float:
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
+def _faster_half(values: Sequence[float]) -> tuple[float, float]:
+    """The mean of the smaller half of ``values`` (at least one), and its standard error.
+
+    A trimmed mean: a shared machine slows steps down and never speeds them up, so the slower half
+    carries most of a step time's noise and the faster half most of its signal. The standard error is
+    Tukey and McLaughlin's for a trimmed mean: the deviation of the sample with its trimmed values set
+    to the nearest kept one, over ``kept / n * sqrt(n)``.
+    """
+    ordered = sorted(values)
+    n = len(ordered)
+    kept = (n + 1) // 2
+    mean = sum(ordered[:kept]) / kept
+    if n < 2:
+        return mean, 0.0
+    cut = ordered[kept - 1]
+    winsorized = ordered[:kept] + [cut] * (n - kept)
+    centre = sum(winsorized) / n
+    deviation = math.sqrt(sum((x - centre) ** 2 for x in winsorized) / (n - 1))
+    return mean, deviation / (kept / n * math.sqrt(n))
+
+
+def _pooled(readings: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """The inverse-variance weighted mean of ``(value, standard error)`` readings, and its standard error
+    (an error of 0, a noiseless reading, weighs as one of 1e-9)."""
+    weights = [1.0 / max(error, 1e-9) ** 2 for _, error in readings]
+    total = sum(weights)
+    mean = sum(w * value for w, (value, _) in zip(weights, readings, strict=True)) / total
+    return mean, 1.0 / math.sqrt(total)
+
+
 class Governor:
     """Chooses which steps to sample so that monitoring's measured cost stays within ``budget``.
 
@@ -263,7 +319,9 @@ class Governor:
         "_darks",
         "_declined",
         "_floor",
-        "_floors",
+        "_floor_blocks",
+        "_floor_count",
+        "_floor_sum",
         "_growth_limit",
         "_interval",
         "_last_sample_at",
@@ -287,6 +345,7 @@ class Governor:
         "_steps",
         "_unseen",
         "_unseen_at",
+        "_unseen_pool",
         "_warmup",
         "dark",
         "deadline",
@@ -318,8 +377,10 @@ class Governor:
         self._costs: deque[float] = deque(maxlen=_check_int("cost_window", cost_window, 1))
         # each cost sample's lower bound from the sampled step's own time (exact: no step-time noise)
         self._own_costs: deque[float] = deque(maxlen=cost_window)
-        self._floors: deque[float] = deque(maxlen=FLOOR_WINDOW)
-        self._floor = 0.0  # what an unsampled step costs: the mean of the clean steps' own-time ratios
+        self._floor_blocks: deque[float] = deque(maxlen=FLOOR_BLOCKS)  # mean own ratios of whole blocks
+        self._floor_sum = 0.0  # the own ratios of the block being filled, and how many
+        self._floor_count = 0
+        self._floor = 0.0  # what an unsampled step costs: the seen part and the unseen part
         self._probe = _check_int("probe", probe, 1)
         self._clock = clock
         now = float(clock())
@@ -341,8 +402,10 @@ class Governor:
         self._stale = 0  # clean steps filed since the medians were last taken (see REFRESH)
         self._sampled = 1
         self._rejected = 0
-        self._own_floor = 0.0  # the mean own-time ratio of the clean steps (the floor's seen part)
+        self._own_floor = 0.0  # the clean steps' own-time ratio (the floor's seen part, see _take_floor)
         self._unseen: float | None = None  # seconds per step the monitor costs that own time misses
+        # the measurements it is pooled from: (ratio to their baseline, standard error), those that agree
+        self._unseen_pool: deque[tuple[float, float]] = deque(maxlen=DARK_POOL)
         self._unseen_at: float | None = None  # the baseline it was measured at
         self._dark_pairs = _check_int("dark_pairs", dark_pairs, 0)
         self._darks: deque[float] = deque(maxlen=max(1, dark_pairs))  # each pair's second dark step
@@ -477,7 +540,7 @@ class Governor:
 
     def _file_clean(self, filed: list[tuple[float, float]]) -> None:
         """:meth:`_advance` for clean unsampled step ends past the warm-up, in one pass."""
-        baseline, floors = self._baseline, self._floors
+        baseline, add_floor = self._baseline, self._add_floor
         plain = 0
         for reading, own in filed:
             boundary = self._boundary
@@ -488,7 +551,7 @@ class Governor:
             self._boundary = reading
             baseline.append(seconds)
             if 0 <= own < seconds:  # (NaN and inf fail it: not a floor)
-                floors.append(own / (seconds - own))
+                add_floor(own / (seconds - own))
             plain += 1
         if plain:
             self._steps += plain
@@ -555,9 +618,10 @@ class Governor:
         elif not self._prev_sampled:
             self._baseline.append(seconds)
             if math.isfinite(own) and 0 <= own < seconds:  # (else: an odd reading, not a floor)
-                self._floors.append(own / (seconds - own))
-                if self._dark_todo:
-                    self._lights.append(seconds - own)  # (what a dark step is compared with)
+                if self._dark_todo:  # (what a dark step is compared with; its full boundary is the
+                    self._lights.append(seconds - own)  # measurement's cost, not an unsampled step's)
+                else:
+                    self._add_floor(own / (seconds - own))
             self._stale += 1
             if self._stale >= REFRESH or self._cost_ratio is None:
                 self._refresh()
@@ -587,27 +651,53 @@ class Governor:
             self._lights = []
         self._update()
 
+    def _add_floor(self, ratio: float) -> None:
+        """A clean step's own-time ratio, into the block being filled (a whole block: its mean, kept)."""
+        self._floor_sum += ratio
+        self._floor_count += 1
+        if self._floor_count == FLOOR_WINDOW:
+            self._floor_blocks.append(self._floor_sum / FLOOR_WINDOW)
+            self._floor_sum, self._floor_count = 0.0, 0
+
     def _take_floor(self) -> None:
-        """The floor's seen part: the mean of the floor window (a plain sum: its few hundred small
-        ratios lose nothing that matters, and ``math.fsum`` takes four times as long)."""
-        if self._floors:
-            self._own_floor = sum(self._floors) / len(self._floors)
+        """The floor's seen part: the median of the last :data:`FLOOR_BLOCKS` block means, or until there
+        are as many, the mean of every clean step so far (plain sums: a few hundred small ratios lose
+        nothing that matters, and ``math.fsum`` takes four times as long)."""
+        blocks = self._floor_blocks
+        if len(blocks) == FLOOR_BLOCKS:
+            self._own_floor = _median(blocks)
+        elif blocks or self._floor_count:
+            count = len(blocks) * FLOOR_WINDOW + self._floor_count
+            self._own_floor = (sum(blocks) * FLOOR_WINDOW + self._floor_sum) / count
 
     def _measure_unseen(self) -> None:
-        """A measurement's last dark pair ended: the unseen part is the median of the clean steps
-        between the pairs, each less its own time, over the dark steps' median, in seconds (never
-        below 0). Each light step's own time is its own (those steps end at full boundaries, whose own
-        time the floor's window, mostly quiet steps, would understate)."""
+        """A measurement's last dark pair ended: its reading is the faster half's mean of the clean steps
+        between the pairs, each less its own time, less the faster half's mean of the dark steps, as a
+        fraction of those clean steps' median, with its standard error. The unseen part is the weighted
+        mean of the readings that agree (:data:`DARK_POOL`, :data:`DARK_AGREE`), never below 0, held in
+        seconds at the latest measurement's median. Each light step's own time is its own (those steps
+        end at full boundaries, whose own time the floor's blocks, mostly quiet steps, would
+        understate)."""
         darks, lights = self._darks, self._lights
         self._lights = []
-        if not lights:
+        if not lights or not darks:
             return
-        dark, light = _median(darks), _median(lights)
+        # A fraction of the measurement's own lit steps (their median), not of the baseline: a spell of
+        # stalls at its end moves the baseline's 15 steps, and would shrink a reading and its error alike.
+        level = _median(lights)
+        (light, light_error), (dark, dark_error) = _faster_half(lights), _faster_half(darks)
+        reading, error = (light - dark) / level, math.hypot(light_error, dark_error) / level
+        pool = self._unseen_pool
+        if pool:
+            held, held_error = _pooled(pool)
+            if abs(reading - held) > DARK_AGREE * math.hypot(error, held_error):
+                pool.clear()  # the unseen part moved: the new reading alone
+        pool.append((reading, error))
         # No margin for noise: a budget wants the cost's best estimate, not a low one (a noise margin of
         # two standard errors took half the real unseen part of a small model's step on a noisy VM, and
         # the governor sampled too often for its budget). Noise alone reads as a small positive cost
         # about half the time (below 0 is 0): the error errs toward sampling less.
-        self._unseen = max(0.0, light - dark)
+        self._unseen = max(0.0, _pooled(pool)[0]) * level
         self._unseen_at = self._step_seconds  # (the lights' median: the baseline's window is theirs)
         self._refresh()
 

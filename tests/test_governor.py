@@ -23,6 +23,7 @@ from streamwatch._governor import (
     CALIBRATION_INTERVAL,
     DARK_DRIFT,
     DARK_PAIRS,
+    FLOOR_WINDOW,
     QUIET_MAX,
     Governor,
     GovernorStatistics,
@@ -185,7 +186,10 @@ def test_converges_to_the_smallest_interval_that_meets_the_budget(ratio: float, 
 def test_noisy_step_times_still_meet_the_budget(ratio: float, budget: float) -> None:
     rng = random.Random(7)
     clock = FakeClock()
-    gov = Governor(budget, clock=clock)
+    # (no dark pairs: this driver runs every step lit, so a measurement of the floor's unseen part would
+    # read the noise alone, a floor of about one standard error (pinned by its own test below), and move
+    # the interval by it: here the cost samples' noise is under test)
+    gov = Governor(budget, clock=clock, dark_pairs=0)
     expected = smallest_interval(ratio, budget)
 
     def noisy(_i: int, sampled: bool, _previous: bool) -> float:
@@ -670,7 +674,8 @@ def test_forced_steps_measure_nothing_and_their_shadows_are_not_clean() -> None:
         pytest.approx(1.0),
         smallest_interval(1.0, 0.015),
     )
-    for _ in range(50):  # escalated: every step 5 plain steps long, 4 of them the monitor's own
+    escalated = 1000  # (long enough to fill two of the floor's blocks with clean steps, unforced)
+    for _ in range(escalated):  # escalated: every step 5 plain steps long, 4 of them the monitor's own
         clock.advance(5 * PLAIN)
         gov.tick(4 * PLAIN, forced=True)
     clock.advance(3 * PLAIN)  # the shadow of the last one (worker time spilling over): not clean either
@@ -680,7 +685,7 @@ def test_forced_steps_measure_nothing_and_their_shadows_are_not_clean() -> None:
     # unforced, the same episode moves the floor and the baseline (what the flag prevents)
     control = Governor(0.02, clock=(clock2 := FakeClock()))
     drive_with_floor(control, clock2, settle_steps(smallest_interval(1.0, 0.015)), 1.0, own)
-    for _ in range(50):
+    for _ in range(escalated):
         clock2.advance(5 * PLAIN)
         control.tick(4 * PLAIN)
     assert control.floor_ratio > 50 * before[1]  # the escalated steps moved the floor 0.5 % -> over 25 %
@@ -907,3 +912,125 @@ def test_declined_pairs_run_lit_and_a_measurement_is_given_up_after_a_few() -> N
         gov.tick()
         quiet.append(gov.quiet)
     assert max(quiet) > 0
+
+
+# -- a steady floor: successive measurements, stalls ------------------------------------------------------
+
+
+def on_a_moving_machine(
+    seed: int, phases: int, unseen: Callable[[int], float] = lambda _phase: 0.003, phase_steps: int = 4_000
+) -> list[GovernorStatistics]:
+    """A stable model (docs/governor.md, *How steady the floor is*) on a machine whose speed moves:
+    ``phases`` stretches of ``phase_steps`` steps, every other one twice as slow (everything in the step
+    alike), so that each move (2x, past ``DARK_DRIFT``) measures the floor's unseen part again. A plain
+    step takes ``PLAIN`` (times the speed) plus one-sided noise, an exponential draw with a mean of 4 %
+    of it (a shared machine slows a step down, never speeds it up: this VM's demo MLP, in
+    ``benchmarks/profile_governor_floor.py``, reads with about this noise); the monitor's own time is
+    0.3 % of a plain step, its unseen cost ``unseen(phase)`` of one (a dark step is that much and its own
+    time shorter), and a sampled step costs 2 plain steps more. Dark pairs run as the watch runs them:
+    both ends ticked after the pair, with their readings. Returns the governor's statistics at the end
+    of each phase."""
+    rng = random.Random(seed)
+    clock = FakeClock()
+    gov = Governor(0.02, clock=clock)
+    ends, dark_left, readings = [], 0, []
+    for phase in range(phases):
+        plain = PLAIN * (1.0 if phase % 2 == 0 else 2.0)
+        for _ in range(phase_steps):
+            seconds = plain * (1 + rng.expovariate(1 / 0.04))
+            own = 0.003 * plain
+            if dark_left:
+                clock.advance(seconds - own - unseen(phase) * plain)
+                readings.append(clock())
+                dark_left -= 1
+                if dark_left:
+                    continue
+                for reading in readings:
+                    gov.tick(at=reading)
+                readings = []
+            else:
+                clock.advance(seconds + 2.0 * plain if gov.sampling else seconds)
+                gov.tick(own)
+            if gov.dark:
+                dark_left = 2
+        ends.append(gov.statistics())
+    return ends
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_stable_model_keeps_a_steady_interval_across_measurements_of_its_floor(seed: int) -> None:
+    """Each measurement of the unseen part reads it with noise: 96 pairs on this machine give a standard
+    error about as large as the part itself (0.3 % of a step), and the interval, ``ceil(r / (budget -
+    f))``, magnifies it. Measurements that agree are pooled, each read by its faster half: from the fourth
+    on, the interval at the end of every phase is within 25 % of what the true costs call for (the code
+    before swung 0.8-7x across the same phases: one reading alone, by the median, replaced the last)."""
+    expected = smallest_interval(2.0, 0.02 - 0.003 - 0.003)  # own 0.3 % + unseen 0.3 %: 143
+    ends = on_a_moving_machine(seed, phases=12)
+    assert ends[-1].dark_steps == 12 * 2 * DARK_PAIRS  # (one measurement per phase: each a move)
+    intervals = [stats.interval for stats in ends]
+    assert all(0.75 * expected <= n <= 1.25 * expected for n in intervals[3:]), intervals
+    floors = [stats.floor_ratio for stats in ends[3:]]
+    assert max(floors) - min(floors) < 0.005, floors  # (one reading alone: 0-0.02)
+
+
+def test_a_real_change_in_the_unseen_part_is_followed_at_its_first_measurement() -> None:
+    """Pooling follows no stale readings: a measurement that disagrees with the pooled ones by more than
+    ``DARK_AGREE`` standard errors replaces them. The unseen part goes from 0.3 % of a step to 1.5 %
+    (with a move of the machine's speed, which measures it again): the next phase reads it, not the
+    pool's mean of the old one."""
+    ends = on_a_moving_machine(3, phases=8, unseen=lambda phase: 0.003 if phase < 6 else 0.015)
+    before, after = ends[5].unseen_ratio, ends[6].unseen_ratio
+    assert before is not None
+    assert after is not None
+    assert before < 0.008
+    assert after == pytest.approx(0.015, abs=0.005)
+
+
+def test_a_stall_inside_the_monitor_does_not_move_the_floor() -> None:
+    """A machine that takes the thread away for 30 plain steps while it is in the monitor's own code makes
+    one clean step's own time 30 steps long, exactly measured: in a plain mean over 257 clean steps that
+    moved the floor from 0.5 % to 12 % for 257 clean steps, and the interval from 67 to 268 (doubling
+    per cost sample until the stall left the window). The seen part
+    is the median of the last ``FLOOR_BLOCKS`` blocks' means: the one block that holds the stall moves
+    nothing."""
+    clock = FakeClock()
+    gov = Governor(0.02, clock=clock)
+    own = PLAIN * 0.005 / 1.005  # a floor of 0.5 %
+    expected = smallest_interval(1.0, 0.015)
+    drive_with_floor(gov, clock, settle_steps(expected), 1.0, own)
+    assert (gov.interval, gov.floor_ratio) == (expected, pytest.approx(0.005))
+    previous = gov.sampling
+    while gov.sampling or previous:  # (to a clean step: neither sampled nor a sampled step's shadow)
+        previous = gov.sampling
+        drive_with_floor(gov, clock, 1, 1.0, own)
+    clock.advance(31 * PLAIN)  # the step, stalled for 30 plain steps inside the monitor
+    gov.tick(own + 30 * PLAIN)
+    intervals, floors = [], []
+    for _ in range(3 * FLOOR_WINDOW):
+        drive_with_floor(gov, clock, 1, 1.0, own)
+        intervals.append(gov.interval)
+        floors.append(gov.floor_ratio)
+    assert set(intervals) == {expected}
+    assert max(floors) == pytest.approx(0.005)
+
+
+def test_a_measurements_full_boundaries_are_not_in_the_floor() -> None:
+    """While a measurement of the unseen part runs every step end ticks (a full boundary, here 8 % of a
+    step of own time where a quiet step has a tenth of it): the measurement's cost, not an unsampled
+    step's. Its clean steps are left out of the seen part, which reads the quiet steps' own time alone
+    from the measurement's end on (in the window's mean they raised it from 0.8 % to up to 7.7 % after it)."""
+    clock = FakeClock()
+    gov = Governor(0.05, clock=clock)
+    measuring = 0.08 * PLAIN
+    floors: list[tuple[bool, float]] = []  # (measured yet, the floor) at each step
+
+    def own(g: Governor) -> float:
+        floors.append((g.unseen_ratio is not None, g.floor_ratio))
+        return measuring if g._dark_todo else measuring / 10
+
+    drive_dark(gov, clock, 3_000, 1.0, 0.0, own=own)
+    assert gov.statistics().dark_steps == 2 * DARK_PAIRS
+    quiet = (measuring / 10) / (PLAIN - measuring / 10)
+    after = [floor for measured, floor in floors if measured]
+    assert len(after) > 1_000
+    assert max(after) == pytest.approx(quiet)
