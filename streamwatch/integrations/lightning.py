@@ -1,5 +1,5 @@
 """Lightning: ``StreamwatchCallback`` observes a ``lightning.pytorch.Trainer``'s run with
-:func:`streamwatch.observe` (``pip install 'streamwatch[lightning]'``).
+:func:`streamwatch.observe` (``pip install 'streamwatch-torch[lightning]'``).
 
 What it does, hook by hook:
 
@@ -64,12 +64,14 @@ from typing import Any
 
 import torch
 
+from streamwatch._version import extra
+
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
 except ImportError as _err:
     raise ImportError(
-        f"streamwatch.integrations.lightning needs Lightning: pip install 'streamwatch[lightning]' ({_err})"
+        f"streamwatch.integrations.lightning needs Lightning: {extra('lightning')} ({_err})"
     ) from _err
 
 from streamwatch._observe import Watch

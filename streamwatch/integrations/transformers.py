@@ -1,5 +1,5 @@
 """Hugging Face: ``StreamwatchCallback`` observes a ``transformers.Trainer``'s run with
-:func:`streamwatch.observe` (``pip install 'streamwatch[transformers]'``).
+:func:`streamwatch.observe` (``pip install 'streamwatch-torch[transformers]'``).
 
 What it does, event by event:
 
@@ -50,12 +50,13 @@ from typing import Any
 
 import torch
 
+from streamwatch._version import extra
+
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 except ImportError as _err:
     raise ImportError(
-        "streamwatch.integrations.transformers needs transformers: "
-        f"pip install 'streamwatch[transformers]' ({_err})"
+        f"streamwatch.integrations.transformers needs transformers: {extra('transformers')} ({_err})"
     ) from _err
 
 from streamwatch._observe import Watch
