@@ -392,3 +392,28 @@ def test_every_rank_of_a_two_process_run_serves_its_own_port_during_training(
             else:
                 assert "streamwatch_grad_norm{" in body
         assert read_run(tmp_path / "run" / f"run-rank{rank}.jsonl").records[0].rank == rank
+
+
+def test_a_port_in_use_fails_the_fit_at_its_start_and_leaves_nothing_attached(
+    pl: Any, tmp_path: Path
+) -> None:
+    import socket
+
+    from streamwatch.integrations.lightning import StreamwatchCallback
+
+    model = _lit_module(pl)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        callback = StreamwatchCallback(expose=port, run_dir=tmp_path / "run")
+        trainer, loader = (
+            _trainer(pl, tmp_path, [callback], max_epochs=1),
+            DataLoader(_dataset(8, 1), batch_size=4),
+        )
+        with pytest.raises(OSError, match=rf"{port}.*already in use"):
+            trainer.fit(model, loader, loader)
+    assert callback.watch is None
+    hooks = [m for m in model.modules() if m._forward_hooks or m._forward_pre_hooks]
+    assert hooks == []
+    assert read_run(tmp_path / "run").records == []  # the run file was made, then closed: empty
