@@ -27,16 +27,15 @@ from torch.utils.data import TensorDataset  # noqa: E402
 
 import streamwatch as sw  # noqa: E402
 
-TRAINER, PORT, OUT = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
 SCRAPE_AT = 3  # the optimizer step after which every rank scrapes every rank
 
 
-def scrape_all() -> dict[str, str]:
+def scrape_all(port: int) -> dict[str, str]:
     """Every rank's /metrics, between two barriers: all ranks are training (none has finished)."""
     dist.barrier()
     bodies = {}
     for local_rank in range(dist.get_world_size()):
-        url = f"http://127.0.0.1:{PORT + local_rank}/metrics"
+        url = f"http://127.0.0.1:{port + local_rank}/metrics"
         bodies[str(local_rank)] = urllib.request.urlopen(url, timeout=30).read().decode()
     dist.barrier()
     return bodies
@@ -47,7 +46,7 @@ def data() -> TensorDataset:
     return TensorDataset(torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g))
 
 
-def lightning() -> dict[str, Any]:
+def lightning(port: int, out: Path) -> dict[str, Any]:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
@@ -72,10 +71,10 @@ def lightning() -> dict[str, Any]:
     class Scrape(pl.Callback):
         def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
             if trainer.global_step == SCRAPE_AT and "bodies" not in seen:
-                seen["bodies"] = scrape_all()
+                seen["bodies"] = scrape_all(port)
 
     records = sw.sinks.collect()
-    callback = StreamwatchCallback(expose=PORT, run_dir=OUT / "run", sinks=[records], every=1)
+    callback = StreamwatchCallback(expose=port, run_dir=out / "run", sinks=[records], every=1)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -99,7 +98,7 @@ def lightning() -> dict[str, Any]:
     }
 
 
-def transformers() -> dict[str, Any]:
+def transformers(port: int, out: Path) -> dict[str, Any]:
     import transformers as hf
 
     from streamwatch.integrations.transformers import StreamwatchCallback
@@ -117,12 +116,12 @@ def transformers() -> dict[str, Any]:
     class Scrape(hf.TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if state.global_step == SCRAPE_AT and "bodies" not in seen:
-                seen["bodies"] = scrape_all()
+                seen["bodies"] = scrape_all(port)
 
     records = sw.sinks.collect()
-    callback = StreamwatchCallback(expose=PORT, run_dir=OUT / "run", sinks=[records], every=1)
+    callback = StreamwatchCallback(expose=port, run_dir=out / "run", sinks=[records], every=1)
     args = hf.TrainingArguments(
-        output_dir=str(OUT / "hf"),
+        output_dir=str(out / "hf"),
         per_device_train_batch_size=4,
         max_steps=6,
         logging_steps=1,
@@ -145,8 +144,9 @@ def transformers() -> dict[str, Any]:
 
 
 def main() -> None:
-    out = {"lightning": lightning, "transformers": transformers}[TRAINER]()
-    (OUT / f"rank{out['rank']}.json").write_text(json.dumps(out))
+    trainer, port, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+    seen = {"lightning": lightning, "transformers": transformers}[trainer](port, out)
+    (out / f"rank{seen['rank']}.json").write_text(json.dumps(seen))
     if dist.is_initialized():  # (left to the interpreter's exit, gloo's teardown sometimes aborts a rank)
         dist.destroy_process_group()
 
