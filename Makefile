@@ -1,17 +1,21 @@
 # One entry point for people and CI. `make test` is the test command README gives; .ci/run calls it.
-# Each target creates (or reuses) a local virtual environment in .venv and installs what it needs:
-# torch==2.13.0 first (the CPU build; a looser pin could pull several GB of CUDA packages), then
-# streamwatch itself with its dev extra.
+# Each target creates (or reuses) a local virtual environment and installs what it needs: torch==2.13.0
+# first (the CPU build; a looser pin could pull several GB of CUDA packages), then streamwatch itself
+# with the extra the target needs: `demo` only the demo extra (in .venv-demo), every other target the
+# dev extra (in .venv).
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+DEMO_VENV ?= .venv-demo
+DEMO_PY := $(DEMO_VENV)/bin/python
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+SOURCES := pyproject.toml setup.py streamwatch/_fused.c streamwatch/_fused_body.h streamwatch/_fused_module.c
 
 .PHONY: env demo test lint format bench dashboards clean
 
-$(VENV)/.installed: pyproject.toml setup.py streamwatch/_fused.c streamwatch/_fused_body.h streamwatch/_fused_module.c
+$(VENV)/.installed: $(SOURCES)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
@@ -19,9 +23,16 @@ $(VENV)/.installed: pyproject.toml setup.py streamwatch/_fused.c streamwatch/_fu
 
 env: $(VENV)/.installed
 
-# The first-run command: a real training run with the live view, /metrics and a run file (Ctrl-C ends it).
-demo: env
-	$(PY) -m streamwatch demo $(DEMO_ARGS)
+$(DEMO_VENV)/.installed: $(SOURCES)
+	$(PYTHON) -m venv $(DEMO_VENV)
+	$(DEMO_PY) -m pip install --quiet torch==2.13.0
+	$(DEMO_PY) -m pip install --quiet -e '.[demo]'
+	touch $@
+
+# The first-run command: a real training run with the live view, /metrics and a run file; it keeps
+# serving /metrics after training until Ctrl-C. Installs the demo extra only (rich, matplotlib).
+demo: $(DEMO_VENV)/.installed
+	$(DEMO_PY) -m streamwatch demo $(DEMO_ARGS)
 
 # pytest exits 5 when it collected nothing: that is a failure here, never a pass.
 test: env
@@ -48,4 +59,4 @@ bench: env
 		--benchmark-columns=min,median,mean,rounds $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .benchmarks
+	rm -rf $(VENV) $(DEMO_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .benchmarks

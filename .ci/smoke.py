@@ -3,6 +3,8 @@
 Run from outside the checkout (so ``import streamwatch`` finds the installed package), with no C
 compiler on PATH and an empty HOME. It checks that
 
+- the installed distribution is streamwatch-torch (the import name is streamwatch) and its version is
+  what ``streamwatch.__version__`` and ``streamwatch --version`` say;
 - every module imports with only the declared runtime dependencies, and optional features name the
   extra that provides them;
 - the README quickstart (the first ``python`` block of README.md) runs;
@@ -17,6 +19,7 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+import subprocess
 import sys
 import tempfile
 import warnings
@@ -52,11 +55,24 @@ def main() -> None:
     if "site-packages" not in package.parts:
         fail(f"streamwatch was imported from {package}, not from an installed package")
     print(f"smoke: streamwatch {streamwatch.__version__} from {package}")
+    from importlib import metadata
+
+    installed = metadata.version("streamwatch-torch")
+    if streamwatch.__version__ != installed:
+        fail(f"streamwatch.__version__ is {streamwatch.__version__!r}, streamwatch-torch {installed!r}")
+    said = subprocess.run(
+        [str(Path(sys.executable).with_name("streamwatch")), "--version"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if said.returncode != 0 or said.stdout.strip() != f"streamwatch {installed} (streamwatch-torch)":
+        fail(f"streamwatch --version said {said.stdout!r} {said.stderr!r} (exit {said.returncode})")
 
     optional = {
-        "streamwatch._live": "streamwatch[demo]",
-        "streamwatch.integrations.lightning": "streamwatch[lightning]",
-        "streamwatch.integrations.transformers": "streamwatch[transformers]",
+        "streamwatch._live": "streamwatch-torch[demo]",
+        "streamwatch.integrations.lightning": "streamwatch-torch[lightning]",
+        "streamwatch.integrations.transformers": "streamwatch-torch[transformers]",
     }
     for info in pkgutil.walk_packages(streamwatch.__path__, "streamwatch."):
         try:
@@ -71,7 +87,7 @@ def main() -> None:
     try:
         streamwatch.sinks.TensorBoard(tempfile.mkdtemp())
     except ImportError as err:
-        if "streamwatch[tensorboard]" not in str(err):
+        if "streamwatch-torch[tensorboard]" not in str(err):
             fail(f"the TensorBoard sink fails without naming its extra: {err}")
     else:
         fail("tensorboard is importable in a plain install: is it a hard dependency now?")

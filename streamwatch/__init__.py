@@ -1,6 +1,8 @@
 """streamwatch: a live, low-overhead PyTorch training monitor."""
 
-from importlib import metadata as _metadata
+from __future__ import annotations
+
+import typing as _typing
 
 from streamwatch import detectors, metrics, ops, sinks
 from streamwatch._channel import (
@@ -31,6 +33,7 @@ from streamwatch._pipeline import Operator, Pipeline, Sink, source
 from streamwatch._record import SeriesKey, StepRecord
 from streamwatch._select import Select
 from streamwatch._store import SeriesSource, SeriesStore, WatchStatistics
+from streamwatch._version import version as _installed_version
 from streamwatch._worker import Worker, WorkerStatistics
 
 __all__ = [
@@ -70,6 +73,7 @@ __all__ = [
     "WouldBlock",
     "channel",
     "detectors",
+    "live",
     "metrics",
     "observe",
     "ops",
@@ -77,10 +81,51 @@ __all__ = [
     "source",
 ]
 
-try:
-    __version__ = _metadata.version("streamwatch")
-except _metadata.PackageNotFoundError:  # pragma: no cover - imported from a source tree that is not installed
-    __version__ = "0+unknown"
+__version__ = _installed_version()
+"""The installed version (of the ``streamwatch-torch`` distribution); ``0+unknown`` in a source tree."""
+
+if _typing.TYPE_CHECKING:
+    from streamwatch._console import Live
+
+
+def live(
+    watch: Watch,
+    *,
+    total_steps: int | None = None,
+    url: str | None = None,
+    every: int = 50,
+    file: _typing.IO[str] | None = None,
+) -> Live:
+    """Show a watch's progress in your own training loop: the live view of ``streamwatch demo`` on a
+    terminal (loss, accuracy, per-layer norms, dead units, non-finite values, streamwatch's own cost),
+    plain log lines in a notebook or when the output is not a terminal. Use it as a context manager and
+    call ``update()`` once per step, after ``watch.step()``.
+
+    Args:
+        watch: what to show (``streamwatch.observe(...)``).
+        total_steps: the run's length, for the progress bar (None: unknown).
+        url: the ``/metrics`` URL to show (``watch.expose().url``).
+        every: steps between log lines (the live view redraws at most ~10 times a second instead).
+        file: where to write (default ``sys.stdout``).
+
+    The live view needs rich (``pip install 'streamwatch-torch[demo]'``); without it, log lines.
+    ``import streamwatch`` imports neither: the view's module is imported by this call.
+
+    Example:
+        >>> import torch, streamwatch as sw
+        >>> model = torch.nn.Linear(3, 2)
+        >>> with sw.observe(model) as watch, sw.live(watch, total_steps=3, every=3) as progress:
+        ...     for step in range(3):
+        ...         model(torch.randn(4, 3)).pow(2).mean().backward()
+        ...         watch.step()
+        ...         progress.update()  # doctest: +ELLIPSIS
+        streamwatch
+        step      3  loss      nan ...
+    """
+    from streamwatch._console import Live
+
+    return Live(watch, total_steps=total_steps, url=url, every=every, file=file)
+
 
 _MOVED = {
     "Chain": ("streamwatch._pipeline", "what composing operators with | gives"),

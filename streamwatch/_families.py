@@ -38,6 +38,8 @@ __all__ = [
     "IDENTITY",
     "INFO",
     "LAYER_MEAN",
+    "LOGGED_PREFIX",
+    "LOGGED_REFUSED",
     "PER_LAYER_FAMILIES",
     "RESERVED_LABELS",
     "SELF_FAMILIES",
@@ -45,8 +47,10 @@ __all__ = [
     "STEPPED_WEIGHT_SUMSQ",
     "TENSOR",
     "TENSOR_VALUES",
+    "TRAINER_LOGS",
     "Family",
     "check_served",
+    "logged_sample",
     "scalar_sample",
     "served_family",
     "stepped_weight_sumsq",
@@ -200,6 +204,28 @@ PER_LAYER_FAMILIES = (
 docs/prometheus.md): every one of their series counts, a histogram's per ``le`` bucket, the
 ``layer="__all__"`` totals too; ``streamwatch_series`` and ``streamwatch_series_wanted`` count them."""
 
+LOGGED_PREFIX = "streamwatch_logged_"
+"""The name a value a trainer logged gets (``self.log("val_acc", ...)`` in Lightning, a Hugging Face
+Trainer's ``logs``): ``streamwatch_logged_val_acc``, unless :data:`TRAINER_LOGS` names its family
+(:func:`logged_sample`)."""
+
+LOGGED_REFUSED = _counter(
+    "logged_values_refused",
+    "Values a trainer logged that were not served: their names were past the cap on distinct names, or "
+    "could not be made a metric name",
+)
+
+TRAINER_LOGS: Mapping[str, tuple[str, Mapping[str, str]]] = {
+    "loss": ("streamwatch_loss", {"phase": "train"}),
+    "eval_loss": ("streamwatch_loss", {"phase": "eval"}),
+    "eval_accuracy": ("streamwatch_accuracy", {"phase": "eval"}),
+    "learning_rate": ("streamwatch_learning_rate", {"group": "0"}),
+    "grad_norm": ("streamwatch_grad_norm", {}),
+}
+"""Logged names with a family of their own: the Hugging Face Trainer's (its ``logs``: the training loss,
+the evaluation loss and accuracy, the first parameter group's learning rate, the gradient norm before
+clipping), whichever trainer logged them."""
+
 HISTOGRAM_SAMPLE = "streamwatch_tensor_histogram"
 """The name ``snapshot()`` gives a histogram's bucket counts (label ``bucket``: the index in
 ``streamwatch.metrics.Buckets`` order); the exporter serves them as :data:`TENSOR_VALUES`."""
@@ -217,6 +243,8 @@ DATA_FAMILIES: tuple[Family, ...] = (
     _gauge("batch_size", "Samples in the last step"),
     _gauge("step_phase_seconds", "Host wall time of a part of the last sampled step (seconds)", "part"),
     _gauge("hessian_max_eig", "Largest-magnitude eigenvalue of the loss Hessian"),
+    _gauge("grad_norm", "Global gradient norm a trainer logged (grad_norm: before clipping)"),
+    LOGGED_REFUSED,
     *DETECTOR_FAMILIES,
     FIRST_NONFINITE_INFO,
     FIRST_NONFINITE_STEP,
@@ -317,6 +345,29 @@ def scalar_sample(name: str, value: float) -> Sample:
     return Sample(f"streamwatch_{name}", {}, value)
 
 
+def logged_sample(name: str, value: float) -> Sample | None:
+    """The sample of a value a trainer logged as ``name``: its family in :data:`TRAINER_LOGS`, else
+    ``streamwatch_logged_<name>`` with every run of characters other than letters, digits and ``_``
+    made one ``_`` (``val/acc`` → ``streamwatch_logged_val_acc``); None for a name that cannot be made a
+    metric name (nothing left, or an ending promtool refuses on a gauge: ``_total``, ``_count``,
+    ``_sum``, ``_bucket``), or a built-in family's.
+
+    Example:
+        >>> logged_sample("eval_loss", 0.5)
+        Sample(name='streamwatch_loss', labels={'phase': 'eval'}, value=0.5)
+        >>> logged_sample("val/acc", 0.75).name, logged_sample("tokens_total", 8.0), logged_sample("//", 1.0)
+        ('streamwatch_logged_val_acc', None, None)
+    """
+    known = TRAINER_LOGS.get(name)
+    if known is not None:
+        return Sample(known[0], dict(known[1]), value)
+    body = re.sub(r"[^a-zA-Z0-9_]+", "_", name).strip("_")
+    full = f"{LOGGED_PREFIX}{body}"
+    if not body or body.endswith(_SAMPLE_SUFFIXES) or full in _TAKEN:
+        return None
+    return Sample(full, {}, value)
+
+
 def served_family(name: str) -> Family:
     """The family of the sample ``name``: a built-in one, or a user's gauge (``watch.serve()``).
 
@@ -325,9 +376,11 @@ def served_family(name: str) -> Family:
         'streamwatch_tenfold (served by a streamwatch pipeline)'
     """
     family = FAMILIES.get(name)
-    return (
-        family if family is not None else Family(name, "gauge", f"{name} (served by a streamwatch pipeline)")
-    )
+    if family is not None:
+        return family
+    if name.startswith(LOGGED_PREFIX):
+        return Family(name, "gauge", f"The latest value the trainer logged as {name[len(LOGGED_PREFIX) :]}")
+    return Family(name, "gauge", f"{name} (served by a streamwatch pipeline)")
 
 
 def check_served(name: object, labels: object) -> tuple[str, dict[str, str]]:

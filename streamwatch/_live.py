@@ -1,4 +1,5 @@
-"""The live console view of ``streamwatch demo``: a series store's latest values rendered with ``rich``.
+"""The live console view of ``streamwatch demo`` and :func:`streamwatch.live`: a series store's latest
+values rendered with ``rich``.
 
 ``rich`` is an optional dependency (the ``demo`` extra); it is imported here only, never by
 ``import streamwatch``.
@@ -9,9 +10,10 @@ Example:
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     >>> with sw.observe(model) as watch:
     ...     console = Console(width=100, record=True, file=io.StringIO(), color_system=None)
-    ...     console.print(LiveView(watch, total_steps=10, url="http://127.0.0.1:9400/metrics").render(0))
+    ...     view = LiveView(watch, total_steps=10, url="http://127.0.0.1:16400/metrics", title="demo")
+    ...     console.print(view.render(0))
     ...     text = console.export_text()
-    >>> "streamwatch demo" in text and "0/10" in text and "—" in text
+    >>> text.startswith("demo") and "0/10" in text and "—" in text
     True
 """
 
@@ -24,6 +26,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Protocol
 
+from streamwatch._version import extra
+
 try:
     from rich.console import Console, Group, RenderableType
     from rich.live import Live
@@ -31,9 +35,7 @@ try:
     from rich.table import Table
     from rich.text import Text
 except ImportError as _err:  # pragma: no cover - rich is installed wherever the tests run
-    raise ImportError(
-        f"streamwatch's live view needs rich: pip install 'streamwatch[demo]' ({_err})"
-    ) from _err
+    raise ImportError(f"streamwatch's live view needs rich: {extra('demo')} ({_err})") from _err
 
 from streamwatch._record import Sample
 from streamwatch._store import SeriesSource, WatchStatistics
@@ -173,13 +175,13 @@ def _scalar(samples: Iterable[Sample], name: str, **labels: str) -> float | None
 class LiveView:
     """Renders a Watch's latest values (its store, its statistics) as a rich console view.
 
-    Sections: a header (``streamwatch demo`` and the ``/metrics`` URL); a progress bar with
-    ``step/total`` and steps per second; the latest train loss and accuracy; a per-layer table (the
-    first ``top`` layers, the rest summarised as ``… N more``) of activation l2, gradient l2 (the
-    weight's, else the output gradient's), update l2, dead-unit rate and non-finite count; and
-    streamwatch's own health (records dropped, queue, worker lag, mean overhead per step, hook errors, the
-    sampling interval and, with ``observe(overhead=...)``, the measured overhead and its budget, an
-    escalation after a non-finite loss, and where the run's first NaN/Inf started:
+    Sections: a header (``title`` and the ``/metrics`` URL); a progress bar with ``step/total`` (a pulsing
+    bar and ``step`` with ``total_steps=None``) and steps per second; the latest train loss and accuracy;
+    a per-layer table (the first ``top`` layers, the rest summarised as ``… N more``) of activation l2,
+    gradient l2 (the weight's, else the output gradient's), update l2, dead-unit rate and non-finite
+    count; and streamwatch's own health (records dropped, queue, worker lag, mean overhead per step, hook
+    errors, the sampling interval and, with ``observe(overhead=...)``, the measured overhead and its
+    budget, an escalation after a non-finite loss, and where the run's first NaN/Inf started:
     ``statistics().first_nonfinite``, docs/nonfinite.md).
     Missing values show ``—``.
 
@@ -205,12 +207,13 @@ class LiveView:
         self,
         watch: Observed,
         *,
-        total_steps: int,
+        total_steps: int | None,
         url: str | None = None,
         top: int = 8,
         console: Console | None = None,
+        title: str = "streamwatch",
     ) -> None:
-        if total_steps < 0:
+        if total_steps is not None and total_steps < 0:
             raise ValueError(f"Expected `total_steps` >= 0, got {total_steps}")
         if top < 1:
             raise ValueError(f"Expected `top` >= 1, got {top}")
@@ -219,6 +222,7 @@ class LiveView:
         self.url = url
         self.top = top
         self.console = console
+        self.title = title
         self._live: Live | None = None
         self._last_draw = -math.inf
         self._drawn: int | None = None
@@ -240,7 +244,7 @@ class LiveView:
         )
 
     def _header(self) -> Text:
-        header = Text("streamwatch demo", style="bold")
+        header = Text(self.title, style="bold")
         header.append("  ·  ")
         header.append(self.url if self.url is not None else MISSING, style="underline")
         return header
@@ -250,10 +254,14 @@ class LiveView:
         grid = Table.grid(padding=(0, 2))
         grid.add_column(width=40)
         grid.add_column()
+        speed = f"{f'{rate:.1f}' if rate is not None else MISSING} steps/s"
+        if self.total_steps is None:  # a run of unknown length: a pulsing bar
+            grid.add_row(ProgressBar(total=None, width=40), f"{step} steps  {speed}")
+            return grid
         total = max(self.total_steps, 1)
         grid.add_row(
             ProgressBar(total=total, completed=min(max(step, 0), total), width=40),
-            f"{step}/{self.total_steps} steps  {f'{rate:.1f}' if rate is not None else MISSING} steps/s",
+            f"{step}/{self.total_steps} steps  {speed}",
         )
         return grid
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from streamwatch._families import ALL_LAYERS, stepped_weight_sumsq
 from streamwatch._validate import check_int
+from streamwatch._version import extra
 
 if TYPE_CHECKING:
     from streamwatch.sinks import RunData
@@ -178,7 +179,7 @@ def plot(run: RunData, out: str | Path, *, top: int = 12, rank: int | None = Non
         ``out``, as a Path.
 
     Raises:
-        ImportError: matplotlib is not installed (``pip install 'streamwatch[demo]'``).
+        ImportError: matplotlib is not installed (``pip install 'streamwatch-torch[demo]'``).
         ValueError: ``top`` is not a positive int, or the run file has no record of ``rank``.
 
     Example::
@@ -192,7 +193,7 @@ def plot(run: RunData, out: str | Path, *, top: int = 12, rank: int | None = Non
         from matplotlib.colors import LogNorm
         from matplotlib.figure import Figure
     except ImportError as error:  # pragma: no cover - matplotlib is installed in the test environment
-        raise ImportError("streamwatch plot needs matplotlib: pip install 'streamwatch[demo]'") from error
+        raise ImportError(f"streamwatch plot needs matplotlib: {extra('demo')}") from error
 
     ranks = sorted({r.rank for r in run.records})
     if rank is not None and rank not in ranks:

@@ -37,7 +37,7 @@ from streamwatch._store import SeriesStore, WatchStatistics
 from streamwatch._validate import check_int, check_real
 from streamwatch.metrics._derived import DEFAULT_METRICS
 from streamwatch.sinks._http import MetricsServer, listen
-from streamwatch.sinks._prometheus import DEFAULT_TIMEOUT, StoreCollector, identity
+from streamwatch.sinks._prometheus import DEFAULT_PORT, DEFAULT_TIMEOUT, StoreCollector, identity
 
 if TYPE_CHECKING:
     from streamwatch._record import StepRecord
@@ -86,7 +86,7 @@ class Replay:
         self,
         run: RunData,
         *,
-        port: int = 9400,
+        port: int = DEFAULT_PORT,
         host: str = "127.0.0.1",
         speed: float = 10.0,
         loop: bool = False,

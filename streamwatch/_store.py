@@ -244,6 +244,11 @@ class SeriesStore(Sink):
         self._rows: dict[SeriesKey, np.ndarray] = {}
         self._extras: dict[tuple[SeriesKey, str], np.ndarray] = {}
         self._put: dict[tuple[str, tuple[tuple[str, str], ...]], Sample] = {}  # derived and served values
+        # when each put value and each record scalar was last written (one count for both): where a
+        # value put and a record's scalar are the same series, the later one is served (see samples())
+        self._writes = 0
+        self._put_at: dict[tuple[str, tuple[tuple[str, str], ...]], int] = {}
+        self._scalar_at: dict[str, int] = {}
         # the latest state of each deferred publisher, not yet turned into samples (see later())
         self._later: dict[object, tuple[Callable[[Any], Iterable[Sample]], Any]] = {}
         self._stopped: set[object] = set()  # publishers whose samples raised (in failures)
@@ -270,6 +275,8 @@ class SeriesStore(Sink):
             if record.extras:
                 self._extras.update(record.extras)
             self._scalars.update(record.scalars)
+            self._writes += 1
+            self._scalar_at.update(dict.fromkeys(record.scalars, self._writes))
             if record.edges:
                 self._edges = record.edges
             self._step = record.step
@@ -328,13 +335,20 @@ class SeriesStore(Sink):
     def put(self, samples: Iterable[Sample], replace: bool = False) -> None:
         """Latest values of derived or user-served series, replacing those with the same name and labels;
         with ``replace``, every earlier series of the names in ``samples`` goes first (an info series
-        whose labels changed)."""
+        whose labels changed). A value put for the series a record's step-level value also gives (a
+        trainer's logged learning rate and the optimizer's, ``streamwatch_learning_rate{group="0"}``) is
+        served until a later record brings that value again, and the other way round: one series, the
+        latest value."""
         samples = list(samples)
         with self._lock:
             if replace:
                 names = {sample.name for sample in samples}
                 self._put = {key: s for key, s in self._put.items() if key[0] not in names}
+                self._put_at = {key: at for key, at in self._put_at.items() if key[0] not in names}
             self._store(samples)
+            self._writes += 1
+            for sample in samples:
+                self._put_at[(sample.name, tuple(sorted(sample.labels.items())))] = self._writes
             self._changes += 1
 
     def later(self, key: object, publish: Callable[[Any], Iterable[Sample]], state: Any) -> bool:
@@ -401,7 +415,8 @@ class SeriesStore(Sink):
             table = np.array([self._rows[k] for k in keys]) if keys else np.empty((0, len(COLUMNS)))
             scalars = dict(self._scalars)
             extras = dict(self._extras)
-            put = list(self._put.values())
+            put = dict(self._put)
+            put_at, scalar_at = dict(self._put_at), dict(self._scalar_at)
             step = self._step
         out: list[Sample] = []
         stats = {name: table[:, i] for i, name in enumerate(COLUMNS)} | derive(table)
@@ -418,9 +433,17 @@ class SeriesStore(Sink):
                     out.append(Sample(HISTOGRAM_SAMPLE, {**labels, "bucket": str(bucket)}, float(count)))
             elif not math.isnan(value := float(vector[0])):
                 out.append(Sample(TENSOR.name, labels, value))
-        out.extend(put)
+        later: list[Sample] = []  # the record scalars, each unless a later put value is its series
         for name, value in scalars.items():
-            out.append(scalar_sample(name, value))
+            sample = scalar_sample(name, value)
+            series = (sample.name, tuple(sorted(sample.labels.items())))
+            if series in put_at:
+                if put_at[series] > scalar_at.get(name, 0):
+                    continue
+                del put[series]
+            later.append(sample)
+        out.extend(put.values())
+        out.extend(later)
         if step is not None:
             out.append(Sample(STEP.name, {}, float(step)))
         return out

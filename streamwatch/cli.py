@@ -10,7 +10,9 @@ run file) it created.
 ``streamwatch demo`` trains a small MLP on **synthetic** data — four Gaussian clusters in 20 dimensions,
 generated from a fixed seed, so nothing is downloaded — with :func:`streamwatch.observe` on, serves
 ``/metrics`` on 127.0.0.1, appends every sampled step to a run file in the run directory and prints a
-line of progress per interval. Ctrl-C ends it cleanly: every completed step is flushed to the run file.
+line of progress per interval. After training it keeps serving ``/metrics`` so that Prometheus can scrape
+the final values: until Ctrl-C with the live view on a terminal, else :data:`NO_LIVE_LINGER` seconds
+(``--linger`` sets it). Ctrl-C ends it cleanly: every completed step is flushed to the run file.
 
 Example:
     >>> parser = build_parser()
@@ -33,13 +35,23 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from streamwatch._console import log_line
+from streamwatch._version import DISTRIBUTION, extra, version
+from streamwatch.sinks import DEFAULT_PORT
+from streamwatch.sinks._runreader import RUN_FILE, find_run_file
+
 if TYPE_CHECKING:
     from torch import nn, optim
+
+    from streamwatch._observe import Watch
 
 __all__ = ["build_parser", "main"]
 
 CLASSES = 4
 FEATURES = 20
+NO_LIVE_LINGER = 15.0
+"""Seconds ``demo --no-live`` keeps serving /metrics after training by default: a Prometheus that
+scrapes every 5 s gets the final values at least twice. With the live view it serves until Ctrl-C."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -105,11 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
     a bad value is argparse's error, on one line, with exit status 2.
     """
     parser = _Parser(prog="streamwatch", description="A live, low-overhead PyTorch training monitor.")
+    parser.add_argument("--version", action="version", version=f"streamwatch {version()} ({DISTRIBUTION})")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     demo = commands.add_parser("demo", help="train a small model with streamwatch on (synthetic data)")
     demo.add_argument("--steps", type=_positive_int, default=500, help="training steps (default 500)")
     demo.add_argument(
-        "--port", type=_port, default=9400, help="base /metrics port, + LOCAL_RANK (0: any free)"
+        "--port",
+        type=_port,
+        default=DEFAULT_PORT,
+        help=f"base /metrics port, + LOCAL_RANK (default {DEFAULT_PORT}; 0: any free)",
     )
     demo.add_argument("--hidden", type=_positive_int, default=128, help="hidden layer width (model size)")
     demo.add_argument("--layers", type=_positive_int, default=3, help="hidden layers")
@@ -132,15 +148,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--linger",
         type=_non_negative,
-        default=0.0,
-        help="keep serving /metrics this many seconds at the end",
+        default=None,
+        help="keep serving /metrics this many seconds after training (default: until Ctrl-C with the "
+        f"live view on a terminal, else {NO_LIVE_LINGER:g} s, three scrapes at a 5 s interval; 0: at once)",
     )
     report = commands.add_parser("report", help="summarise a recorded run (a run directory or its run file)")
     report.add_argument("run", type=Path)
     report.add_argument("--top", type=_positive_int, default=5, help="how many worst layers to list")
     replay = commands.add_parser("replay", help="serve a recorded run's series on /metrics again")
     replay.add_argument("run", type=Path)
-    replay.add_argument("--port", type=_port, default=9400, help="/metrics port (0: any free)")
+    replay.add_argument(
+        "--port",
+        type=_port,
+        default=DEFAULT_PORT,
+        help=f"/metrics port (default {DEFAULT_PORT}; 0: any free)",
+    )
     replay.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
     replay.add_argument(
         "--speed",
@@ -219,25 +241,11 @@ def _describe(err: BaseException) -> str:
     return str(err) or type(err).__name__
 
 
-def _run_file(path: Path) -> Path:
-    """``path`` itself if it is a file, else the run file inside the run directory ``path``."""
-    if path.is_dir():
-        candidate = path / "run.jsonl"
-        if not candidate.exists():
-            raise FileNotFoundError(
-                f"{path} is a directory without a run file (run.jsonl): is it a run directory?"
-            )
-        return candidate
-    if not path.exists():
-        raise FileNotFoundError(f"no run directory or run file at {path}")
-    return path
-
-
 def _report(args: argparse.Namespace) -> int:
     from streamwatch._report import report
     from streamwatch.sinks import read_run
 
-    path = _run_file(args.run)
+    path = find_run_file(args.run)
     run = read_run(path)
     print(report(run, top=args.top))
     if run.truncated:
@@ -251,7 +259,7 @@ def _replay(args: argparse.Namespace) -> int:
     from streamwatch._replay import Replay
     from streamwatch.sinks import read_run
 
-    path = _run_file(args.run)
+    path = find_run_file(args.run)
     run = read_run(path)
     replay = Replay(run, port=args.port, host=args.host, speed=args.speed, loop=args.loop, rank=args.rank)
     if len(replay.ranks) > 1:
@@ -300,7 +308,7 @@ def _plot(args: argparse.Namespace) -> int:
     from streamwatch._plot import plot
     from streamwatch.sinks import read_run
 
-    run = read_run(_run_file(args.run))
+    run = read_run(find_run_file(args.run))
     ranks = sorted({r.rank for r in run.records})
     out = plot(run, args.output, rank=args.rank)
     if len(ranks) > 1:
@@ -408,7 +416,7 @@ def _train_demo(args: argparse.Namespace) -> int:
         created = _make_dirs(run_dir)
     else:
         run_dir, created = _new_run_dir(Path("runs"), time.strftime("%Y%m%d-%H%M%S"))
-    run_path = run_dir / "run.jsonl"
+    run_path = run_dir / RUN_FILE
     new_file = not run_path.exists()
     started = False  # until training starts, a failure removes what the demo created
     try:
@@ -447,11 +455,13 @@ def _train_demo(args: argparse.Namespace) -> int:
                     from streamwatch._live import LiveView
                 except ImportError as err:  # rich is the demo extra
                     raise ValueError(
-                        "the live view needs rich (pip install 'streamwatch[demo]'), or pass --no-live: "
-                        f"{err}"
+                        f"the live view needs rich ({extra('demo')}), or pass --no-live: {err}"
                     ) from err
-                view = stack.enter_context(LiveView(watch, total_steps=args.steps, url=exporter.url))
+                view = stack.enter_context(
+                    LiveView(watch, total_steps=args.steps, url=exporter.url, title="streamwatch demo")
+                )
             started = True
+            trained = False
             try:
                 for step in range(args.steps):
                     y = torch.randint(0, CLASSES, (args.batch,), generator=g)
@@ -465,13 +475,14 @@ def _train_demo(args: argparse.Namespace) -> int:
                     if view is not None:
                         view.update(step + 1)
                     elif (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-                        _log(watch, step)
-                if args.linger > 0:
-                    watch.flush()
-                    print(f"training done; serving {exporter.url} for {args.linger:g} s more", flush=True)
-                    _sleep(args.linger)
+                        print(log_line(watch.store, watch.statistics(), step + 1), flush=True)
+                trained = True
+                _linger(args, view is not None, watch, exporter.url)
             except KeyboardInterrupt:
-                print(f"\ninterrupted at step {step}: flushing every completed step", flush=True)
+                if trained:
+                    print(f"\nstopped serving {exporter.url}", flush=True)
+                else:
+                    print(f"\ninterrupted at step {step}: flushing every completed step", flush=True)
     except BaseException:
         if not started:
             _remove_created(run_path if new_file else None, created)
@@ -485,28 +496,23 @@ def _train_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _log(watch: object, step: int) -> None:
-    from streamwatch import Watch
-
-    assert isinstance(watch, Watch)
-    latest = {(s.name, s.labels.get("phase")): s.value for s in watch.snapshot()}
-    stats = watch.statistics()
-    loss = latest.get(("streamwatch_loss", "train"), float("nan"))
-    accuracy = latest.get(("streamwatch_accuracy", "train"), float("nan"))
-    dropped = stats.dropped_oldest + stats.dropped_newest
-    # streamwatch's own time per step, the mean over the run (as the live view shows it: the last step's
-    # alone is mostly an unsampled one's under the governor), then the interval and what it measured
-    own = stats.overhead_seconds_total / stats.steps if stats.steps else 0.0
-    line = (
-        f"step {step + 1:>6}  loss {loss:8.4f}  accuracy {accuracy:6.3f}  dropped {dropped}  "
-        f"lag {stats.worker_lag_seconds * 1e3:6.1f} ms  overhead {own * 1e3:6.3f} ms/step  "
-        f"sampled 1 in {stats.sampling_interval}"
+def _linger(args: argparse.Namespace, live: bool, watch: Watch, url: str) -> None:
+    """After training: keep serving /metrics (``--linger`` seconds; by default until Ctrl-C with the live
+    view on a terminal, else :data:`NO_LIVE_LINGER` seconds), saying how to scrape it."""
+    if args.linger is not None:
+        linger = args.linger
+    else:  # the live view on a terminal: until Ctrl-C; else (log lines, a pipe) long enough for scrapes
+        linger = math.inf if live and sys.stdout.isatty() else NO_LIVE_LINGER
+    if linger <= 0:
+        return
+    watch.flush()
+    until = "until Ctrl-C" if math.isinf(linger) else f"for {linger:g} s more (Ctrl-C ends it)"
+    print(
+        f"training done; serving {url} {until}: curl {url}, or scrape it with Prometheus "
+        "(docs/prometheus.md, dashboards/scrape/prometheus.yml)",
+        flush=True,
     )
-    if stats.overhead_budget is not None:  # the governor: what it measured against its budget
-        ratio = stats.overhead_ratio
-        measured = "—" if ratio is None or math.isnan(ratio) else f"{100 * ratio:.1f}%"
-        line += f" (measured overhead {measured}, budget {100 * stats.overhead_budget:.1f}%)"
-    print(line, flush=True)
+    _sleep(linger)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -4,6 +4,7 @@ bad input gives one clear error line and exit status 2, never a traceback."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -83,7 +84,9 @@ def test_demo_serves_metrics_while_it_trains_and_writes_a_run_file(tmp_path: Pat
     assert proc.returncode == 0, err
     assert "Traceback" not in err
     text = "".join(lines) + out
-    assert "interrupted at step 119" in text
+    assert "interrupted" not in text  # Ctrl-C after training ends the linger, not the training
+    assert f"stopped serving {url}" in text
+    assert f"for 600 s more (Ctrl-C ends it): curl {url}" in text
     done = re.search(r"done: 120 steps, (\d+) records, 0 dropped", text)
     assert done, text
     assert "synthetic data" in text
@@ -115,6 +118,8 @@ def test_report_summarises_a_recorded_run(tmp_path: Path) -> None:
         "0",
         "--run-dir",
         str(run_dir),
+        "--linger",
+        "0",
         cwd=tmp_path,
     )
     out, err = demo.communicate(timeout=100)
@@ -177,7 +182,18 @@ def test_the_parser_has_the_documented_options() -> None:
 def test_live_view_replay_and_plot_from_the_command_line(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     demo = _streamwatch(
-        "demo", "--every", "1", "--steps", "40", "--port", "0", "--run-dir", str(run_dir), cwd=tmp_path
+        "demo",
+        "--every",
+        "1",
+        "--steps",
+        "40",
+        "--port",
+        "0",
+        "--run-dir",
+        str(run_dir),
+        "--linger",
+        "0",
+        cwd=tmp_path,
     )
     out, err = demo.communicate(timeout=100)
     assert demo.returncode == 0, err
@@ -209,3 +225,37 @@ def test_live_view_replay_and_plot_from_the_command_line(tmp_path: Path) -> None
         _, err = replay.communicate(timeout=60)
     assert replay.returncode == 0, err
     assert "Traceback" not in err
+
+
+def test_version_names_the_distribution() -> None:
+    """``streamwatch --version`` says the version and the name it is installed under (streamwatch-torch:
+    ``streamwatch`` on the package index is someone else's project)."""
+    import streamwatch
+
+    proc = _streamwatch("--version", cwd=ROOT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert out == f"streamwatch {streamwatch.__version__} (streamwatch-torch)\n"
+
+
+def test_demo_keeps_serving_long_enough_for_a_5s_scrape_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without the live view the demo serves /metrics 15 s after training (the README's sample run
+    lasted about a second and /metrics closed with it: nothing for Prometheus to scrape); with the live
+    view on a terminal, until Ctrl-C."""
+    from streamwatch import cli
+
+    slept: list[float] = []
+    monkeypatch.setattr(cli, "_sleep", slept.append)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["demo", "--no-live", "--steps", "3", "--port", "0"]) == 0
+    out = capsys.readouterr().out
+    assert slept == [cli.NO_LIVE_LINGER] == [15.0]
+    url = re.search(r"serving (http://127\.0\.0\.1:\d+/metrics)", out)
+    assert url, out
+    assert f"training done; serving {url.group(1)} for 15 s more (Ctrl-C ends it): curl {url.group(1)}" in out
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert cli.main(["demo", "--steps", "3", "--port", "0"]) == 0
+    assert slept[1:] == [math.inf]
+    assert "until Ctrl-C: curl" in capsys.readouterr().out

@@ -90,7 +90,8 @@ def _write_run(path: Path, steps: int) -> Path:
 
 # --- 1. numeric options: rejected by the parser, one line, status 2 -----------------------------------
 
-_DEMO = ["demo", "--no-live", "--steps", "2", "--port", "0"]  # a valid demo the bad option overrides
+# a valid demo the bad option overrides
+_DEMO = ["demo", "--no-live", "--steps", "2", "--port", "0", "--linger", "0"]
 
 BAD_OPTIONS = [
     [*_DEMO, "--log-every", "0"],

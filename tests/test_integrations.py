@@ -700,7 +700,7 @@ for extra in ("lightning", "transformers"):
     try:
         importlib.import_module(f"streamwatch.integrations.{extra}")
     except ImportError as err:
-        assert f"pip install 'streamwatch[{extra}]'" in str(err), err
+        assert f"pip install 'streamwatch-torch[{extra}]'" in str(err), err
     else:
         raise AssertionError(f"streamwatch.integrations.{extra} imported without {extra}")
 print("ok")

@@ -22,7 +22,7 @@ from streamwatch import _live
 from streamwatch._live import LiveView, format_count, format_percent, format_value
 from tests.training import Train
 
-URL = "http://127.0.0.1:9400/metrics"
+URL = "http://127.0.0.1:16400/metrics"
 BATCH = (32, 8)  # 32 samples of MLP's 8 features (3 classes)
 
 
@@ -92,7 +92,7 @@ def trained(train: Train) -> Iterator[sw.Watch]:
 
 def test_render_every_section(trained: sw.Watch) -> None:
     watch = trained
-    text = text_of(LiveView(watch, total_steps=10, url=URL).render(5))
+    text = text_of(LiveView(watch, total_steps=10, url=URL, title="streamwatch demo").render(5))
     lines = text.splitlines()
     # 1. header
     assert "streamwatch demo" in lines[0]
@@ -144,7 +144,7 @@ def test_empty_watch_renders_dashes() -> None:
     model = MLP()
     with sw.observe(model, every=1) as watch:
         text = text_of(LiveView(watch, total_steps=10).render(0))
-    assert "streamwatch demo" in text
+    assert text.startswith("streamwatch  ·  —")
     assert "0/10" in text
     assert "loss —" in text
     assert "accuracy —" in text
@@ -213,7 +213,7 @@ def test_live_updates_in_place_and_shows_the_last_frame(train: Train) -> None:
             train(model, opt, watch, 4, shape=BATCH, after_watch_step=lambda s: view.update(s.index + 1))
             watch.flush()
         text = console.export_text()
-    assert "streamwatch demo" in text
+    assert "streamwatch" in text
     assert "4/4" in text
     assert "fc_in" in text
 

@@ -56,6 +56,11 @@ EXPECTED = {
         "13 2 activation forward True",
         "trips 2 escalations 1 sampled 21",
     ],
+    "docs/observe.md": ["lines [['streamwatch'], ['step', '50'], ['step', '100']]"],
+    "docs/integrations.md": [
+        "served during the fit: True",  # Lightning's self.log value, scraped from inside fit()
+        "the last step's loss is the one the Trainer logged: True",
+    ],
     "docs/architecture.md": [
         "ChannelStatistics(capacity=64, len=0, reserved=0, sent=1000, received=1000, dropped_oldest=0",
         "100 smoothed values",

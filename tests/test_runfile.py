@@ -654,10 +654,34 @@ def test_a_bad_header_is_an_error(tmp_path: Path, content: bytes, message: str) 
 
 
 def test_a_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="run file not found"):
+    with pytest.raises(FileNotFoundError, match="no run directory or run file at"):
         read_run(tmp_path / "nope.jsonl")
-    with pytest.raises(RunFileError, match="not a regular file"):
+    with pytest.raises(FileNotFoundError, match=r"is a directory without a run file \(run.jsonl\)"):
         read_run(tmp_path)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(RunFileError, match="not a regular file"):
+        read_run(fifo)
+
+
+def test_a_run_directory_is_read_as_the_command_line_reads_it(tmp_path: Path) -> None:
+    """``read_run(run_dir)`` reads the directory's run file, as ``streamwatch report run_dir`` does
+    (before: a RunFileError, 'not a regular file'); a directory of one rank file per process names them."""
+    model = torch.nn.Linear(3, 2)
+    with sw.observe(model, every=1, sinks=[RunFile(tmp_path / "run.jsonl")]) as watch:
+        model(torch.randn(4, 3)).sum().backward()
+        watch.step(loss=0.5)
+    run = read_run(tmp_path)
+    assert run.path == tmp_path / "run.jsonl"
+    assert [r.scalars["loss"] for r in run.records] == [0.5]
+    ranks = tmp_path / "ddp"
+    ranks.mkdir()
+    (tmp_path / "run.jsonl").rename(ranks / "run-rank0.jsonl")
+    assert read_run(ranks).path == ranks / "run-rank0.jsonl"
+    (ranks / "run-rank1.jsonl").write_bytes((ranks / "run-rank0.jsonl").read_bytes())
+    with pytest.raises(FileNotFoundError, match=r"run files of 2 ranks \(run-rank0.jsonl, run-rank1.jsonl\)"):
+        read_run(ranks)
+    assert read_run(ranks / "run-rank1.jsonl").records[0].scalars["loss"] == 0.5
 
 
 def test_other_columns_are_rearranged_with_a_problem(tmp_path: Path) -> None:
@@ -966,3 +990,40 @@ def test_a_killed_process_leaves_every_completed_step(tmp_path: Path) -> None:
     assert run.last_good_step == complete - 1
     assert all(np.isfinite(r.scalars["loss"]) and r.table.shape[1] == len(COLUMNS) for r in run.records)
     assert run.truncated == (not path.read_bytes().endswith(b"\n"))
+
+
+def test_to_pandas_has_one_row_per_recorded_step(tmp_path: Path) -> None:
+    pandas = pytest.importorskip("pandas")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads: list[float] = []
+    with sw.observe(model, opt, every=1, sinks=[RunFile(tmp_path / "run.jsonl")]) as watch:
+        for step in range(3):
+            loss = model(torch.randn(5, 3)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            grads.append(float(model[2].weight.grad.norm()))
+            opt.step()
+            watch.step(loss=loss, batch_size=5 if step else None)
+    frame = read_run(tmp_path).to_pandas()
+    assert isinstance(frame, pandas.DataFrame)
+    assert list(frame.columns[:3]) == ["step", "rank", "time"]
+    assert frame["step"].tolist() == [0, 1, 2]
+    assert frame["rank"].tolist() == [0, 0, 0]
+    assert {"loss", "lr/0", "batch_size"} <= set(frame.columns)
+    assert frame["lr/0"].tolist() == [0.1] * 3
+    assert math.isnan(frame["batch_size"][0])  # a step without it
+    assert frame["batch_size"].tolist()[1:] == [5.0, 5.0]
+    assert not any(":" in column for column in frame.columns)  # per-layer columns only when asked
+    layers = read_run(tmp_path).to_pandas(stats=["l2", "max"])
+    assert layers["train/2/param_grad/weight:l2"].tolist() == pytest.approx(grads, rel=1e-6)
+    assert "train/0/activation:max" in layers.columns
+    assert layers.shape[0] == 3
+    with pytest.raises(ValueError, match=r"^Expected `stats` to name statistics of count, .*, got 'norm'$"):
+        read_run(tmp_path).to_pandas(stats=["norm"])
+
+
+def test_to_pandas_without_pandas_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pandas", None)  # as if it were not installed
+    with pytest.raises(ImportError, match=r"needs pandas: pip install 'streamwatch-torch\[pandas\]'"):
+        RunData(tmp_path / "run.jsonl", {}).to_pandas()

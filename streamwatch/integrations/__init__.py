@@ -1,9 +1,9 @@
 """Trainer integrations: thin adapters that call :func:`streamwatch.observe` and ``watch.step()`` for you.
 
 * :mod:`streamwatch.integrations.lightning`: ``StreamwatchCallback`` for a Lightning ``Trainer``
-  (``pip install 'streamwatch[lightning]'``).
+  (``pip install 'streamwatch-torch[lightning]'``).
 * :mod:`streamwatch.integrations.transformers`: ``StreamwatchCallback`` for a Hugging Face ``Trainer``
-  (``pip install 'streamwatch[transformers]'``).
+  (``pip install 'streamwatch-torch[transformers]'``).
 * Accelerate needs no adapter: ``streamwatch.observe(accelerator.unwrap_model(model), optimizer)`` with
   the torch optimizer you created (docs/integrations.md).
 

@@ -1,10 +1,16 @@
 """Lightning: ``StreamwatchCallback`` observes a ``lightning.pytorch.Trainer``'s run with
-:func:`streamwatch.observe` (``pip install 'streamwatch[lightning]'``).
+:func:`streamwatch.observe` (``pip install 'streamwatch-torch[lightning]'``).
 
 What it does, hook by hook:
 
 * ``on_fit_start``: ``observe(pl_module, trainer.optimizers[0], **observe_kwargs)`` — the LightningModule
-  and the trainer's first optimizer (none if ``configure_optimizers`` returns none). This is the first
+  and the trainer's first optimizer (``optimizer=i``: another; none if ``configure_optimizers`` returns
+  none). A watch observes one optimizer: with several, a ``RuntimeWarning`` names the one observed and
+  the others, whose parameters get no update rows and whose learning rates are not recorded (every
+  layer's activations, gradients and weights are). With ``expose=``, the watch's ``/metrics``
+  endpoint starts here (``port + LOCAL_RANK`` per process, so every rank of a DDP job serves its own);
+  with ``run_dir=``, a run file in that directory is one of its sinks (``run.jsonl``;
+  ``run-rank{N}.jsonl`` when the job has several processes). This is the first
   hook at which the optimizers exist (the strategy creates them after ``setup`` and ``configure_model``)
   and it runs before the first forward pass of the fit, sanity check included, so the taps are in place
   before ``torch.compile`` traces anything (``trainer.fit(torch.compile(model))`` compiles lazily, on
@@ -29,6 +35,12 @@ What it does, hook by hook:
   batch in which ``trainer.global_step`` advanced (any optimizer stepped), the loss read from what
   ``training_step`` returned (not divided by anything). ``on_train_start`` reads ``global_step`` again,
   because a fit resumed from a checkpoint restores it after ``on_fit_start``.
+* What the module logs (``self.log(...)``: ``trainer.callback_metrics``) is served on ``/metrics`` and
+  in ``watch.snapshot()`` every ``trainer.log_every_n_steps`` optimizer steps (Lightning's own logging
+  interval), at each training epoch's end and after each validation: ``self.log("val_acc", ...)`` as
+  ``streamwatch_logged_val_acc``, the names a Hugging Face Trainer logs as its families (``loss``,
+  ``eval_loss``, ``learning_rate``, ``grad_norm``; ``streamwatch._families.logged_sample``), at most 64
+  names. Each value is read as a number then: on a GPU, one device sync per value logged on the device.
 * Step numbers: the records count the batches in which an optimizer stepped, the count Lightning's
   loggers use as their step (``fit_loop.epoch_loop._batches_that_stepped``; ``global_step`` where a
   Lightning version lacks it). A fit resumed from a checkpoint goes on from the checkpoint's count:
@@ -41,11 +53,11 @@ What it does, hook by hook:
   validation after the last optimizer step of the fit is sent when the watch closes, as a record of
   its own. ``on_train_batch_start`` likewise marks a training pass, so a submodule kept in eval mode
   (a frozen encoder) is recorded as ``train``.
-* ``teardown``: ``watch.close()`` (flush every step to every sink, remove every hook); a pipeline that
-  failed during the fit (warned then) is warned about again, not raised out of ``fit()``: the fit
-  finished, and the trainer would mark it interrupted and skip the other callbacks. If the fit fails,
-  ``on_exception`` closes the watch instead and attaches a streamwatch error, if any, as a note to the
-  training's exception (as leaving ``with observe(...)`` does).
+* ``teardown``: ``watch.close()`` (flush every step to every sink, close ``/metrics``, remove every hook);
+  a pipeline that failed during the fit (warned then) is warned about again, not raised out of ``fit()``:
+  the fit finished, and the trainer would mark it interrupted and skip the other callbacks. If the fit
+  fails, ``on_exception`` closes the watch instead and attaches a streamwatch error, if any, as a note to
+  the training's exception (as leaving ``with observe(...)`` does).
 * Rank: ``observe()`` labels records with ``torch.distributed``'s rank (Lightning has initialised the
   process group before ``on_fit_start``); if that differs from ``trainer.global_rank`` the callback warns.
 
@@ -58,22 +70,34 @@ on their own). The callback is for the ``lightning`` package (``lightning.pytorc
 from __future__ import annotations
 
 import numbers
+import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from streamwatch._version import extra
+
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
 except ImportError as _err:
     raise ImportError(
-        f"streamwatch.integrations.lightning needs Lightning: pip install 'streamwatch[lightning]' ({_err})"
+        f"streamwatch.integrations.lightning needs Lightning: {extra('lightning')} ({_err})"
     ) from _err
 
 from streamwatch._observe import Watch
-from streamwatch.integrations._common import check_rank, close_at_end, make_watch, observe_options
+from streamwatch._validate import check_int
+from streamwatch.integrations._common import (
+    Logged,
+    check_rank,
+    close_at_end,
+    observe_options,
+    serving_options,
+    start_watch,
+)
+from streamwatch.sinks._prometheus import Exporter
 
 __all__ = ["StreamwatchCallback"]
 
@@ -83,6 +107,15 @@ class StreamwatchCallback(Callback):
     optimizer step, validation under ``phase="eval"``, the watch closed when the fit ends.
 
     Args:
+        expose: serve ``/metrics`` while the fit runs: True on the default base port (16400), an int on
+            that base port (0: any free port); each process on ``port + LOCAL_RANK``, as
+            ``watch.expose()``. Started when the fit begins, closed at its teardown. False: no endpoint.
+        host: the interface ``/metrics`` binds (``"0.0.0.0"`` to let another machine scrape).
+        run_dir: a directory for the run file (``run.jsonl``; ``run-rank{N}.jsonl`` per process in a
+            job of several), made if missing; ``streamwatch report/plot/replay`` and
+            ``streamwatch.sinks.read_run`` read it.
+        optimizer: which of ``trainer.optimizers`` the watch observes (updates, weights at its step,
+            learning rates): one per watch; with several, the others are named in a warning.
         **observe_kwargs: :func:`streamwatch.observe`'s keyword arguments (``every=``, ``select=``,
             ``sinks=``, ``metrics=``, ...), checked here as ``observe()`` checks them (an unknown name
             is a ``TypeError``, a bad value the ``TypeError``/``ValueError`` observe() raises), used when
@@ -91,35 +124,56 @@ class StreamwatchCallback(Callback):
     Attributes:
         watch: the :class:`streamwatch.Watch` of the current (or last) fit; None before the first.
             It stays readable after the fit (``statistics()``, ``snapshot()``).
+        exporter: its ``/metrics`` endpoint (``exporter.url``) with ``expose=``; None without, and
+            before the fit begins. Closed at the fit's teardown.
 
     Example (``docs/integrations.md`` runs it)::
 
         import lightning.pytorch as pl
         from streamwatch.integrations.lightning import StreamwatchCallback
 
-        callback = StreamwatchCallback(every=1, sinks=[sw.sinks.RunFile("runs/lightning.jsonl")])
+        callback = StreamwatchCallback(expose=True, run_dir="runs/lightning", every=1)
         trainer = pl.Trainer(max_epochs=2, callbacks=[callback], accumulate_grad_batches=2)
-        trainer.fit(lit_module, train_loader, val_loader)
+        trainer.fit(lit_module, train_loader, val_loader)  # http://127.0.0.1:16400/metrics meanwhile
         stats = callback.watch.statistics()  # stats.steps == trainer.global_step
     """
 
-    def __init__(self, **observe_kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        expose: bool | int = False,
+        host: str = "127.0.0.1",
+        run_dir: str | os.PathLike[str] | None = None,
+        optimizer: int = 0,
+        **observe_kwargs: Any,
+    ) -> None:
         super().__init__()
-        self._options = observe_options(observe_kwargs, type(self).__name__)
+        owner = type(self).__name__
+        self._options = observe_options(observe_kwargs, owner)
+        self._serving = serving_options(expose, host, run_dir, owner)
+        self._optimizer = check_int(
+            optimizer, "optimizer", minimum=0, note="an index into trainer.optimizers"
+        )
         self.watch: Watch | None = None
+        self.exporter: Exporter | None = None
+        self._logged: Logged | None = None
         self._loss: torch.Tensor | float | None = None
         self._samples: int | None = 0
         self._global_step = 0
+        self._steps = 0  # optimizer steps recorded in this fit
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Create the watch: the LightningModule and the trainer's first optimizer."""
+        """Create the watch: the LightningModule and the trainer's optimizer (the first, or
+        ``optimizer=``); start ``/metrics`` and the run file if asked."""
         self.close()  # a watch of an earlier fit that was never torn down
-        optimizers = trainer.optimizers
+        optimizer = _chosen_optimizer(trainer.optimizers, self._optimizer, type(self).__name__)
         check_rank(trainer.global_rank, "trainer.global_rank")
-        self.watch = make_watch(
-            pl_module, optimizers[0] if optimizers else None, self._options, _steps_done(trainer)
+        self.watch, self.exporter = start_watch(
+            pl_module, optimizer, self._options, _steps_done(trainer), self._serving
         )
+        self._logged = Logged(self.watch.store, type(self).__name__)
         self._global_step = trainer.global_step
+        self._steps = 0
         self._reset()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -197,6 +251,25 @@ class StreamwatchCallback(Callback):
         loss, samples = self._loss, self._samples
         self._reset()
         watch.step(loss=loss, batch_size=samples or None)
+        self._steps += 1
+        every = getattr(trainer, "log_every_n_steps", 50)  # (set by Lightning's logger connector)
+        if isinstance(every, int) and every > 0 and self._steps % every == 0:
+            self._forward(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Serve what the module logged (its epoch-level values among them)."""
+        self._forward(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Serve what the module logged in validation (not the sanity check's: Lightning discards it)."""
+        if not trainer.sanity_checking:
+            self._forward(trainer)
+
+    def _forward(self, trainer: pl.Trainer) -> None:
+        """``trainer.callback_metrics`` (every value ``self.log`` gave, as callbacks see them) served on
+        ``/metrics`` and in ``watch.snapshot()``."""
+        if self._logged is not None and self.watch is not None and not self.watch.closed:
+            self._logged.put(trainer.callback_metrics)
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
@@ -223,6 +296,32 @@ class StreamwatchCallback(Callback):
 
     def _reset(self) -> None:
         self._loss, self._samples = None, 0
+
+
+def _chosen_optimizer(optimizers: list[Any], index: int, owner: str) -> Any:
+    """``optimizers[index]`` (None when there are none), warning when there are several: one watch
+    observes one optimizer, so the parameters only the others step have no update rows and the others'
+    learning rates are not recorded (their gradients and weights are)."""
+    if not optimizers:
+        return None
+    if index >= len(optimizers):
+        raise ValueError(
+            f"Expected `optimizer` to be an index into the {len(optimizers)} optimizer(s) the "
+            f"LightningModule's configure_optimizers returned, got {index}"
+        )
+    if len(optimizers) > 1:
+        others = ", ".join(
+            f"optimizers[{i}] ({type(o).__name__})" for i, o in enumerate(optimizers) if i != index
+        )
+        warnings.warn(
+            f"{owner}: configure_optimizers returned {len(optimizers)} optimizers and a watch observes one: "
+            f"optimizers[{index}] ({type(optimizers[index]).__name__}). Every layer's activations, "
+            f"gradients and weights are recorded; the updates and learning rates of {others} are not "
+            f"(pass {owner}(optimizer=i) to observe another)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return optimizers[index]
 
 
 def _steps_done(trainer: pl.Trainer) -> int:

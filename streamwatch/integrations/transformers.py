@@ -1,5 +1,5 @@
 """Hugging Face: ``StreamwatchCallback`` observes a ``transformers.Trainer``'s run with
-:func:`streamwatch.observe` (``pip install 'streamwatch[transformers]'``).
+:func:`streamwatch.observe` (``pip install 'streamwatch-torch[transformers]'``).
 
 What it does, event by event:
 
@@ -8,7 +8,10 @@ What it does, event by event:
   and ``optimizer``. The Trainer has prepared the optimizer with Accelerate by then; the
   ``AcceleratedOptimizer`` wrapper is unwrapped to the torch optimizer whose ``step()`` it calls, which
   is where streamwatch's optimizer hooks go. No forward pass has run yet, so a ``torch_compile=True``
-  run traces the taps with the model.
+  run traces the taps with the model. With ``expose=``, the watch's ``/metrics`` endpoint starts here
+  (``watch.expose(port, host=host)``: ``port + LOCAL_RANK`` per process, so every rank of a
+  ``torchrun`` job serves its own); with ``run_dir=``, a run file in that directory is one of its sinks
+  (``run.jsonl``; ``run-rank{N}.jsonl`` when the job has several processes).
 * ``on_step_end`` (the Trainer's step: one optimizer step, after ``gradient_accumulation_steps``
   micro-batches): one ``watch.step(loss=...)``. The Trainer does not hand its callbacks the step's loss;
   it keeps a running sum on the device and turns it into a number only when it logs, right after
@@ -26,8 +29,16 @@ What it does, event by event:
   - every other step is recorded without a loss (``logging_strategy="epoch"`` or ``"no"``: no step has
     one).
 
-  ``batch_size`` is not reported: the callbacks never see a batch, so ``streamwatch_samples_per_second``
-  is absent.
+  ``batch_size``: the step's micro-batches (``on_substep_end`` counts those before the last) times
+  ``args.train_batch_size`` (the per-device batch size times the GPUs of this process): the samples
+  this process put through the step, so ``streamwatch_samples_per_second`` is served. A last batch of
+  an epoch cut short by the dataset's end counts as a full one.
+* ``on_log``: every number the Trainer logs is served on ``/metrics`` and in ``watch.snapshot()``
+  at once, not only on sampled steps: ``loss`` as ``streamwatch_loss{phase="train"}``, ``eval_loss``
+  as ``streamwatch_loss{phase="eval"}``, ``eval_accuracy`` as ``streamwatch_accuracy{phase="eval"}``,
+  ``learning_rate`` as ``streamwatch_learning_rate{group="0"}``, ``grad_norm`` as
+  ``streamwatch_grad_norm``, anything else (``epoch``, ``eval_runtime``, a ``compute_metrics``
+  value) as ``streamwatch_logged_<name>``, at most 64 names (``streamwatch._families.logged_sample``).
 * Step numbers: the records count the Trainer's optimizer steps from ``state.global_step`` at
   ``on_train_begin`` (``observe(start_step=)``): 0, or a resumed run's checkpoint step, so a resumed
   run's records go on where the last one stopped. A record's step is the one the optimizer step ended
@@ -36,9 +47,9 @@ What it does, event by event:
   ``observe()`` summarises every such forward pass under ``phase="eval"``, in the record of the next
   step. An evaluation after the last optimizer step is sent when the watch closes, as a record of its
   own.
-* ``on_train_end``: ``watch.close()`` (flush every step to every sink, remove every hook). The Trainer
-  has no event for a failed run: if ``trainer.train()`` raises, call ``callback.close()`` (e.g. in a
-  ``finally``) to remove the hooks.
+* ``on_train_end``: ``watch.close()`` (flush every step to every sink, close ``/metrics``, remove every
+  hook). The Trainer has no event for a failed run: if ``trainer.train()`` raises, call
+  ``callback.close()`` (e.g. in a ``finally``) to remove the hooks and close ``/metrics``.
 * Rank: ``observe()`` labels records with ``torch.distributed``'s rank (Accelerate has initialised the
   process group before ``on_train_begin``); if that differs from ``args.process_index`` the callback
   warns.
@@ -46,20 +57,30 @@ What it does, event by event:
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+
+from streamwatch._version import extra
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 except ImportError as _err:
     raise ImportError(
-        "streamwatch.integrations.transformers needs transformers: "
-        f"pip install 'streamwatch[transformers]' ({_err})"
+        f"streamwatch.integrations.transformers needs transformers: {extra('transformers')} ({_err})"
     ) from _err
 
 from streamwatch._observe import Watch
-from streamwatch.integrations._common import check_rank, close_at_end, make_watch, observe_options
+from streamwatch.integrations._common import (
+    Logged,
+    check_rank,
+    close_at_end,
+    observe_options,
+    serving_options,
+    start_watch,
+)
+from streamwatch.sinks._prometheus import Exporter
 
 __all__ = ["StreamwatchCallback"]
 
@@ -70,6 +91,13 @@ class StreamwatchCallback(TrainerCallback):
     when training ends.
 
     Args:
+        expose: serve ``/metrics`` while training runs: True on the default base port (16400), an int
+            on that base port (0: any free port); each process on ``port + LOCAL_RANK``, as
+            ``watch.expose()``. Started when training begins, closed when it ends. False: no endpoint.
+        host: the interface ``/metrics`` binds (``"0.0.0.0"`` to let another machine scrape).
+        run_dir: a directory for the run file (``run.jsonl``; ``run-rank{N}.jsonl`` per process in a
+            job of several), made if missing; ``streamwatch report/plot/replay`` and
+            ``streamwatch.sinks.read_run`` read it.
         **observe_kwargs: :func:`streamwatch.observe`'s keyword arguments (``every=``, ``select=``,
             ``sinks=``, ``metrics=``, ...), checked here as ``observe()`` checks them (an unknown name
             is a ``TypeError``, a bad value the ``TypeError``/``ValueError`` observe() raises), used when
@@ -78,24 +106,38 @@ class StreamwatchCallback(TrainerCallback):
     Attributes:
         watch: the :class:`streamwatch.Watch` of the current (or last) ``train()``; None before the
             first. It stays readable after training (``statistics()``, ``snapshot()``).
+        exporter: its ``/metrics`` endpoint (``exporter.url``) with ``expose=``; None without, and before
+            training begins. Closed when training ends.
 
     Example (``docs/integrations.md`` runs it)::
 
         from transformers import Trainer, TrainingArguments
         from streamwatch.integrations.transformers import StreamwatchCallback
 
-        callback = StreamwatchCallback(every=1)
+        callback = StreamwatchCallback(expose=True, run_dir="runs/hf", every=1)
         args = TrainingArguments("out", logging_steps=1, report_to=[], save_strategy="no")
         trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=[callback])
-        trainer.train()
+        trainer.train()  # http://127.0.0.1:16400/metrics while it runs
         stats = callback.watch.statistics()  # stats.steps == trainer.state.global_step
     """
 
-    def __init__(self, **observe_kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        expose: bool | int = False,
+        host: str = "127.0.0.1",
+        run_dir: str | os.PathLike[str] | None = None,
+        **observe_kwargs: Any,
+    ) -> None:
         super().__init__()
-        self._options = observe_options(observe_kwargs, type(self).__name__)
+        owner = type(self).__name__
+        self._options = observe_options(observe_kwargs, owner)
+        self._serving = serving_options(expose, host, run_dir, owner)
         self.watch: Watch | None = None
-        self._pending = False  # the step ended; its loss comes with the Trainer's next log
+        self.exporter: Exporter | None = None
+        self._logged: Logged | None = None
+        self._pending: int | None = None  # the step ended (its samples); its loss comes with the next log
+        self._substeps = 0  # micro-batches of the current step before its last
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -108,9 +150,11 @@ class StreamwatchCallback(TrainerCallback):
                 f"StreamwatchCallback: the Trainer passed no torch.nn.Module as `model`, got {model!r}"
             )
         check_rank(int(args.process_index), "args.process_index")
-        self.watch = make_watch(
-            model, _torch_optimizer(kwargs.get("optimizer")), self._options, state.global_step
+        self.watch, self.exporter = start_watch(
+            model, _torch_optimizer(kwargs.get("optimizer")), self._options, state.global_step, self._serving
         )
+        self._logged = Logged(self.watch.store, type(self).__name__)
+        self._substeps = 0
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -118,17 +162,25 @@ class StreamwatchCallback(TrainerCallback):
         """A step whose loss never came is recorded without one before the next step begins."""
         self._end_pending()
 
+    def on_substep_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """A micro-batch of gradient accumulation ended without an optimizer step: count its samples."""
+        self._substeps += 1
+
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """The optimizer stepped: end the step now, or after the log that follows it (its loss)."""
+        samples = (self._substeps + 1) * int(args.train_batch_size)
+        self._substeps = 0
         watch = self.watch
         if watch is None or watch.closed:
             return
         if control.should_log:
-            self._pending = True
+            self._pending = samples
         else:
-            watch.step()
+            watch.step(batch_size=samples)
 
     def on_log(
         self,
@@ -138,8 +190,12 @@ class StreamwatchCallback(TrainerCallback):
         logs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        """The Trainer logged: a training log (``"loss"``) ends the pending step with that loss."""
-        if self._pending and logs and "loss" in logs:
+        """The Trainer logged: every value is served (``eval_loss``, ``grad_norm``, ``learning_rate``, ...,
+        :class:`streamwatch.integrations._common.Logged`), and a training log (``"loss"``) ends the
+        pending step with that loss."""
+        if logs and self._logged is not None:
+            self._logged.put(logs)
+        if self._pending is not None and logs and "loss" in logs:
             self._end_pending(logs["loss"])
 
     def on_epoch_end(
@@ -164,12 +220,12 @@ class StreamwatchCallback(TrainerCallback):
             self.watch.close()
 
     def _end_pending(self, loss: object = None) -> None:
-        if not self._pending:
+        samples, self._pending = self._pending, None
+        if samples is None:
             return
-        self._pending = False
         watch = self.watch
         if watch is not None and not watch.closed:
-            watch.step(loss=_number(loss))
+            watch.step(loss=_number(loss), batch_size=samples)
 
 
 def _torch_optimizer(optimizer: object) -> torch.optim.Optimizer | None:

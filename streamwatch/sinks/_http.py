@@ -610,7 +610,7 @@ def listen(host: str, port: int, backlog: int) -> socket.socket:
             raise OSError(
                 errno.EACCES,
                 f"streamwatch: not allowed to listen on port {port} of {host} (ports below 1024 need "
-                "privileges); pass expose(port=...) a port of 1024 or more, such as the default 9400",
+                "privileges); pass expose(port=...) a port of 1024 or more, such as the default 16400",
             ) from err
         raise OSError(err.errno, f"streamwatch: cannot listen on {host} port {port}: {err.strerror}") from err
     return sock

@@ -37,7 +37,6 @@ bounded connections and timeouts, one render per version of the values). Every f
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -46,7 +45,6 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +69,7 @@ from streamwatch._families import (
 from streamwatch._record import Sample, SeriesKey
 from streamwatch._store import SeriesSource, StatisticsSource, WatchStatistics
 from streamwatch._validate import check_int, check_seconds
+from streamwatch._version import version
 from streamwatch.sinks._budget import CORE_STATS, Budget, HistogramKey, Served, histogram_series
 from streamwatch.sinks._http import MetricsServer, listen
 
@@ -86,8 +85,10 @@ __all__ = [
 
 log = logging.getLogger("streamwatch")
 
-DEFAULT_PORT = 9400
-"""The default base port: rank ``LOCAL_RANK`` serves on ``DEFAULT_PORT + LOCAL_RANK``."""
+DEFAULT_PORT = 16400
+"""The default base port: rank ``LOCAL_RANK`` serves on ``DEFAULT_PORT + LOCAL_RANK``. Chosen clear of
+every exporter on the Prometheus project's list of default port allocations (which fills 9100-9999, and
+grows upward from 10000) and of the services a training node runs (docs/prometheus.md, *The port*)."""
 
 DEFAULT_TIMEOUT = 10.0
 """Seconds a /metrics client has to send its request, and again to read the response, before the
@@ -303,7 +304,7 @@ class StoreCollector(Collector):
             tensor = Block(TENSOR, [(s.name, s.labels, s.value) for s in served.extras])
             if any(np.any(~np.isnan(values)) for values in served.stats.values()):
                 tensor.rows = (served.stats, served.keys)
-            blocks = [Block(INFO, [(INFO.name, {"version": _version()}, 1.0)])]
+            blocks = [Block(INFO, [(INFO.name, {"version": version()}, 1.0)])]
             blocks.extend(
                 self._data(
                     tensor if tensor.rows is not None or tensor.entries else None,
@@ -425,14 +426,6 @@ def _block(family: Family, samples: Sequence[Sample]) -> Block:
     return Block(
         family, [(family.exposed, {k: s.labels.get(k, "") for k in names}, s.value) for s in samples]
     )
-
-
-@functools.cache  # (reading the package metadata costs about a millisecond a scrape)
-def _version() -> str:
-    try:
-        return metadata.version("streamwatch")
-    except metadata.PackageNotFoundError:  # not installed (a source checkout on sys.path)
-        return "unknown"
 
 
 class Exporter:

@@ -25,16 +25,17 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
 from streamwatch._record import SeriesKey, StepRecord
-from streamwatch._summary import COLUMNS
+from streamwatch._summary import COLUMNS, DERIVED, derive
+from streamwatch._version import extra
 from streamwatch.sinks._runformat import (
     RunFileError,
     is_cut_header,
@@ -46,7 +47,63 @@ from streamwatch.sinks._runformat import (
     parse_step,
 )
 
-__all__ = ["RunData", "read_lines", "read_run"]
+if TYPE_CHECKING:
+    import pandas
+
+__all__ = ["RUN_FILE", "RunData", "find_run_file", "rank_file", "read_lines", "read_run"]
+
+RUN_FILE = "run.jsonl"
+"""The run file's name in a run directory (``streamwatch demo``'s, a trainer callback's ``run_dir=``)."""
+
+
+def rank_file(rank: int) -> str:
+    """The name of rank ``rank``'s run file in the run directory of a job of several processes (each
+    process appends to a file of its own).
+
+    Example:
+        >>> rank_file(3)
+        'run-rank3.jsonl'
+    """
+    return f"run-rank{rank}.jsonl"
+
+
+def find_run_file(path: str | Path) -> Path:
+    """The run file ``path`` names: ``path`` itself if it is not a directory; in a run directory, its
+    ``run.jsonl``, else its only rank file (``run-rank{N}.jsonl``). What :func:`read_run` and the command
+    line read.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``, or a directory without a run file, or one with the run
+            files of several ranks (the message lists them: pass one).
+
+    Example:
+        >>> import tempfile
+        >>> run_dir = Path(tempfile.mkdtemp())
+        >>> (run_dir / "run-rank0.jsonl").touch()
+        >>> find_run_file(run_dir).name
+        'run-rank0.jsonl'
+        >>> (run_dir / "run-rank1.jsonl").touch()
+        >>> find_run_file(run_dir)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        FileNotFoundError: ... holds the run files of 2 ranks (run-rank0.jsonl, run-rank1.jsonl): pass one ...
+    """
+    path = Path(path)
+    if not path.is_dir():
+        if not path.exists():
+            raise FileNotFoundError(f"no run directory or run file at {path}")
+        return path
+    if (path / RUN_FILE).exists():
+        return path / RUN_FILE
+    ranks = sorted(path.glob("run-rank*.jsonl"), key=lambda p: (len(p.name), p.name))
+    if len(ranks) == 1:
+        return ranks[0]
+    if ranks:
+        names = ", ".join(p.name for p in ranks)
+        raise FileNotFoundError(
+            f"{path} holds the run files of {len(ranks)} ranks ({names}): pass one of them"
+        )
+    raise FileNotFoundError(f"{path} is a directory without a run file ({RUN_FILE}): is it a run directory?")
 
 
 @dataclass(slots=True)
@@ -72,6 +129,82 @@ class RunData:
     last_good_step: int | None = None
     truncated: bool = False
     problems: list[str] = field(default_factory=list)
+
+    def to_pandas(self, stats: Iterable[str] = ()) -> pandas.DataFrame:
+        """The run as a ``pandas.DataFrame`` with one row per recorded step, in the file's order.
+
+        Columns: ``step``, ``rank``, ``time`` (``time.time()`` seconds at the step's end:
+        ``pandas.to_datetime(df.time, unit="s")`` makes dates of them), then every step-level value the
+        records carry, by its run-file name (``loss``, ``lr/0``, ``batch_size``, ``step_seconds``,
+        ``accuracy``, ...; NaN in a row whose record lacks it). With ``stats``, also one column per
+        tapped tensor and statistic, ``"<phase>/<layer>/<kind>[/<param or index>]:<stat>"`` (the layer
+        ``""`` of the root module reads ``<root>``), for each statistic named: a summary column
+        (``count``, ``sum``, ``sumsq``, ``min``, ``max``, ...) or a derived one (``l2``, ``mean``,
+        ``std``, ``dead_fraction``, ...).
+
+        Needs pandas, an optional extra (``pip install 'streamwatch-torch[pandas]'``).
+
+        Raises:
+            ImportError: pandas is not installed (the message names the extra).
+            ValueError: an unknown statistic in ``stats``.
+
+        Example:
+            >>> import numpy as np
+            >>> from streamwatch import SeriesKey
+            >>> key = SeriesKey("train", "fc", "param_grad", "weight")
+            >>> table = np.array([[4, 2.0, 16.0, -1.0, 2.0, 1, 0, 0, 0, 0, 0]])
+            >>> run = RunData(Path("run.jsonl"), {}, [StepRecord(0, 1.5, 0, (key,), table, {"loss": 0.5})])
+            >>> frame = run.to_pandas(stats=["l2"])  # doctest: +SKIP
+            >>> list(frame.columns), frame["train/fc/param_grad/weight:l2"].tolist()  # doctest: +SKIP
+            (['step', 'rank', 'time', 'loss', 'train/fc/param_grad/weight:l2'], [4.0])
+        """
+        try:
+            import pandas
+        except ImportError as err:
+            raise ImportError(f"RunData.to_pandas() needs pandas: {extra('pandas')} ({err})") from err
+        return pandas.DataFrame(_frame_columns(self.records, _check_stats(stats)))
+
+
+def _check_stats(stats: Iterable[str]) -> tuple[str, ...]:
+    """``to_pandas(stats=...)``: statistic names of the summary table or derived from it."""
+    if isinstance(stats, str):
+        stats = (stats,)
+    chosen = tuple(dict.fromkeys(stats))
+    unknown = [name for name in chosen if name not in COLUMNS and name not in DERIVED]
+    if unknown:
+        raise ValueError(
+            f"Expected `stats` to name statistics of {', '.join((*COLUMNS, *DERIVED))}, got {unknown[0]!r}"
+        )
+    return chosen
+
+
+def _column(key: SeriesKey, stat: str) -> str:
+    """A tensor statistic's DataFrame column: ``"train/fc/param_grad/weight:l2"``."""
+    parts = [key.phase, key.layer or "<root>", key.kind, *([key.name] if key.name else [])]
+    return f"{'/'.join(parts)}:{stat}"
+
+
+def _frame_columns(records: list[StepRecord], stats: tuple[str, ...]) -> dict[str, list[Any]]:
+    """The DataFrame's columns, in order: step, rank, time, step-level values, tensor statistics."""
+    n = len(records)
+    columns: dict[str, list[Any]] = {
+        "step": [r.step for r in records],
+        "rank": [r.rank for r in records],
+        "time": [r.time for r in records],
+    }
+    nan = float("nan")
+    for name in dict.fromkeys(name for r in records for name in r.scalars):
+        columns[name] = [r.scalars.get(name, nan) for r in records]
+    if not stats:
+        return columns
+    wanted: dict[str, list[float]] = {}
+    for i, record in enumerate(records):
+        derived = derive(record.table) if any(s in DERIVED for s in stats) else {}
+        values = [(record.table[:, COLUMNS.index(s)] if s in COLUMNS else derived[s]).tolist() for s in stats]
+        for row, key in enumerate(record.keys):  # (columns in the order the series first appear)
+            for stat, column in zip(stats, values, strict=True):
+                wanted.setdefault(_column(key, stat), [nan] * n)[i] = column[row]
+    return {**columns, **wanted}
 
 
 def read_lines(
@@ -130,13 +263,14 @@ def read_lines(
 
 
 def read_run(path: str | Path) -> RunData:
-    """Read a run file written by :class:`streamwatch.sinks.RunFile`.
+    """Read a run file written by :class:`streamwatch.sinks.RunFile`, or the run file of a run directory
+    (``streamwatch demo``'s, a trainer callback's ``run_dir=``; :func:`find_run_file`).
 
     A last line without its newline, or one that does not parse, is a step cut short by a crash: the run
     is read up to the last complete step, ``truncated`` is set and the reason is in ``problems``.
 
     Raises:
-        FileNotFoundError: ``path`` does not exist.
+        FileNotFoundError: ``path`` does not exist, or is a directory without one run file.
         RunFileError: the file is not a run file (bad header), or a line before the last one is corrupt;
             the message names the file, the line, what was wrong and the last good step.
 
@@ -151,11 +285,9 @@ def read_run(path: str | Path) -> RunData:
         >>> run.records, run.truncated, run.last_good_step
         ([], True, None)
     """
-    path = Path(path)
+    path = find_run_file(path)
     if not path.is_file():
-        if path.exists():
-            raise RunFileError(f"{path}: not a regular file")
-        raise FileNotFoundError(f"run file not found: {path}")
+        raise RunFileError(f"{path}: not a regular file")
     run = RunData(path, {})
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size

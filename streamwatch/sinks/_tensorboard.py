@@ -3,7 +3,7 @@ opt-in histograms as TensorBoard histograms.
 
 ``TensorBoard(log_dir)`` is a :class:`~streamwatch.Sink` for ``observe(sinks=[...])``; it writes with
 ``torch.utils.tensorboard.SummaryWriter`` on the worker thread, so the training thread never waits for
-it. The ``tensorboard`` package is an optional extra (``pip install 'streamwatch[tensorboard]'``):
+it. The ``tensorboard`` package is an optional extra (``pip install 'streamwatch-torch[tensorboard]'``):
 ``import streamwatch`` never imports it, and creating the sink without it is a clear ``ImportError``.
 
 Tags: ``<phase>/<kind>/<layer>[.<param or index>]/<stat>`` for tensor statistics (``stats=`` picks which,
@@ -24,6 +24,7 @@ import numpy as np
 
 from streamwatch._pipeline import Sink
 from streamwatch._record import SeriesKey, StepRecord
+from streamwatch._version import extra
 
 __all__ = ["DEFAULT_STATS", "TensorBoard"]
 
@@ -62,7 +63,7 @@ class TensorBoard(Sink):
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:
             raise ImportError(
-                "the TensorBoard sink needs the tensorboard package: pip install 'streamwatch[tensorboard]'"
+                f"the TensorBoard sink needs the tensorboard package: {extra('tensorboard')}"
             ) from err
         self.stats = tuple(stats)
         self.edges = None if buckets is None else _edges(buckets)
