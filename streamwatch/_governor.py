@@ -271,6 +271,95 @@ def _pooled(readings: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return mean, 1.0 / math.sqrt(total)
 
 
+class Floor:
+    """What an unsampled step costs (module docstring, *The floor*): the seen part, the monitor's own
+    time on clean steps in blocks of :data:`FLOOR_WINDOW`, and the unseen part, measured with dark pairs
+    and pooled over the measurements that agree.
+
+    Attributes:
+        seen: the seen part, a fraction of the rest of a step (:meth:`take_seen` retakes it).
+        unseen: seconds per step the monitor costs that own time misses (None until measured).
+        unseen_at: the step time it was measured at (a drift from it asks for a new measurement).
+        darks, lights: the running measurement's second dark steps and the clean steps between pairs.
+        pool: the readings it is pooled from: (fraction of their lit steps, standard error).
+    """
+
+    __slots__ = ("_count", "_sum", "blocks", "darks", "lights", "pool", "seen", "unseen", "unseen_at")
+
+    def __init__(self, dark_pairs: int) -> None:
+        self.blocks: deque[float] = deque(maxlen=FLOOR_BLOCKS)  # mean own ratios of whole blocks
+        self._sum = 0.0  # the own ratios of the block being filled, and how many
+        self._count = 0
+        self.seen = 0.0
+        self.unseen: float | None = None
+        self.unseen_at: float | None = None
+        self.pool: deque[tuple[float, float]] = deque(maxlen=DARK_POOL)
+        self.darks: deque[float] = deque(maxlen=max(1, dark_pairs))
+        self.lights: list[float] = []
+
+    def restart(self) -> None:
+        """A new measurement of the unseen part begins."""
+        self.darks.clear()
+        self.lights = []
+
+    def unseen_ratio(self, step_seconds: float | None) -> float | None:
+        """The unseen part as a fraction of a plain step of ``step_seconds``; None until measured."""
+        if self.unseen is None or step_seconds is None:
+            return None
+        return self.unseen / step_seconds
+
+    def add_seen(self, ratio: float) -> None:
+        """A clean step's own-time ratio, into the block being filled (a whole block: its mean, kept)."""
+        self._sum += ratio
+        self._count += 1
+        if self._count == FLOOR_WINDOW:
+            self.blocks.append(self._sum / FLOOR_WINDOW)
+            self._sum, self._count = 0.0, 0
+
+    def take_seen(self) -> None:
+        """The floor's seen part: the median of the last :data:`FLOOR_BLOCKS` block means, or until there
+        are as many, the mean of every clean step so far (plain sums: a few hundred small ratios lose
+        nothing that matters, and ``math.fsum`` takes four times as long)."""
+        blocks = self.blocks
+        if len(blocks) == FLOOR_BLOCKS:
+            self.seen = _median(blocks)
+        elif blocks or self._count:
+            count = len(blocks) * FLOOR_WINDOW + self._count
+            self.seen = (sum(blocks) * FLOOR_WINDOW + self._sum) / count
+
+    def measure_unseen(self, step_seconds: float | None) -> bool:
+        """A measurement's last dark pair ended: its reading is the faster half's mean of the clean steps
+        between the pairs, each less its own time, less the faster half's mean of the dark steps, as a
+        fraction of those clean steps' median, with its standard error. The unseen part is the weighted
+        mean of the readings that agree (:data:`DARK_POOL`, :data:`DARK_AGREE`), never below 0, held in
+        seconds at the latest measurement's median. Each light step's own time is its own (those steps
+        end at full boundaries, whose own time the floor's blocks, mostly quiet steps, would
+        understate). ``step_seconds``: the baseline now (the lights' median: its window is theirs).
+        True when a reading was taken (the governor's estimates are then retaken)."""
+        darks, lights = self.darks, self.lights
+        self.lights = []
+        if not lights or not darks:
+            return False
+        # A fraction of the measurement's own lit steps (their median), not of the baseline: a spell of
+        # stalls at its end moves the baseline's 15 steps, and would shrink a reading and its error alike.
+        level = _median(lights)
+        (light, light_error), (dark, dark_error) = _faster_half(lights), _faster_half(darks)
+        reading, error = (light - dark) / level, math.hypot(light_error, dark_error) / level
+        pool = self.pool
+        if pool:
+            held, held_error = _pooled(pool)
+            if abs(reading - held) > DARK_AGREE * math.hypot(error, held_error):
+                pool.clear()  # the unseen part moved: the new reading alone
+        pool.append((reading, error))
+        # No margin for noise: a budget wants the cost's best estimate, not a low one (a noise margin of
+        # two standard errors took half the real unseen part of a small model's step on a noisy VM, and
+        # the governor sampled too often for its budget). Noise alone reads as a small positive cost
+        # about half the time (below 0 is 0): the error errs toward sampling less.
+        self.unseen = max(0.0, _pooled(pool)[0]) * level
+        self.unseen_at = step_seconds
+        return True
+
+
 class Governor:
     """Chooses which steps to sample so that monitoring's measured cost stays within ``budget``.
 
@@ -316,20 +405,15 @@ class Governor:
         "_dark_phase",
         "_dark_steps",
         "_dark_todo",
-        "_darks",
         "_declined",
         "_floor",
-        "_floor_blocks",
-        "_floor_count",
-        "_floor_sum",
+        "_floor_parts",
         "_growth_limit",
         "_interval",
         "_last_sample_at",
-        "_lights",
         "_max_interval",
         "_max_seconds",
         "_own_costs",
-        "_own_floor",
         "_pending",
         "_pending_own",
         "_phase",
@@ -343,9 +427,6 @@ class Governor:
         "_stale",
         "_step_seconds",
         "_steps",
-        "_unseen",
-        "_unseen_at",
-        "_unseen_pool",
         "_warmup",
         "dark",
         "deadline",
@@ -377,9 +458,6 @@ class Governor:
         self._costs: deque[float] = deque(maxlen=_check_int("cost_window", cost_window, 1))
         # each cost sample's lower bound from the sampled step's own time (exact: no step-time noise)
         self._own_costs: deque[float] = deque(maxlen=cost_window)
-        self._floor_blocks: deque[float] = deque(maxlen=FLOOR_BLOCKS)  # mean own ratios of whole blocks
-        self._floor_sum = 0.0  # the own ratios of the block being filled, and how many
-        self._floor_count = 0
         self._floor = 0.0  # what an unsampled step costs: the seen part and the unseen part
         self._probe = _check_int("probe", probe, 1)
         self._clock = clock
@@ -402,15 +480,9 @@ class Governor:
         self._stale = 0  # clean steps filed since the medians were last taken (see REFRESH)
         self._sampled = 1
         self._rejected = 0
-        self._own_floor = 0.0  # the clean steps' own-time ratio (the floor's seen part, see _take_floor)
-        self._unseen: float | None = None  # seconds per step the monitor costs that own time misses
-        # the measurements it is pooled from: (ratio to their baseline, standard error), those that agree
-        self._unseen_pool: deque[tuple[float, float]] = deque(maxlen=DARK_POOL)
-        self._unseen_at: float | None = None  # the baseline it was measured at
         self._dark_pairs = _check_int("dark_pairs", dark_pairs, 0)
-        self._darks: deque[float] = deque(maxlen=max(1, dark_pairs))  # each pair's second dark step
+        self._floor_parts = Floor(dark_pairs)  # its seen and unseen parts, and their measurements
         self._dark_todo = 0  # pairs still to run in this measurement
-        self._lights: list[float] = []  # the clean steps between them
         self._dark_phase = 0  # the running step: 1 or 2 the first or second of a dark pair, 3 the next
         self._dark_steps = 0
         self._declined = 0
@@ -510,15 +582,13 @@ class Governor:
             if self._declined >= DARK_DECLINES:  # not now: again when the step time has moved
                 self._dark_todo = 0
                 self._declined = 0
-                self._unseen_at = self._step_seconds
+                self._floor_parts.unseen_at = self._step_seconds
 
     @property
     def unseen_ratio(self) -> float | None:
         """What the monitor costs beyond its own measured time, as a fraction of a plain step; None
         until dark steps measured it."""
-        if self._unseen is None or self._step_seconds is None:
-            return None
-        return self._unseen / self._step_seconds
+        return self._floor_parts.unseen_ratio(self._step_seconds)
 
     def _replay(self) -> None:
         """Measure the step ends filed since the last tick: each as :meth:`tick` would have, every one
@@ -540,7 +610,7 @@ class Governor:
 
     def _file_clean(self, filed: list[tuple[float, float]]) -> None:
         """:meth:`_advance` for clean unsampled step ends past the warm-up, in one pass."""
-        baseline, add_floor = self._baseline, self._add_floor
+        baseline, add_floor = self._baseline, self._floor_parts.add_seen
         plain = 0
         for reading, own in filed:
             boundary = self._boundary
@@ -578,10 +648,10 @@ class Governor:
         if phase:  # a dark pair, or the step after it (which carries the pair's deferred boundaries)
             self._dark_phase = (phase + 1) % 4
             if phase == 2 and math.isfinite(seconds) and seconds > 0:
-                self._darks.append(seconds)
+                self._floor_parts.darks.append(seconds)
                 self._dark_todo -= 1
-                if not self._dark_todo:
-                    self._measure_unseen()
+                if not self._dark_todo and self._floor_parts.measure_unseen(self._step_seconds):
+                    self._refresh()
             elif not (math.isfinite(seconds) and seconds > 0):
                 self._rejected += 1
             if phase == 3 and ended_sampled:  # sampled by a ceiling, with the pair's boundaries in it:
@@ -619,9 +689,9 @@ class Governor:
             self._baseline.append(seconds)
             if math.isfinite(own) and 0 <= own < seconds:  # (else: an odd reading, not a floor)
                 if self._dark_todo:  # (what a dark step is compared with; its full boundary is the
-                    self._lights.append(seconds - own)  # measurement's cost, not an unsampled step's)
-                else:
-                    self._add_floor(own / (seconds - own))
+                    self._floor_parts.lights.append(seconds - own)  # measurement's cost, not an
+                else:  # unsampled step's)
+                    self._floor_parts.add_seen(own / (seconds - own))
             self._stale += 1
             if self._stale >= REFRESH or self._cost_ratio is None:
                 self._refresh()
@@ -632,12 +702,13 @@ class Governor:
         self._stale = 0
         if self._baseline:
             self._step_seconds = _median(self._baseline)
-        self._take_floor()
-        self._floor = self._own_floor + (self.unseen_ratio or 0.0)
-        baseline, at = self._step_seconds, self._unseen_at
+        parts = self._floor_parts
+        parts.take_seen()
+        self._floor = parts.seen + (self.unseen_ratio or 0.0)
+        baseline, at = self._step_seconds, parts.unseen_at
         if self._dark_todo and self._interval < DARK_MIN_INTERVAL:
             self._dark_todo = 0  # no room between sampled steps any more: again after the next drift
-            self._unseen_at = baseline
+            parts.unseen_at = baseline
         elif (
             baseline is not None
             and self._cost_ratio is not None
@@ -647,59 +718,8 @@ class Governor:
             and (at is None or not at / DARK_DRIFT <= baseline <= at * DARK_DRIFT)
         ):
             self._dark_todo = self._dark_pairs  # calibrated, or the step time moved: measure the unseen part
-            self._darks.clear()
-            self._lights = []
+            parts.restart()
         self._update()
-
-    def _add_floor(self, ratio: float) -> None:
-        """A clean step's own-time ratio, into the block being filled (a whole block: its mean, kept)."""
-        self._floor_sum += ratio
-        self._floor_count += 1
-        if self._floor_count == FLOOR_WINDOW:
-            self._floor_blocks.append(self._floor_sum / FLOOR_WINDOW)
-            self._floor_sum, self._floor_count = 0.0, 0
-
-    def _take_floor(self) -> None:
-        """The floor's seen part: the median of the last :data:`FLOOR_BLOCKS` block means, or until there
-        are as many, the mean of every clean step so far (plain sums: a few hundred small ratios lose
-        nothing that matters, and ``math.fsum`` takes four times as long)."""
-        blocks = self._floor_blocks
-        if len(blocks) == FLOOR_BLOCKS:
-            self._own_floor = _median(blocks)
-        elif blocks or self._floor_count:
-            count = len(blocks) * FLOOR_WINDOW + self._floor_count
-            self._own_floor = (sum(blocks) * FLOOR_WINDOW + self._floor_sum) / count
-
-    def _measure_unseen(self) -> None:
-        """A measurement's last dark pair ended: its reading is the faster half's mean of the clean steps
-        between the pairs, each less its own time, less the faster half's mean of the dark steps, as a
-        fraction of those clean steps' median, with its standard error. The unseen part is the weighted
-        mean of the readings that agree (:data:`DARK_POOL`, :data:`DARK_AGREE`), never below 0, held in
-        seconds at the latest measurement's median. Each light step's own time is its own (those steps
-        end at full boundaries, whose own time the floor's blocks, mostly quiet steps, would
-        understate)."""
-        darks, lights = self._darks, self._lights
-        self._lights = []
-        if not lights or not darks:
-            return
-        # A fraction of the measurement's own lit steps (their median), not of the baseline: a spell of
-        # stalls at its end moves the baseline's 15 steps, and would shrink a reading and its error alike.
-        level = _median(lights)
-        (light, light_error), (dark, dark_error) = _faster_half(lights), _faster_half(darks)
-        reading, error = (light - dark) / level, math.hypot(light_error, dark_error) / level
-        pool = self._unseen_pool
-        if pool:
-            held, held_error = _pooled(pool)
-            if abs(reading - held) > DARK_AGREE * math.hypot(error, held_error):
-                pool.clear()  # the unseen part moved: the new reading alone
-        pool.append((reading, error))
-        # No margin for noise: a budget wants the cost's best estimate, not a low one (a noise margin of
-        # two standard errors took half the real unseen part of a small model's step on a noisy VM, and
-        # the governor sampled too often for its budget). Noise alone reads as a small positive cost
-        # about half the time (below 0 is 0): the error errs toward sampling less.
-        self._unseen = max(0.0, _pooled(pool)[0]) * level
-        self._unseen_at = self._step_seconds  # (the lights' median: the baseline's window is theirs)
-        self._refresh()
 
     def _baseline_or_nan(self) -> float:
         if self._stale:
@@ -713,7 +733,7 @@ class Governor:
         # Where the step time's noise is many times what sampling costs (a long step on a busy node),
         # the median of the cost samples can sit at 0 and the interval at 1; the monitor's own time
         # cannot (the cost no own time shows, the worker's GIL time among it, is left to the samples).
-        self._own_costs.append(max(0.0, self._pending_own / self._baseline_or_nan() - self._own_floor))
+        self._own_costs.append(max(0.0, self._pending_own / self._baseline_or_nan() - self._floor_parts.seen))
         if self._cost_ratio is not None:  # a sample counts at most double: see *Outliers*
             cost = min(cost, 2 * max(self._cost_ratio, self._budget))
         self._costs.append(cost)
