@@ -11,7 +11,7 @@ DEMO_ARGS ?=
 
 .PHONY: env demo test lint format bench dashboards clean
 
-$(VENV)/.installed: pyproject.toml setup.py streamwatch/_fused.c streamwatch/_fused_body.h streamwatch/_fused_module.c
+$(VENV)/.installed: pyproject.toml setup.py streamwatch/_schema.py streamwatch/_fused.c streamwatch/_fused_body.h streamwatch/_fused_module.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'

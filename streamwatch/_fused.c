@@ -12,16 +12,22 @@
  *              spatial positions). Without units pass units_out = NULL and any N*A*U*B = numel.
  *   act        what "active" means: nonzero, or away from the module's saturation bounds (isclose with
  *              rtol=1e-5, atol=1e-8, tolerances precomputed by the caller); NaN is never active.
- *   out        6 doubles: sum, sumsq, min, max, nonzero, nonfinite (min/max are NaN if any NaN).
+ *   out        SW_NSTATS doubles: the device values of _schema.DEVICE in order (sum, sumsq, min, max,
+ *              nonzero, ..., nonfinite; min/max are NaN if any NaN).
  *   units_out  U doubles; the number of samples in which each unit was active is ADDED to them, so a
  *              module called twice in a step accumulates in place.
  *   flags      2*U int32 of scratch.
  *
- * streamwatch_summarize_diff_f32/_f64(a, b, n, out): the same 6 values for a - b (n elements each,
+ * streamwatch_summarize_diff_f32/_f64(a, b, n, out): the same values for a - b (n elements each,
  * contiguous), computed without materialising the difference.
  *
  * streamwatch_histogram_f32/_f64(x, n, bounds, nb, lo, pd, k, counts, zeros): log-spaced histogram
  * counts (see _fused_body.h and metrics/_histogram.py).
+ *
+ * The column schema (streamwatch/_schema.py) is the one declaration of those values: setup.py generates
+ * _schema.h from it (value indices, the lane sums as X-macros, stats_t, activity_t and the prototypes of
+ * the entry points, which the definitions here must match), and streamwatch_schema() returns the
+ * schema's signature, which _kernel.py compares with its own before using the library.
  *
  * Vectorisation: accumulators are arrays of LANES independent lanes, so the compiler vectorises the
  * loops without reassociating floating-point sums (-ffast-math is never used: it would break the
@@ -31,6 +37,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include <_schema.h> /* generated from _schema.py by setup.py into the build (only ever that one: <>) */
 
 #define LANES 16
 #define CHUNK 1024 /* elements per float64 flush: 64 per lane, so float32 counts stay exact */
@@ -57,16 +65,7 @@ static inline float log2_abs_f64(double v) {
 #define CLONES
 #endif
 
-typedef struct {
-    double sum, sumsq, min, max, nonzero, nonfinite;
-} stats_t;
-
-typedef struct {
-    int32_t bounded;         /* 0: active = nonzero; 1: active = away from the finite bounds below */
-    int32_t has_lo, has_hi;  /* which bounds are finite */
-    int32_t reserved;
-    double lo, hi, tol_lo, tol_hi;
-} activity_t;
+#define LANE_WIDE double /* the lane type of the schema's wide lane sums */
 
 #define T float
 #define CNT int32_t
@@ -88,5 +87,5 @@ typedef struct {
 #undef SUFFIX
 #undef LOG2_ABS
 
-/* The version of the signatures above; _kernel.py (_ABI) refuses a library whose version differs. */
-int streamwatch_abi_version(void) { return 5; }
+/* The schema this library was built from; _kernel.py refuses a library whose schema differs from its own. */
+const char *streamwatch_schema(void) { return SW_SCHEMA; }

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from streamwatch._kernel import NSTATS, FusedKernel, assembler
+from streamwatch._schema import COLUMN
 from streamwatch._summary import COLUMNS, Raw, Row, derive, finalize, merged
 
 _ROW_BYTES = NSTATS * 8  # one float64 row of the host table
@@ -115,8 +116,9 @@ class StepRecord:
         time: wall-clock seconds (``time.time()``) at the step boundary.
         rank: the process rank (0 without torch.distributed).
         keys: one :class:`SeriesKey` per table row, unique.
-        table: ``(len(keys), len(COLUMNS))`` float64: count, sum, sumsq, min, max, zeros, nonfinite,
-            units, dead. Read-only.
+        table: ``(len(keys), len(COLUMNS))`` float64, the columns of ``streamwatch._schema.COLUMNS``
+            (count, sum, sumsq, min, max, zeros, nonfinite, units, dead, ...); read them by name with
+            :meth:`column` and :meth:`stat`. Read-only.
         scalars: step-level values: ``loss``, ``lr/<group>``, ``batch_size``, ``step_seconds``,
             ``samples_per_second``, ``correct``, ``total``, ``accuracy`` — whichever were given — and
             those of opt-in metrics (``eval/accuracy``, ``eval/loss``, ``hessian_max_eig``), and the
@@ -135,9 +137,9 @@ class StepRecord:
             resumed run went on from). A record at that step has nothing unrecorded before it.
 
     Example:
-        >>> import numpy as np
+        >>> from streamwatch.testing import table
         >>> r = StepRecord(3, 0.0, 0, (SeriesKey("train", "fc", "activation", ""),),
-        ...                np.array([[4, 2.0, 6.0, -1.0, 2.0, 1, 0, 2, 1, 2, 3]]), {"loss": 0.5})
+        ...                table(count=4, sum=2.0, sumsq=6.0, min=-1.0, max=2.0, zeros=1), {"loss": 0.5})
         >>> round(float(r.stat("l2")[0]) ** 2, 9), float(r.column("zeros")[0])
         (6.0, 1.0)
     """
@@ -157,9 +159,9 @@ class StepRecord:
         """Each row's position in the step's execution (:attr:`order`, or the row order without one).
 
         Example:
-            >>> import numpy as np
+            >>> from streamwatch.testing import table
             >>> keys = tuple(SeriesKey("train", layer, "activation", "") for layer in "ab")
-            >>> StepRecord(0, 0.0, 0, keys, np.zeros((2, 11)), order=(5, 2)).execution_order().tolist()
+            >>> StepRecord(0, 0.0, 0, keys, table(2), order=(5, 2)).execution_order().tolist()
             [5, 2]
         """
         if len(self.order) == len(self.keys):
@@ -167,12 +169,13 @@ class StepRecord:
         return np.arange(len(self.keys), dtype=np.int64)
 
     def column(self, name: str) -> np.ndarray:
-        """One column of :attr:`table` by name (see ``streamwatch._summary.COLUMNS``)."""
-        return self.table[:, COLUMNS.index(name)]
+        """One column of :attr:`table` by name (see ``streamwatch._schema.COLUMNS``)."""
+        return self.table[:, COLUMN[name]]
 
     def stat(self, name: str) -> np.ndarray:
-        """A column or a derived statistic (mean, std, var, l2, rms, absmax, zero_fraction, dead_fraction)."""
-        if name in COLUMNS:
+        """A column or a derived statistic (mean, std, var, l2, rms, absmax, zero_fraction, ...: the names
+        of ``streamwatch._schema.DERIVED``)."""
+        if name in COLUMN:
             return self.column(name)
         return derive(self.table)[name]
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import streamwatch as sw
-from streamwatch import SeriesKey, StepRecord
+from streamwatch import SeriesKey, StepRecord, testing
 from streamwatch._detail import DETAIL_MODES, keeps_detail, reduce_record
 from streamwatch._families import ALL_LAYERS, DETECTOR_FAMILIES
 from streamwatch._replay import Replay
@@ -323,8 +323,7 @@ def test_the_stepped_weights_stay_served_between_weight_samples_and_are_unknown_
             assert len(served) == 1, step
             assert served[0] > 0
     keys = (SeriesKey("train", "a", "param", "w"), SeriesKey("train", "a", "update", "w"))
-    table = np.zeros((2, len(COLUMNS)))
-    table[0, COLUMNS.index("sumsq")] = np.nan
+    table = testing.table(sumsq=[np.nan, 0.0], fill=0.0)
     stepped = _stepped_weight_sumsq(StepRecord(0, 0.0, 0, keys, table))
     assert stepped is not None
     assert np.isnan(stepped).tolist() == [True]
@@ -333,8 +332,7 @@ def test_the_stepped_weights_stay_served_between_weight_samples_and_are_unknown_
     from streamwatch.metrics._derived import update_ratio
 
     totals = (SeriesKey("train", ALL_LAYERS, "param", ""), SeriesKey("train", ALL_LAYERS, "update", ""))
-    reduced = np.zeros((2, len(COLUMNS)))
-    reduced[:, COLUMNS.index("sumsq")] = [900.0, 4e-6]
+    reduced = testing.table(sumsq=[900.0, 4e-6], fill=0.0)
     unknown = {(totals[1], "stepped_weight_sumsq"): np.array([np.nan])}
     assert update_ratio(StepRecord(0, 0.0, 0, totals, reduced, extras=unknown)) == []
     known = {(totals[1], "stepped_weight_sumsq"): np.array([4.0])}
@@ -364,27 +362,19 @@ def test_a_mixed_job_gets_the_same_global_norms_from_either_kind_of_rank() -> No
 def test_reduce_record_leaves_unknown_values_out_and_adds_histograms() -> None:
     grad = [SeriesKey("train", layer, "param_grad", "weight") for layer in ("a", "b", "c")]
     evals = SeriesKey("eval", "a", "activation", "")
-    table = np.full((4, len(COLUMNS)), np.nan)
-    col = {name: i for i, name in enumerate(COLUMNS)}
-    for row, (count, total, sumsq, low, high, zeros, nonfinite) in enumerate(
-        [
-            (4, 2.0, 6.0, -1.0, 2.0, 1, 0),
-            (2, np.nan, np.nan, np.nan, np.nan, np.nan, 1),  # a NaN gradient: only its count and flag
-            (3, -3.0, 9.0, -3.0, 0.5, 0, 0),
-            (5, 5.0, 5.0, 1.0, 1.0, 0, 0),
-        ]
-    ):
-        for name, value in zip(
-            ("count", "sum", "sumsq", "min", "max", "zeros", "nonfinite"),
-            (count, total, sumsq, low, high, zeros, nonfinite),
-            strict=True,
-        ):
-            table[row, col[name]] = value
-    table[3, col["units"]], table[3, col["dead"]], table[3, col["samples"]], table[3, col["active"]] = (
-        4,
-        1,
-        2,
-        5,
+    nan = np.nan
+    table = testing.table(  # row 1, a NaN gradient: only its count and flag
+        count=[4, 2, 3, 5],
+        sum=[2.0, nan, -3.0, 5.0],
+        sumsq=[6.0, nan, 9.0, 5.0],
+        min=[-1.0, nan, -3.0, 1.0],
+        max=[2.0, nan, 0.5, 1.0],
+        zeros=[1, nan, 0, 0],
+        nonfinite=[0, 1, 0, 0],
+        units=[nan, nan, nan, 4],
+        dead=[nan, nan, nan, 1],
+        samples=[nan, nan, nan, 2],
+        active=[nan, nan, nan, 5],
     )
     extras = {
         (grad[0], "histogram"): np.array([0.0, 1.0, 3.0]),

@@ -10,6 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from streamwatch import testing
+from streamwatch._schema import COLUMN
 from streamwatch._summary import COLUMNS, Raw, derive, finalize, summarize, unit_dim_for
 
 finite = st.floats(-1e3, 1e3, allow_nan=False, width=32)
@@ -113,16 +115,16 @@ def test_nonfinite_is_a_free_flag_by_default_and_an_exact_count_on_request(bad) 
     x = torch.tensor([[1.0, bad, 2.0], [bad, 0.0, 3.0]])
     _, flagged = finalize(raw_of([x], ["k"], unit_dim=None, counted=False))
     _, counted = finalize(raw_of([x], ["k"], unit_dim=None, counted=True))
-    assert flagged[0, COLUMNS.index("nonfinite")] == 1.0
-    assert counted[0, COLUMNS.index("nonfinite")] == 2.0
+    assert flagged[0, COLUMN["nonfinite"]] == 1.0
+    assert counted[0, COLUMN["nonfinite"]] == 2.0
     _, clean = finalize(raw_of([torch.ones(2, 2)], ["k"], unit_dim=None, counted=False))
-    assert clean[0, COLUMNS.index("nonfinite")] == 0.0
+    assert clean[0, COLUMN["nonfinite"]] == 0.0
 
 
 def test_half_precision_sums_of_squares_do_not_overflow() -> None:
     x = torch.full((64, 64), 300.0, dtype=torch.float16)  # sumsq = 3.7e8 > float16 max 65504
     _, table = finalize(raw_of([x], ["k"], unit_dim=None, counted=False))
-    np.testing.assert_allclose(table[0, COLUMNS.index("sumsq")], 64 * 64 * 300.0**2, rtol=1e-4)
+    np.testing.assert_allclose(table[0, COLUMN["sumsq"]], 64 * 64 * 300.0**2, rtol=1e-4)
 
 
 @settings(max_examples=60, deadline=None)
@@ -144,7 +146,7 @@ def test_derived_statistics_match_numpy(values) -> None:
 
 
 def test_ratios_over_an_empty_row_are_nan_not_errors() -> None:
-    derived = derive(np.zeros((1, len(COLUMNS))))
+    derived = derive(testing.table(1, fill=0.0))
     for name in ("mean", "std", "var", "rms", "zero_fraction", "dead_fraction"):
         assert math.isnan(float(derived[name][0])), name
     assert float(derived["l2"][0]) == 0.0  # the norm of nothing is 0

@@ -66,7 +66,7 @@ from streamwatch._families import (
 )
 from streamwatch._record import Sample, SeriesKey
 from streamwatch._store import SeriesSource, StatisticsSource, WatchStatistics
-from streamwatch._summary import COLUMNS, derive
+from streamwatch._summary import COLUMNS, derive, totals
 from streamwatch.sinks._http import MetricsServer, listen
 
 __all__ = [
@@ -404,18 +404,14 @@ def _block(family: Family, samples: Sequence[Sample]) -> Block:
 
 
 def _aggregate(table: np.ndarray, keys: list[SeriesKey]) -> list[Sample]:
-    """One row per (phase, kind): additive columns summed, extremes combined, statistics re-derived."""
+    """One row per (phase, kind): the columns combined as the schema says (``totals``), statistics
+    re-derived."""
     groups: dict[tuple[str, str], list[int]] = {}
     for i, key in enumerate(keys):
         groups.setdefault((key.phase, key.kind), []).append(i)
     out: list[Sample] = []
-    col = {name: i for i, name in enumerate(COLUMNS)}
     for (phase, kind), rows in groups.items():
-        part = table[rows]
-        row = np.nansum(part, axis=0)
-        row[col["min"]] = np.min(part[:, col["min"]])
-        row[col["max"]] = np.max(part[:, col["max"]])
-        row = row.reshape(1, -1)
+        row = totals(table[rows]).reshape(1, -1)
         stats = {name: row[:, i] for i, name in enumerate(COLUMNS)} | derive(row)
         labels = {"phase": phase, "layer": ALL_LAYERS, "kind": kind, "param": "", "index": ""}
         for stat in CORE_STATS:
