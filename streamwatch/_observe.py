@@ -35,6 +35,7 @@ from torch import nn
 
 from streamwatch import _kernel
 from streamwatch._accuracy import AMBIGUOUS, Score, TrainAccuracy
+from streamwatch._buffer import SlotPool
 from streamwatch._channel import OverflowPolicy, channel
 from streamwatch._clock import Clock
 from streamwatch._detail import Detail, position, resolver, this_rank_keeps_detail
@@ -54,7 +55,7 @@ from streamwatch._nonfinite import (
 )
 from streamwatch._options import DEFAULT_OVERHEAD, STATS, Options, check_start_step, parse_options
 from streamwatch._pipeline import Pipeline, Sink, source
-from streamwatch._record import SKIPPED_UPDATE, PendingRecord, Sample, SlotPool
+from streamwatch._record import SKIPPED_UPDATE, PendingRecord, Sample
 from streamwatch._store import SeriesStore, WatchStatistics
 from streamwatch._summary import release_scratch
 from streamwatch._taps import (

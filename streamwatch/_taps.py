@@ -1,7 +1,7 @@
 """Taps: every torch hook streamwatch installs lives here, and nowhere else.
 
 A tap captures one kind of tensor and hands it to :func:`streamwatch._summary.summarize`, appending the
-row to the current :class:`~streamwatch._record.StepBuffer`. Kinds:
+row to the current :class:`~streamwatch._buffer.StepBuffer`. Kinds:
 
 ==============  ===============================================  ==========================================
 kind            where                                            hook
@@ -64,8 +64,9 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from streamwatch._buffer import StepBuffer
 from streamwatch._kernel import FusedKernel
-from streamwatch._record import SeriesKey, StepBuffer
+from streamwatch._record import SeriesKey
 from streamwatch._summary import saturation_bounds, summarize, unit_dim_for
 
 __all__ = ["DEFAULT_CADENCE", "DEFAULT_TAPS", "KINDS", "Select", "TapSet", "resolve_select"]

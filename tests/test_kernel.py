@@ -303,7 +303,8 @@ def test_a_failing_kernel_call_leaves_the_step_as_it_was(monkeypatch: pytest.Mon
     """A row whose summary raises is not half-added: no garbage row, no arena range without units,
     and the rows around it resolve to the reference."""
     assert KERNEL is not None
-    from streamwatch._record import SeriesKey, StepBuffer
+    from streamwatch._buffer import StepBuffer
+    from streamwatch._record import SeriesKey
 
     buffer = StepBuffer()
     a, bad, c = torch.randn(6, 4).relu(), torch.randn(3, 5), torch.randn(2, 3).relu()
@@ -486,7 +487,7 @@ def _pending(rng: np.random.Generator, rows: int, counted: bool, repeats: bool, 
     with per-unit counts in the arena; with ``device``, some rows and their unit counts in the copied
     values instead (torch-path summaries), then device step scalars and an extra. Values with NaN,
     ±inf, zeros; keys repeated when ``repeats``."""
-    from streamwatch._record import _NO_DEVICE_DATA, PendingRecord
+    from streamwatch._record import NO_DEVICE_DATA, PendingRecord
 
     nstats = _kernel.NSTATS if counted else _kernel.NSTATS - 1
 
@@ -515,7 +516,7 @@ def _pending(rng: np.random.Generator, rows: int, counted: bool, repeats: bool, 
     arena = np.where(rng.random(offset + 5) < 0.3, 0.0, rng.integers(1, 64, offset + 5).astype(float))
     names = [f"l{i}" for i in range(max(1, rows // 2 if repeats else rows))]
     keys = [names[i % len(names)] for i in range(rows)] if repeats else names[:rows]
-    data, scalar_names, extra_layout = _NO_DEVICE_DATA, (), []
+    data, scalar_names, extra_layout = NO_DEVICE_DATA, (), []
     if device:  # device rows' stats, the device step scalars, the unit-rows' counts, an extra
         copied = stats(len(device_rows))[:, :nstats].ravel()
         vectors = [
