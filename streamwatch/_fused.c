@@ -71,21 +71,25 @@ static inline float log2_abs_f64(double v) {
 #define CNT int32_t
 #define SUFFIX f32
 #define LOG2_ABS log2_abs_f32
+#define FABS __builtin_fabsf /* |v| for a schema term: one AND, where v < 0 ? -v : v is a compare and a blend */
 #include "_fused_body.h"
 #undef T
 #undef CNT
 #undef SUFFIX
 #undef LOG2_ABS
+#undef FABS
 
 #define T double
 #define CNT int64_t
 #define SUFFIX f64
 #define LOG2_ABS log2_abs_f64
+#define FABS __builtin_fabs
 #include "_fused_body.h"
 #undef T
 #undef CNT
 #undef SUFFIX
 #undef LOG2_ABS
+#undef FABS
 
 /* The schema this library was built from; _kernel.py refuses a library whose schema differs from its own. */
 const char *streamwatch_schema(void) { return SW_SCHEMA; }

@@ -65,7 +65,8 @@ class DeviceValue:
             (the count of nonzero elements) or ``nonfinite`` (the count of NaN and ±inf elements).
         meaning: one line for the docs.
         term: for ``sum``: the element's term, a C expression of ``v`` (the element, of the tensor's
-            float type ``T``); the torch path computes the same in ``_summary.summarize``.
+            float type ``T``; ``FABS(v)`` is its magnitude); the torch path computes the same in
+            ``_summary.summarize``.
         wide: for ``sum``: accumulate in float64 lanes even for float32 tensors (a term that would
             overflow float32 far below the data's range); otherwise lanes of the tensor's type are
             flushed into float64 totals every 1 024 elements.
