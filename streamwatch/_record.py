@@ -244,8 +244,9 @@ class PendingRecord(NamedTuple):
 
     Rows summarised by the fused CPU kernel are already in ``host`` (float64, one line per row, the
     kernel wrote them in place); rows summarised with torch ops (CUDA, half precision, tensor subclasses,
-    compiled code) are in ``data``, stacked once at the step boundary. A named tuple: :meth:`~streamwatch._buffer.StepBuffer.seal`
-    makes one with a single C call (``tuple.__new__``), no Python frame on a cold step boundary.
+    compiled code) are in ``data``, stacked once at the step boundary. A named tuple:
+    :meth:`~streamwatch._buffer.StepBuffer.seal` makes one with a single C call (``tuple.__new__``), no
+    Python frame on a cold step boundary.
     """
 
     step: int
