@@ -337,11 +337,12 @@ def _merge(
         first.setdefault(key, len(first))
     index = np.fromiter((first[k] for k in keys), dtype=np.intp, count=len(keys))
     out = np.zeros((len(first), table.shape[1]), dtype=np.float64)
-    for col in _REPEAT["add"]:
-        if col == _NONFINITE and not counted:  # presence flags: any, not a sum
-            np.maximum.at(out[:, col], index, table[:, col])
-        else:
-            np.add.at(out[:, col], index, table[:, col])
+    with np.errstate(invalid="ignore"):  # +inf from one call and -inf from another: NaN, silently
+        for col in _REPEAT["add"]:
+            if col == _NONFINITE and not counted:  # presence flags: any, not a sum
+                np.maximum.at(out[:, col], index, table[:, col])
+            else:
+                np.add.at(out[:, col], index, table[:, col])
     out[:, _MIN] = np.inf
     out[:, _MAX] = -np.inf
     np.fmin.at(out[:, _MIN], index, table[:, _MIN])

@@ -629,7 +629,10 @@ def test_a_layouts_remembered_order_follows_each_steps_order() -> None:
             f"2 device rows need more than the {_kernel.NSTATS - 1} values copied",
         ),
         (lambda a: a.__setitem__(9, [7]), "device row 7 is outside"),
-        (lambda a: (a.__setitem__(10, [1]), a.__setitem__(11, 4)), "outside the values copied"),
+        (
+            lambda a: (a.__setitem__(10, [1]), a.__setitem__(11, _kernel.NSTATS - 2)),
+            "outside the values copied",
+        ),
     ],
     ids=["table-shape", "short-list", "row", "arena", "pair", "device-values", "device-row", "device-units"],
 )

@@ -121,6 +121,17 @@ def test_nonfinite_is_a_free_flag_by_default_and_an_exact_count_on_request(bad) 
     assert clean[0, COLUMN["nonfinite"]] == 0.0
 
 
+def test_a_key_whose_calls_overflow_both_ways_merges_to_nan_without_a_warning() -> None:
+    """One call of a module sums to +inf, the next to -inf: the step's merged sum is NaN (unknown), and
+    numpy's "invalid value" warning, an error under filterwarnings=error, no longer escapes the worker."""
+    big = torch.finfo(torch.float32).max
+    up, down = torch.full((4,), big), torch.full((4,), -big)
+    keys, table = finalize(raw_of([up, down], ["k", "k"], unit_dim=None, counted=True))
+    assert keys == ("k",)
+    assert math.isnan(table[0, COLUMN["sum"]])
+    assert table[0, COLUMN["sumsq"]] == math.inf
+
+
 def test_half_precision_sums_of_squares_do_not_overflow() -> None:
     x = torch.full((64, 64), 300.0, dtype=torch.float16)  # sumsq = 3.7e8 > float16 max 65504
     _, table = finalize(raw_of([x], ["k"], unit_dim=None, counted=False))
