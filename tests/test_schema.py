@@ -149,6 +149,15 @@ def test_every_statistic_is_named_in_the_prometheus_stat_list() -> None:
         assert f"`{name}`" in row, name
 
 
+def test_every_statistic_has_a_row_in_the_metric_catalogue() -> None:
+    """docs/metrics.md's table of per-tensor statistics: a row for every column and derived statistic."""
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    start = text.index("| stat | what |")
+    rows = text[start : text.index("\n\n", start)].splitlines()[2:]
+    named = {name for row in rows for name in re.findall(r"`(\w+)`", row.split("|")[1])}
+    assert named == {*COLUMNS, *DERIVED}
+
+
 def test_derive_computes_exactly_the_declared_statistics() -> None:
     assert tuple(derive(testing.table(1, fill=1.0))) == DERIVED
 
