@@ -277,7 +277,7 @@ def c_header() -> str:
 
     Example:
         >>> header = c_header()
-        >>> "#define SW_NCOLUMNS 11" in header, "#define SW_STAT_NONZERO 4" in header
+        >>> f"#define SW_NCOLUMNS {len(COLUMNS)}" in header, f"#define SW_NSTATS {len(DEVICE)}" in header
         (True, True)
     """
     lines = [
