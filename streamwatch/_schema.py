@@ -106,6 +106,9 @@ DEVICE: tuple[DeviceValue, ...] = (
     DeviceValue("min", "min", "the smallest element (NaN if any element is NaN)"),
     DeviceValue("max", "max", "the largest element (NaN if any element is NaN)"),
     DeviceValue("nonzero", "nonzero", "elements that are not zero (NaN counts as zero on the torch path)"),
+    DeviceValue("sumabs", "sum", "Σ|x|", term="FABS(v)"),
+    DeviceValue("sumcube", "sum", "Σx³", term="v * v * v"),
+    DeviceValue("sumfourth", "sum", "Σx⁴", term="(v * v) * (v * v)"),
     # nonfinite stays last: the torch path computes it only when exact counts are asked for
     DeviceValue("nonfinite", "nonfinite", "NaN and ±inf elements"),
 )
@@ -126,6 +129,9 @@ COLUMNS: tuple[Column, ...] = (
     Column("dead", "add", "first", "units inactive for every sample", nan_unknown=True),
     Column("samples", "pairs", "add", "samples behind the per-unit activity (the batch)"),
     Column("active", "add", "first", "(sample, unit) pairs in which the unit was active", nan_unknown=True),
+    Column("sumabs", "add", "add", "Σ|x|", device=True),
+    Column("sumcube", "add", "add", "Σx³ (with sumfourth: skewness and kurtosis, mergeable)", device=True),
+    Column("sumfourth", "add", "add", "Σx⁴", device=True),
 )
 """The columns of a record's table, in this order. All of them add up (or take min/max) across rows,
 steps, shards and ranks: which is why sums of squares, not norms, are kept."""
@@ -140,6 +146,10 @@ DERIVED: tuple[tuple[str, str], ...] = (
     ("zero_fraction", "zeros / count"),
     ("dead_fraction", "dead / units"),
     ("activation_rate", "active / (samples × units)"),
+    ("mean_abs", "sumabs / count, the mean magnitude"),
+    ("skewness", "m3 / m2^1.5 from the central moments m_k (population; NaN where rounding could move it)"),
+    ("kurtosis", "m4 / m2², Pearson's (population; NaN where rounding could move it by 1 %)"),
+    ("excess_kurtosis", "kurtosis − 3 (0 for a normal distribution)"),
 )
 """The statistics ``_summary.derive`` computes from the columns, with what each is."""
 

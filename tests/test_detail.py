@@ -30,7 +30,7 @@ from streamwatch import SeriesKey, StepRecord, testing
 from streamwatch._detail import DETAIL_MODES, keeps_detail, reduce_record
 from streamwatch._families import ALL_LAYERS, DETECTOR_FAMILIES
 from streamwatch._replay import Replay
-from streamwatch._summary import COLUMNS
+from streamwatch._summary import COLUMNS, DERIVED
 from streamwatch.sinks._prometheus import Exporter
 from streamwatch.sinks._runfile import RunFile, read_run
 
@@ -407,7 +407,7 @@ def test_reduce_record_leaves_unknown_values_out_and_adds_histograms() -> None:
         "nonfinite": 1.0,
     }
     assert all(math.isnan(row[k]) for k in ("units", "dead", "samples", "active"))  # unknown, not 0
-    assert reduced.table[1].tolist() == table[3].tolist()  # one row: itself
+    np.testing.assert_array_equal(reduced.table[1], table[3])  # one row: itself (NaN where unknown)
     assert reduced.stat("activation_rate")[1] == 5 / (2 * 4)
     assert list(reduced.extras) == [(reduced.keys[0], "histogram")]  # per-layer opt-in values dropped
     assert reduced.extras[(reduced.keys[0], "histogram")].tolist() == [1.0, 1.0, 5.0]
@@ -618,15 +618,32 @@ def test_docs_scale_numbers_are_what_a_7b_shaped_model_serves(caplog: pytest.Log
     kinds = [key.kind for key in keys]
     breakdown = re.search(
         r"is (\d+) activation and output-gradient rows × (\d+) statistics \(([\d ]+)\), (\d+) weight, "
-        r"gradient and update rows × (\d+) statistics \(([\d ]+)\) and (\d+) `update_ratio` values",
+        r"gradient and update rows × (\d+) statistics \(([\d ]+)\) less the (\d+) that are unknown and "
+        r"absent here \(skewness, kurtosis and excess kurtosis of the (\d+) RMSNorm weights, all ones at "
+        r"this step: no spread\) and (\d+) `update_ratio` values",
         " ".join(doc.split()),
     )
     assert breakdown
     forward = sum(kinds.count(k) for k in ("activation", "output_grad"))
     parameters = sum(kinds.count(k) for k in ("param", "param_grad", "update"))
+    norms = sum(1 for k in keys if k.kind == "param" and "norm" in k.layer)
+    shape = ("skewness", "kurtosis", "excess_kurtosis")
+    every = len(COLUMNS) + len(DERIVED)  # per-unit activity: 4 columns and 2 derived statistics
+    without_units = every - len(("units", "dead", "samples", "active", "dead_fraction", "activation_rate"))
     numbers = [_number(group) for group in breakdown.groups()]
-    assert numbers == [forward, 20, forward * 20, parameters, 14, parameters * 14, kinds.count("update")]
-    assert forward * 20 + parameters * 14 + kinds.count("update") == _groups(detail)["tensor"]
+    assert numbers == [
+        forward,
+        every,
+        forward * every,
+        parameters,
+        without_units,
+        parameters * without_units,
+        norms * len(shape),
+        norms,
+        kinds.count("update"),
+    ]
+    served = forward * every + parameters * without_units - norms * len(shape) + kinds.count("update")
+    assert served == _groups(detail)["tensor"]
     assert 'exporting one aggregate per phase and kind (layer="__all__")' in caplog.text
 
     # bytes per series: Robust Perception's constants with our label count, and 15 s scrapes for 3 hours

@@ -56,6 +56,9 @@ def values_of(x: torch.Tensor | np.ndarray) -> np.ndarray:
             "min": a.min() if a.size else np.inf,  # NaN propagates, as in torch.aminmax
             "max": a.max() if a.size else -np.inf,
             "nonzero": np.count_nonzero(a),
+            "sumabs": np.abs(a).sum(),
+            "sumcube": (a * a * a).sum(),
+            "sumfourth": ((a * a) * (a * a)).sum(),
             "nonfinite": np.count_nonzero(~np.isfinite(a)),
         }
     return np.array([values[name] for name in DEVICE_NAMES], dtype=np.float64)
@@ -174,6 +177,19 @@ def test_the_difference_counts_nan_and_infinities(dtype: torch.dtype) -> None:
     KERNEL.run_diff(finite, torch.zeros(8, dtype=dtype), out.ctypes.data)
     assert out[DEVICE_INDEX["max"]] == float("inf")  # +inf without NaN: max is inf
     assert out[DEVICE_INDEX["nonfinite"]] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_an_empty_tensor_has_sums_of_zero_and_no_extremes(dtype: torch.dtype) -> None:
+    """Zero elements (the taps skip empty tensors, but the kernel must not read past them): every sum 0,
+    min +inf, max -inf, nothing counted — numpy's sums of an empty array."""
+    assert KERNEL is not None
+    x = torch.empty(0, dtype=dtype)
+    out = np.full(_kernel.NSTATS, -7.0)
+    KERNEL.run(x, out.ctypes.data)
+    np.testing.assert_array_equal(out, values_of(x))
+    KERNEL.run_diff(x, x.clone(), out.ctypes.data)
+    np.testing.assert_array_equal(out, values_of(x))
 
 
 def test_the_difference_refuses_mismatched_tensors() -> None:
