@@ -1,7 +1,8 @@
 /* streamwatch's fused CPU summary: one pass over a contiguous float32/float64 tensor.
  *
- * In one read of the data it yields sum, sum of squares, min, max, the nonzero count and the exact
- * non-finite count (NaN and ±inf), plus per-unit activity for dead units and activation rates. Plain
+ * In one read of the data it yields every sum over the elements the column schema declares (sum, sum of
+ * squares, Σ|x|, Σx³, Σx⁴, ...), min, max, the nonzero count and the exact non-finite count (NaN and ±inf),
+ * plus per-unit activity for dead units and activation rates. Plain
  * C without torch headers: setuptools compiles it when the package is built (setup.py) into the
  * streamwatch._fused extension file, which _kernel.py loads from the package directory with ctypes.
  * Nothing is compiled at run time.

@@ -1,7 +1,8 @@
 """The fused CPU summary kernel: built with the package, loaded with ctypes from the package directory.
 
-Eager torch needs four to five passes per tensor for the summary (sum, sum of squares, min/max, a sign
-mask and its count) plus ~10 µs of dispatch each. ``_fused.c`` does it in one pass — and counts
+Eager torch needs eight to nine calls per tensor for the summary (``_summary.summarize``: sum, sum of
+squares, min/max, a sign mask and its count, Σ|x|, x² and two dots over it) plus ~10 µs of dispatch each.
+``_fused.c`` does it in one pass — and counts
 non-finite elements exactly, for free — writing straight into the step's host table. The library is
 loaded with ``ctypes.PyDLL``, which keeps the GIL during the call: releasing it (``CDLL``) let the
 worker thread take the GIL at every call, and the training thread then waited for it to come back —

@@ -7,7 +7,8 @@ Pure functions only — no hooks, no threads. Two halves:
   Kernels per tensor (measured on a 2-core CPU for a 1024×1024 float32 tensor): ``sum`` ~42 µs, a
   BLAS ``dot`` for the sum of squares ~68 µs (``vector_norm`` is ~175 µs), ``aminmax`` ~118 µs, a sign
   mask written into a reused scratch buffer and counted with ``dot`` (``count_nonzero`` is 5-10x
-  slower), per-unit activity from the same mask. The non-finite *flag* is free (``aminmax`` propagates
+  slower), per-unit activity from the same mask, Σ|x| as the mask's ``dot`` with x, Σx³ and Σx⁴ as two
+  ``dot`` over x² in another scratch buffer. The non-finite *flag* is free (``aminmax`` propagates
   NaN, ±inf shows in min/max); an exact non-finite *count* costs two more passes and is opt-in.
   Counts accumulate in float32 (float64 for float64 tensors): exact below 2**24 elements.
 * :func:`finalize` runs on the worker, vectorised over all rows of a step with numpy: it merges rows of
