@@ -674,6 +674,40 @@ def test_other_columns_are_rearranged_with_a_problem(tmp_path: Path) -> None:
         RunFile(path)
 
 
+def test_a_run_file_written_before_the_shape_statistics_reads_back_with_them_unknown(tmp_path: Path) -> None:
+    """A file whose header has the eleven columns of the versions before Σ|x|, Σx³ and Σx⁴: every
+    record reads back with its values, the new columns and what derives from them unknown (NaN, so
+    never served), and the report and a replay's samples work from it."""
+    path = tmp_path / "old.jsonl"
+    old = ["count", "sum", "sumsq", "min", "max", "zeros", "nonfinite", "units", "dead", "samples", "active"]
+    lines = [
+        {"format": FORMAT, "version": VERSION, "columns": old, "created": 0.0},
+        {"keys": [[0, "train", "fc", "param_grad", "weight"]]},
+        {"step": 0, "time": 0.0, "rank": 0, "rows": [[0, 4, 2, 6, -1, 2, 1, 0, "nan", "nan", "nan", "nan"]],
+         "scalars": {"loss": 0.5}, "extras": []},
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run = read_run(path)
+    (record,) = run.records
+    assert [float(record.column(name)[0]) for name in ("count", "sum", "sumsq", "min", "max")] == [
+        4,
+        2,
+        6,
+        -1,
+        2,
+    ]
+    for name in ("sumabs", "sumcube", "sumfourth", "mean_abs", "skewness", "kurtosis", "excess_kurtosis"):
+        assert math.isnan(record.stat(name)[0]), name
+    assert record.stat("l2")[0] == pytest.approx(math.sqrt(6))
+    assert "NaN where a column is missing" in run.problems[0]
+    assert "first non-finite: none" in report(run)
+    store = sw.SeriesStore(metrics=())
+    store.send(record)
+    served = {s.labels["stat"] for s in store.samples() if s.name == "streamwatch_tensor"}
+    assert "sumsq" in served
+    assert not served & {"sumabs", "kurtosis", "mean_abs"}  # unknown: absent, never a NaN sample
+
+
 # -- appending ----------------------------------------------------------------------------------------------
 
 
