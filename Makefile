@@ -11,7 +11,7 @@ DEMO_VENV ?= .venv-demo
 DEMO_PY := $(DEMO_VENV)/bin/python
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
-SOURCES := pyproject.toml setup.py streamwatch/_fused.c streamwatch/_fused_body.h streamwatch/_fused_module.c
+SOURCES := pyproject.toml setup.py streamwatch/_schema.py streamwatch/_fused.c streamwatch/_fused_body.h streamwatch/_fused_module.c
 
 .PHONY: env demo test lint format bench dashboards clean
 

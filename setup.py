@@ -16,11 +16,21 @@ a plain shared library or Python-API bindings:
   call costs too much (a CPU loss's finiteness on a quiet step, ``_observe.py``; the worker's summary
   table of a CPU step, ``_record.py``).
 
+The column schema (``streamwatch/_schema.py``: the per-tensor values, their order, how they merge) is
+declared once, in Python. Before compiling, :class:`BuildFused` loads that file by path (it imports
+nothing but the standard library, so it runs in an isolated build without torch or numpy) and writes
+its C header, ``_schema.h``, into the build's temporary directory, which the C sources include. The
+header is generated, never committed: nothing can drift, and an sdist carries ``_schema.py`` (a package
+module) from which any build regenerates it. ``python streamwatch/_schema.py`` prints it.
+
 The extension is ``optional``: without a C compiler the install still succeeds, and streamwatch runs
 its eager-torch summaries with one warning that says how to get the fused kernel.
 """
 
 from __future__ import annotations
+
+import runpy
+from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -30,10 +40,28 @@ from setuptools.command.build_ext import build_ext
 _GCC_FLAGS = ["-O3", "-funroll-loops", "-std=gnu11", "-fno-math-errno", "-ffp-contract=off"]
 
 
+_SCHEMA = Path(__file__).resolve().parent / "streamwatch" / "_schema.py"
+
+
+def write_schema_header(directory: Path) -> Path:
+    """Write ``_schema.h`` (generated from ``streamwatch/_schema.py``) into ``directory``; rewritten only
+    when its text changes, so an unchanged schema recompiles nothing."""
+    header = runpy.run_path(str(_SCHEMA))["c_header"]()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "_schema.h"
+    if not path.is_file() or path.read_text(encoding="utf-8") != header:
+        path.write_text(header, encoding="utf-8")
+    return path
+
+
 class BuildFused(build_ext):
-    """``build_ext`` with the kernel's optimisation flags for GCC-compatible compilers."""
+    """``build_ext`` that generates the schema header first, with the kernel's optimisation flags for
+    GCC-compatible compilers."""
 
     def build_extensions(self) -> None:
+        generated = write_schema_header(Path(self.build_temp) / "streamwatch-schema").parent
+        for ext in self.extensions:
+            ext.include_dirs = [str(generated), *ext.include_dirs]
         if self.compiler.compiler_type == "unix":
             for ext in self.extensions:
                 ext.extra_compile_args = [*_GCC_FLAGS, *ext.extra_compile_args]
@@ -45,7 +73,7 @@ setup(
         Extension(
             "streamwatch._fused",
             sources=["streamwatch/_fused.c", "streamwatch/_fused_module.c"],
-            depends=["streamwatch/_fused_body.h"],
+            depends=["streamwatch/_fused_body.h", "streamwatch/_schema.py"],
             optional=True,
         )
     ],

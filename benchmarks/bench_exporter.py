@@ -7,7 +7,7 @@ Run::
         --benchmark-only
 
 The streamwatch side is the real thing: a Watch over a model with enough layers that its
-``streamwatch_tensor`` family has the wanted number of series (about 29 statistics per tapped tensor),
+``streamwatch_tensor`` family has the wanted number of series (about 36 statistics per tapped tensor),
 its worker's latest values, and the work a scrape does: ``Exporter.collector.render()`` behind
 ``watch.expose()``'s endpoint, and ``generate_latest`` when the collector sits in a caller's registry.
 The baseline registers one labelled ``Gauge`` with the same label sets and values, already set (what
@@ -56,7 +56,7 @@ from torch import nn
 import streamwatch as sw
 from streamwatch.sinks._http import GZIP_LEVEL, _Cached
 
-STATS_PER_ROW = 29  # streamwatch_tensor series per tapped tensor (COLUMNS + derived + update_ratio)
+STATS_PER_ROW = 36  # streamwatch_tensor series per tapped tensor (COLUMNS + derived + update_ratio)
 
 
 def _watch(series: int) -> tuple[sw.Watch, Any]:

@@ -45,7 +45,8 @@ import torch
 
 from streamwatch._families import ALL_LAYERS, STEPPED_WEIGHT_SUMSQ
 from streamwatch._record import PendingRecord, SeriesKey, StepRecord
-from streamwatch._summary import COLUMNS, totals
+from streamwatch._schema import COLUMN
+from streamwatch._summary import totals
 
 __all__ = [
     "DETAIL_MODES",
@@ -66,7 +67,7 @@ Detail: TypeAlias = DetailMode | Callable[[int, int, int], bool]
 DETAIL_MODES: tuple[DetailMode, ...] = ("all", "rank0", "local_rank0", "none")
 """The named policies of ``observe(detail=...)``."""
 
-_SUMSQ = COLUMNS.index("sumsq")
+_SUMSQ = COLUMN["sumsq"]
 
 
 def check_detail(detail: object) -> Detail:
@@ -186,8 +187,8 @@ def _stepped_weight_sumsq(record: StepRecord) -> np.ndarray | None:
     Example:
         >>> keys = tuple(SeriesKey("train", layer, kind, "weight")
         ...              for layer, kind in (("head", "param"), ("body", "param"), ("head", "update")))
-        >>> table = np.zeros((3, len(COLUMNS))); table[:, COLUMNS.index("sumsq")] = [4.0, 100.0, 1e-4]
-        >>> _stepped_weight_sumsq(StepRecord(0, 0.0, 0, keys, table)).tolist()
+        >>> from streamwatch.testing import table
+        >>> _stepped_weight_sumsq(StepRecord(0, 0.0, 0, keys, table(sumsq=[4.0, 100.0, 1e-4]))).tolist()
         [4.0]
     """
     stepped = {(k.layer, k.name) for k in record.keys if k.kind == "update" and k.phase == "train"}
@@ -207,19 +208,20 @@ def _stepped_weight_sumsq(record: StepRecord) -> np.ndarray | None:
 
 def reduce_record(record: StepRecord) -> StepRecord:
     """``record`` with one row per ``(phase, kind)`` under ``layer="__all__"`` in place of its per-layer
-    rows: ``count``, ``sum``, ``sumsq``, ``zeros``, ``nonfinite``, ``units`` and ``dead`` added over the
-    rows, ``min``/``max`` combined, ``active`` added and ``samples`` set so that ``activation_rate`` is the
-    fraction of active (sample, unit) pairs over all the layers. Unknown (NaN) values are left out of a
-    total, as PromQL's ``sum`` leaves out absent series; a total with no known value is unknown. Opt-in
+    rows, each column combined over the rows as the schema says (``streamwatch._summary.totals``):
+    ``count``, ``sum``, ``sumsq``, ``zeros``, ``nonfinite``, ``units``, ``dead`` and ``active`` added,
+    ``min``/``max`` combined, ``samples`` set so that ``activation_rate`` is the fraction of active
+    (sample, unit) pairs over all the layers. Unknown (NaN) values are left out of a total, as PromQL's
+    ``sum`` leaves out absent series; a total with no known value is unknown. Opt-in
     metric values are dropped, except ``histogram`` bucket counts, which are added per ``(phase, kind)``;
     the ``update`` total gets :data:`STEPPED_WEIGHT_SUMSQ`, the update/weight ratio's denominator.
     Step-level values (``scalars``) and ``edges`` are kept as they are.
 
     Example:
         >>> keys = tuple(SeriesKey("train", layer, "param_grad", "weight") for layer in ("a", "b"))
-        >>> table = np.zeros((2, len(COLUMNS))); table[:, 0] = 4; table[:, 2] = [9.0, 16.0]
-        >>> table[:, 3], table[:, 4] = [-1.0, -3.0], [2.0, 1.0]
-        >>> reduced = reduce_record(StepRecord(0, 0.0, 0, keys, table, {"loss": 1.0}))
+        >>> from streamwatch.testing import table
+        >>> rows = table(count=4, sumsq=[9.0, 16.0], min=[-1.0, -3.0], max=[2.0, 1.0], fill=0.0)
+        >>> reduced = reduce_record(StepRecord(0, 0.0, 0, keys, rows, {"loss": 1.0}))
         >>> reduced.keys, float(reduced.stat("l2")[0]), float(reduced.column("min")[0]), reduced.scalars
         ((SeriesKey(phase='train', layer='__all__', kind='param_grad', name=''),), 5.0, -3.0, {'loss': 1.0})
     """

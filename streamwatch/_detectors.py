@@ -14,9 +14,9 @@ is read — once per scrape or snapshot rather than once per record, serving exa
 every record's samples would have left.
 
 Example:
-    >>> import numpy as np
     >>> from streamwatch import StepRecord
-    >>> values = LossSpike().extract(StepRecord(0, 0.0, 0, (), np.empty((0, 11)), {"loss": 0.5}))
+    >>> from streamwatch.testing import table
+    >>> values = LossSpike().extract(StepRecord(0, 0.0, 0, (), table(0), {"loss": 0.5}))
     >>> values.names, values.values
     (('',), (0.5,))
 """

@@ -121,10 +121,11 @@ def stepped_weight_sumsq(record: StepRecord, key: SeriesKey) -> float | None:
     Example:
         >>> import numpy as np
         >>> from streamwatch import SeriesKey, StepRecord
+        >>> from streamwatch.testing import table
         >>> key = SeriesKey("train", ALL_LAYERS, "update", "")
         >>> extras = {(key, STEPPED_WEIGHT_SUMSQ): np.array([4.0])}
-        >>> record = StepRecord(0, 0.0, 0, (key,), np.zeros((1, 11)), extras=extras)
-        >>> empty = StepRecord(0, 0.0, 0, (), np.zeros((0, 11)))
+        >>> record = StepRecord(0, 0.0, 0, (key,), table(1), extras=extras)
+        >>> empty = StepRecord(0, 0.0, 0, (), table(0))
         >>> stepped_weight_sumsq(record, key), stepped_weight_sumsq(empty, key)
         (4.0, None)
     """

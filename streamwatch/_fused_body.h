@@ -14,30 +14,40 @@ static int64_t CAT(count_nonfinite_, SUFFIX)(const T *p, const T *r, int64_t len
     return count;
 }
 
-/* Sum, sum of squares, min, max, nonzero and non-finite counts of p[0..len), accumulated into *s.
- * Per element the hot loop does five vector operations (add, fma, min, max, compare-and-count); the
- * non-finite count costs nothing unless a chunk has a non-finite element. Float32 lanes are flushed
- * into the float64 totals every CHUNK elements. min/max skip NaN here (the caller makes them NaN when
+/* The lane sums of the schema (SW_LANE_SUMS: sum, sum of squares, ...), min, max, nonzero and
+ * non-finite counts of p[0..len), accumulated into *s. Per element the hot loop does one vector operation
+ * per lane sum plus min, max and compare-and-count; the non-finite count costs nothing unless a chunk has
+ * a non-finite element. Lanes of the element type are flushed into the float64 totals every CHUNK
+ * elements (wide lane sums are float64 throughout). min/max skip NaN here (the caller makes them NaN when
  * there is one, as torch.aminmax does). */
 static inline __attribute__((always_inline)) void CAT(stats_, SUFFIX)(const T *restrict p, const T *restrict r,
                                                                       int diff, int64_t len, stats_t *s) {
     /* diff (a compile-time constant at each call site): summarise p - r, element by element */
+#define DECLARE(name, L, term) L lane_##name[LANES];
+#define ZERO(name, L, term) lane_##name[j] = 0;
+#define ADD(name, L, term) lane_##name[j] += term;
+#define ADD0(name, L, term) lane_##name[0] += term;
+#define FLUSH(name, L, term)                                      \
+    double chunk_##name = 0;                                      \
+    for (int j = 0; j < LANES; j++) chunk_##name += lane_##name[j]; \
+    s->name += chunk_##name;
     for (int64_t start = 0; start < len; start += CHUNK) {
         const T *restrict q = p + start;
         const T *restrict z = diff ? r + start : q;
         const int64_t n = len - start < CHUNK ? len - start : CHUNK;
-        T sum[LANES], sq[LANES], mn[LANES], mx[LANES];
+        SW_LANE_SUMS(DECLARE)
+        T mn[LANES], mx[LANES];
         CNT nz[LANES];
         for (int j = 0; j < LANES; j++) {
-            sum[j] = 0; sq[j] = 0; nz[j] = 0;
+            SW_LANE_SUMS(ZERO)
+            nz[j] = 0;
             mn[j] = (T)s->min; mx[j] = (T)s->max;
         }
         const int64_t body = n - n % LANES;
         for (int64_t i = 0; i < body; i += LANES) {
             for (int j = 0; j < LANES; j++) {
                 const T v = diff ? q[i + j] - z[i + j] : q[i + j];
-                sum[j] += v;
-                sq[j] += v * v;
+                SW_LANE_SUMS(ADD)
                 mn[j] = v < mn[j] ? v : mn[j];
                 mx[j] = v > mx[j] ? v : mx[j];
                 nz[j] += v != 0;
@@ -45,22 +55,28 @@ static inline __attribute__((always_inline)) void CAT(stats_, SUFFIX)(const T *r
         }
         for (int64_t i = body; i < n; i++) {
             const T v = diff ? q[i] - z[i] : q[i];
-            sum[0] += v;
-            sq[0] += v * v;
+            SW_LANE_SUMS(ADD0)
             mn[0] = v < mn[0] ? v : mn[0];
             mx[0] = v > mx[0] ? v : mx[0];
             nz[0] += v != 0;
         }
-        double csum = 0, csq = 0;
+        SW_LANE_SUMS(FLUSH)
         int64_t cnz = 0;
         for (int j = 0; j < LANES; j++) {
-            csum += sum[j]; csq += sq[j]; cnz += nz[j];
+            cnz += nz[j];
             if (mn[j] < s->min) s->min = mn[j];
             if (mx[j] > s->max) s->max = mx[j];
         }
-        s->sum += csum; s->sumsq += csq; s->nonzero += (double)cnz;
-        if (!(csq - csq == 0)) s->nonfinite += (double)CAT(count_nonfinite_, SUFFIX)(q, diff ? z : 0, n);
+        s->nonzero += (double)cnz;
+        /* every NaN or infinity makes the sum of squares non-finite (an overflow merely makes us look) */
+        if (!(chunk_sumsq - chunk_sumsq == 0))
+            s->nonfinite += (double)CAT(count_nonfinite_, SUFFIX)(q, diff ? z : 0, n);
     }
+#undef DECLARE
+#undef ZERO
+#undef ADD
+#undef ADD0
+#undef FLUSH
 }
 
 /* Whether p[0..len) holds a NaN: only asked when the fused pass counted a non-finite element, since
@@ -74,12 +90,9 @@ static int CAT(has_nan_, SUFFIX)(const T *p, const T *r, int64_t len) {
 }
 
 static void CAT(store_, SUFFIX)(stats_t *s, double *out) {
-    out[0] = s->sum;
-    out[1] = s->sumsq;
-    out[2] = s->min;
-    out[3] = s->max;
-    out[4] = s->nonzero;
-    out[5] = s->nonfinite;
+#define STORE(name, i) out[i] = s->name;
+    SW_DEVICE(STORE)
+#undef STORE
 }
 
 /* Whether v is active: not NaN, and nonzero (no bounds) or not isclose to a finite bound. The
@@ -156,7 +169,7 @@ static inline __attribute__((always_inline)) void CAT(slab_, SUFFIX)(const T *re
 CLONES int CAT(streamwatch_summarize_, SUFFIX)(const T *x, int64_t n_, int64_t a_, int64_t u_, int64_t b_,
                                                 const activity_t *act, double *out, double *units_out,
                                                 int32_t *flags) {
-    stats_t s = {0, 0, 1.0 / 0.0, -1.0 / 0.0, 0, 0};
+    stats_t s = {.min = 1.0 / 0.0, .max = -1.0 / 0.0};
     if (units_out == 0) {
         CAT(stats_, SUFFIX)(x, 0, 0, n_ * a_ * u_ * b_, &s);
     } else {
@@ -191,7 +204,7 @@ CLONES int CAT(streamwatch_summarize_, SUFFIX)(const T *x, int64_t n_, int64_t a
  * the weights after and before the optimizer step): two reads instead of a subtraction's two reads
  * and a write, then a third read. */
 CLONES int CAT(streamwatch_summarize_diff_, SUFFIX)(const T *a, const T *b, int64_t n, double *out) {
-    stats_t s = {0, 0, 1.0 / 0.0, -1.0 / 0.0, 0, 0};
+    stats_t s = {.min = 1.0 / 0.0, .max = -1.0 / 0.0};
     CAT(stats_, SUFFIX)(a, b, 1, n, &s);
     if (s.nonfinite > 0 && CAT(has_nan_, SUFFIX)(a, b, n)) {
         s.min = 0.0 / 0.0;

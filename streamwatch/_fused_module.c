@@ -10,6 +10,8 @@
 #include <math.h>
 #include <string.h>
 
+#include <_schema.h> /* generated from _schema.py by setup.py: the columns and the kernel values */
+
 /* The address a Python int holds; NULL (no exception set) for 0, NULL with one for anything else. */
 static void *address_of(PyObject *arg) {
     if (!PyLong_Check(arg)) {
@@ -93,9 +95,9 @@ static PyObject *scalar_f32(PyObject *self, PyObject *arg) {
 CORRECT(float, correct_f32)
 CORRECT(double, correct_f64)
 
-/* The summary table's columns (_summary.COLUMNS) and the kernel's stats per row (_kernel.NSTATS). */
-#define NCOLUMNS 11
-#define NSTATS 6
+/* The summary table's columns and the kernel's values per row, from the schema (_schema.h). */
+#define NCOLUMNS SW_NCOLUMNS
+#define NSTATS SW_NSTATS
 
 /* A list's item i as a double (an int or a float); -1.0 with an exception set on anything else. */
 static double list_double(PyObject *list, Py_ssize_t i) {
@@ -112,18 +114,20 @@ static int check_list(PyObject *obj, const char *name, Py_ssize_t n) {
 
 /* One row of the table from a row's stats v (sum, sumsq, min, max, nonzero[, nonfinite]). */
 static void fill_row(double *row, const double *v, double count, double unit, double batch, int counted) {
-    row[0] = count;
-    row[1] = v[0];
-    row[2] = v[1];
-    row[3] = v[2];
-    row[4] = v[3];
-    const int has_nan = isnan(v[2]) || isnan(v[3]); /* aminmax propagates NaN: zeros, dead unknown */
-    row[5] = has_nan ? NAN : count - v[4];
-    row[6] = counted ? v[5] : (double)!(isfinite(v[0]) && isfinite(v[2]) && isfinite(v[3]));
-    row[7] = unit > 0 ? unit : NAN;
-    row[8] = NAN;
-    row[9] = unit > 0 ? batch : NAN;
-    row[10] = NAN;
+    row[SW_COL_COUNT] = count;
+#define COPY(value, column) row[column] = v[value];
+    SW_COPIED(COPY)
+#undef COPY
+    /* aminmax propagates NaN: zeros, dead unknown */
+    const int has_nan = isnan(v[SW_STAT_MIN]) || isnan(v[SW_STAT_MAX]);
+    row[SW_COL_ZEROS] = has_nan ? NAN : count - v[SW_STAT_NONZERO];
+    row[SW_COL_NONFINITE] = counted ? v[SW_STAT_NONFINITE]
+                                    : (double)!(isfinite(v[SW_STAT_SUM]) && isfinite(v[SW_STAT_MIN]) &&
+                                                isfinite(v[SW_STAT_MAX]));
+    row[SW_COL_UNITS] = unit > 0 ? unit : NAN;
+    row[SW_COL_DEAD] = NAN;
+    row[SW_COL_SAMPLES] = unit > 0 ? batch : NAN;
+    row[SW_COL_ACTIVE] = NAN;
 }
 
 /* A unit-row's dead units and active (sample, unit) pairs from its vector of per-unit counts (unknown,
@@ -159,9 +163,9 @@ static void fill_units(double *row, const double *vector, Py_ssize_t length) {
         dead += vector[j] == 0;
         active += vector[j];
     }
-    const int has_nan = isnan(row[3]) || isnan(row[4]);
-    row[8] = has_nan ? NAN : (double)dead;
-    row[10] = has_nan ? NAN : active;
+    const int has_nan = isnan(row[SW_COL_MIN]) || isnan(row[SW_COL_MAX]);
+    row[SW_COL_DEAD] = has_nan ? NAN : (double)dead;
+    row[SW_COL_ACTIVE] = has_nan ? NAN : active;
 }
 
 /* The number of per-unit counts of unit-row r (units[r]), checked to lie within the n rows and, from
@@ -225,8 +229,8 @@ static PyObject *assemble(PyObject *self, PyObject *const *args, Py_ssize_t narg
     const double *values = host.buf, *vectors = arena.buf, *copied = flat.buf;
     if (table.len != n * (Py_ssize_t)(NCOLUMNS * sizeof(double)) ||
         host.len < n * (Py_ssize_t)(NSTATS * sizeof(double))) {
-        PyErr_SetString(PyExc_ValueError,
-                        "assemble(): the table must be (rows, 11) and the host (>= rows, 6) float64");
+        PyErr_Format(PyExc_ValueError, "assemble(): the table must be (rows, %d) and the host (>= rows, %d) float64",
+                     NCOLUMNS, NSTATS);
         goto done;
     }
     if (check_list(counts, "counts", n) || check_list(units, "units", n) || check_list(samples, "samples", n) ||
@@ -406,7 +410,7 @@ static PyMethodDef fused_methods[] = {
      "correct_f64(scores, targets, n, c) -> float: the same for float64 scores."},
     {"assemble", (PyCFunction)(void (*)(void))assemble, METH_FASTCALL,
      "assemble(table, host, counts, units, samples, host_units, arena, counted, flat, device_rows, "
-     "unit_rows, start) -> int: fill ``table`` ((rows, 11) float64) with a step's unmerged summary table "
+     "unit_rows, start) -> int: fill ``table`` ((rows, len(COLUMNS)) float64) with a step's unmerged summary table "
      "(see streamwatch._summary.finalize, the reference); returns where the values after the device "
      "unit-rows' counts start in ``flat``."},
     {"ewm_fold", (PyCFunction)(void (*)(void))ewm_fold, METH_FASTCALL,
@@ -416,6 +420,15 @@ static PyMethodDef fused_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* The module's SCHEMA: the schema it was built from (_kernel.py uses none of its functions unless it is
+ * the package's own). */
+static int fused_exec(PyObject *module) { return PyModule_AddStringConstant(module, "SCHEMA", SW_SCHEMA); }
+
+static PyModuleDef_Slot fused_slots[] = {
+    {Py_mod_exec, fused_exec},
+    {0, NULL},
+};
+
 static struct PyModuleDef fused_module = {
     PyModuleDef_HEAD_INIT,
     "_fused",
@@ -423,6 +436,7 @@ static struct PyModuleDef fused_module = {
     "finite_f32/finite_f64 for a scalar's finiteness in one C call.",
     0,
     fused_methods,
+    fused_slots,
 };
 
 PyMODINIT_FUNC PyInit__fused(void) { return PyModuleDef_Init(&fused_module); }

@@ -1,7 +1,8 @@
 """The fused CPU summary kernel: built with the package, loaded with ctypes from the package directory.
 
-Eager torch needs four to five passes per tensor for the summary (sum, sum of squares, min/max, a sign
-mask and its count) plus ~10 µs of dispatch each. ``_fused.c`` does it in one pass — and counts
+Eager torch needs eight to nine calls per tensor for the summary (``_summary.summarize``: sum, sum of
+squares, min/max, a sign mask and its count, Σ|x|, x² and two dots over it) plus ~10 µs of dispatch each.
+``_fused.c`` does it in one pass — and counts
 non-finite elements exactly, for free — writing straight into the step's host table. The library is
 loaded with ``ctypes.PyDLL``, which keeps the GIL during the call: releasing it (``CDLL``) let the
 worker thread take the GIL at every call, and the training thread then waited for it to come back —
@@ -24,10 +25,12 @@ Example:
     >>> import numpy as np, torch
     >>> from streamwatch import _kernel
     >>> kernel = _kernel.load()  # None when the library is not installed
-    >>> out = np.zeros(6)
+    >>> from streamwatch._schema import DEVICE_NAMES
+    >>> out = np.zeros(NSTATS)
     >>> kernel.summarize(torch.tensor([1.0, -2.0, 0.0, float("inf")]), out)
-    >>> out.tolist()  # sum, sumsq, min, max, nonzero, nonfinite
-    [inf, inf, -2.0, inf, 3.0, 1.0]
+    >>> values = dict(zip(DEVICE_NAMES, out.tolist()))
+    >>> values["sum"], values["min"], values["nonzero"], values["nonfinite"]
+    (inf, -2.0, 3.0, 1.0)
 """
 
 from __future__ import annotations
@@ -44,11 +47,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from streamwatch import _schema
+
 __all__ = ["NSTATS", "Activity", "FusedKernel", "load", "status"]
 
-_ABI = 5
-"""The version of the C functions' signatures this file calls; ``_fused.c`` returns its own from
-``streamwatch_abi_version()``, and :func:`_open` refuses a library whose version differs."""
 _LAYOUT_CACHE = 512
 """Tensor layouts remembered per kernel: shapes repeat every step, but a model fed a new shape every
 step (variable sequence lengths) must not grow the cache without bound."""
@@ -57,24 +59,18 @@ _FAST_PATH_HINT = (
     "--no-binary streamwatch streamwatch, or pip install . from a checkout), or install a wheel "
     "built for this platform"
 )
-NSTATS = 6
-"""Values the kernel writes per tensor: sum, sumsq, min, max, nonzero, nonfinite."""
+NSTATS = len(_schema.DEVICE)
+"""Values the kernel writes per tensor (``_schema.DEVICE``: sum, sumsq, min, max, nonzero, ..., nonfinite)."""
 _RTOL, _ATOL = 1e-5, 1e-8  # torch.isclose's defaults, as in _summary._inside
 
 
-class Activity(ctypes.Structure):
-    """What "active" means for per-unit activity (``activity_t`` in ``_fused.c``)."""
+_CTYPES: dict[str, Any] = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "double": ctypes.c_double}
 
-    _fields_ = (
-        ("bounded", ctypes.c_int32),
-        ("has_lo", ctypes.c_int32),
-        ("has_hi", ctypes.c_int32),
-        ("reserved", ctypes.c_int32),
-        ("lo", ctypes.c_double),
-        ("hi", ctypes.c_double),
-        ("tol_lo", ctypes.c_double),
-        ("tol_hi", ctypes.c_double),
-    )
+
+class Activity(ctypes.Structure):
+    """What "active" means for per-unit activity (``activity_t``, declared in ``_schema.ACTIVITY``)."""
+
+    _fields_ = tuple((name, _CTYPES[ctype]) for name, ctype in _schema.ACTIVITY)
 
     @classmethod
     def of(cls, bounds: tuple[float, float] | None) -> Activity:
@@ -97,17 +93,14 @@ class Activity(ctypes.Structure):
 
 _NONZERO = Activity.of(None)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_ARGTYPES = [
-    ctypes.c_void_p,  # x
-    ctypes.c_int64,  # N
-    ctypes.c_int64,  # A
-    ctypes.c_int64,  # U
-    ctypes.c_int64,  # B
-    ctypes.POINTER(Activity),
-    ctypes.c_void_p,  # out
-    ctypes.c_void_p,  # units_out
-    ctypes.c_void_p,  # flags
-]
+
+
+def _argtypes(entry: str) -> list[Any]:
+    """The ctypes argument types of the kernel's entry point ``entry`` (``_schema.ENTRY_POINTS``):
+    pointers are addresses (ints), ``activity_t`` is passed as an :class:`Activity`."""
+    params = dict(_schema.ENTRY_POINTS)[entry]
+    types: dict[str, Any] = {**_CTYPES, "const activity_t *": ctypes.POINTER(Activity)}
+    return [types.get(ctype, ctypes.c_void_p) for _, ctype in params]
 
 
 class _Flags(threading.local):
@@ -124,48 +117,27 @@ class _Flags(threading.local):
         return self.address
 
 
+def _entry(lib: ctypes.CDLL, entry: str) -> dict[torch.dtype, Any]:
+    """The library's two variants of ``entry`` (``_f32``, ``_f64``) by dtype, with their ctypes signature."""
+    argtypes = _argtypes(entry)
+    found: dict[torch.dtype, Any] = {}
+    for dtype, suffix in ((torch.float32, "f32"), (torch.float64, "f64")):
+        fn = getattr(lib, f"{entry}_{suffix}")
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
+        found[dtype] = fn
+    return found
+
+
 class FusedKernel:
     """The loaded library: one call per tensor."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
         self._fns: dict[torch.dtype, Any] = {}
-        for dtype, name in (
-            (torch.float32, "streamwatch_summarize_f32"),
-            (torch.float64, "streamwatch_summarize_f64"),
-        ):
-            fn = getattr(lib, name)
-            fn.argtypes = _ARGTYPES
-            fn.restype = ctypes.c_int
-            self._fns[dtype] = fn
-        self._diffs: dict[torch.dtype, Any] = {}
-        for dtype, name in (
-            (torch.float32, "streamwatch_summarize_diff_f32"),
-            (torch.float64, "streamwatch_summarize_diff_f64"),
-        ):
-            fn = getattr(lib, name)
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-            fn.restype = ctypes.c_int
-            self._diffs[dtype] = fn
-        self._histograms: dict[torch.dtype, Any] = {}
-        for dtype, name in (
-            (torch.float32, "streamwatch_histogram_f32"),
-            (torch.float64, "streamwatch_histogram_f64"),
-        ):
-            fn = getattr(lib, name)
-            fn.argtypes = [
-                ctypes.c_void_p,  # x
-                ctypes.c_int64,  # n
-                ctypes.c_void_p,  # bounds
-                ctypes.c_int64,  # nb
-                ctypes.c_double,  # lo
-                ctypes.c_double,  # per decade
-                ctypes.c_int64,  # k
-                ctypes.c_void_p,  # counts (nb + 1 float64, added to)
-                ctypes.c_void_p,  # zeros (1 float64, added to)
-            ]
-            fn.restype = ctypes.c_int
-            self._histograms[dtype] = fn
+        self._fns = _entry(lib, "streamwatch_summarize")
+        self._diffs = _entry(lib, "streamwatch_summarize_diff")
+        self._histograms = _entry(lib, "streamwatch_histogram")
         self._flags = _Flags()
         self._layouts: dict[tuple[torch.Size, int], tuple[int, int, int, int]] = {}
         self._activities: dict[tuple[float, float], Activity] = {}
@@ -332,12 +304,26 @@ def library_path(directory: Path | None = None) -> Path | None:
 
 
 def _open(path: Path) -> FusedKernel:
-    """Load the library at ``path`` and check its ABI version: the one place that check lives."""
+    """Load the library at ``path`` and check that it was built from this schema: the one place that
+    check lives (``_schema.SIGNATURE``, which covers the values, the columns and the entry points)."""
     lib = ctypes.PyDLL(str(path))  # keeps the GIL: see the module docstring
-    found = lib.streamwatch_abi_version()
-    if found != _ABI:
-        raise OSError(f"{path} implements kernel ABI {found}, this streamwatch calls ABI {_ABI}")
+    try:
+        schema = lib.streamwatch_schema
+    except AttributeError:
+        raise OSError(f"{path} was built by an older streamwatch (it has no schema): rebuild it") from None
+    schema.restype = ctypes.c_char_p
+    found = schema().decode()
+    if found != _schema.SIGNATURE:
+        raise OSError(f"{path} was built from another column schema: {_difference(found)}; rebuild it")
     return FusedKernel(lib, path)
+
+
+def _difference(found: str) -> str:
+    """Where a library's schema signature first differs from this streamwatch's, in a few words."""
+    ours = _schema.SIGNATURE
+    at = next((i for i, (a, b) in enumerate(zip(found, ours, strict=False)) if a != b), len(found))
+    start = max(0, at - 20)
+    return f"it has {found[start : at + 40]!r} where this streamwatch has {ours[start : at + 40]!r}"
 
 
 def load(directory: Path | None = None) -> FusedKernel | None:
@@ -450,10 +436,13 @@ def _by_dtype(f32: str, f64: str) -> dict[torch.dtype, Any]:
 
 
 def _module_function(name: str) -> Any:
-    """The compiled module's function ``name``; None when the module is missing or predates it."""
+    """The compiled module's function ``name``; None when the module is missing, predates it or was built
+    from another column schema."""
     try:
         from streamwatch import _fused  # (the compiled module)
 
+        if getattr(_fused, "SCHEMA", None) != _schema.SIGNATURE:
+            return None
         return getattr(_fused, name)
     except (ImportError, AttributeError):
         return None
@@ -467,15 +456,18 @@ def assembler() -> Callable[..., int] | None:
     Example:
         >>> import numpy as np
         >>> from streamwatch import _kernel
+        >>> from streamwatch._schema import COLUMN, COLUMN_NAMES, DEVICE_INDEX
         >>> assemble = _kernel.assembler()
-        >>> table = np.empty((1, 11))
-        >>> host = np.array([[2.0, 2.0, 0.0, 2.0, 1.0, 0.0]])  # sum, sumsq, min, max, nonzero, nonfinite
+        >>> table = np.empty((1, len(COLUMN_NAMES)))
+        >>> host = np.zeros((1, _kernel.NSTATS))  # x = [2.0, 0.0]
+        >>> for name, value in {"sum": 2.0, "sumsq": 4.0, "max": 2.0, "nonzero": 1.0}.items():
+        ...     host[0, DEVICE_INDEX[name]] = value
         >>> if assemble is not None:
         ...     _ = assemble(table, host, [2], [0], [0], [], np.zeros(1), False, np.zeros(0), [], [], 0)
-        ...     print(table[0, :7].tolist())
+        ...     print([float(table[0, COLUMN[c]]) for c in ("count", "sumsq", "min", "zeros", "nonfinite")])
         ... else:
-        ...     print([2.0, 2.0, 2.0, 0.0, 2.0, 1.0, 0.0])
-        [2.0, 2.0, 2.0, 0.0, 2.0, 1.0, 0.0]
+        ...     print([2.0, 4.0, 0.0, 1.0, 0.0])
+        [2.0, 4.0, 0.0, 1.0, 0.0]
     """
     return _module_function("assemble")  # type: ignore[no-any-return]
 

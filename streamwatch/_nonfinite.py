@@ -16,11 +16,11 @@ Three parts, each on its own side of the channel:
   slot with an event, and read once the event has completed, a few steps later.
 
 Example:
-    >>> import numpy as np
     >>> from streamwatch import SeriesKey, StepRecord
+    >>> from streamwatch.testing import table
     >>> keys = (SeriesKey("train", "fc", "param_grad", "weight"), SeriesKey("train", "fc", "activation", ""))
-    >>> table = np.zeros((2, 11)); table[:, 6] = 1  # both rows hold a non-finite value
-    >>> record = StepRecord(7, 0.0, 0, keys, table, order=(3, 1))  # ... but the activation ran first
+    >>> rows = table(nonfinite=[1, 1], fill=0.0)  # both rows hold a non-finite value
+    >>> record = StepRecord(7, 0.0, 0, keys, rows, order=(3, 1))  # ... but the activation ran first
     >>> first = find_first(record)
     >>> first.step, first.layer, first.kind, first.direction
     (7, 'fc', 'activation', 'forward')
@@ -264,13 +264,13 @@ class NonFiniteTracker(Sink):
             (no reaction: a replay).
 
     Example:
-        >>> import numpy as np
         >>> from streamwatch import SeriesKey, SeriesStore, StepRecord
+        >>> from streamwatch.testing import table
         >>> store, seen = SeriesStore(metrics=()), []
         >>> tracker = NonFiniteTracker(store, seen.append)
         >>> key = SeriesKey("train", "fc", "activation", "")
         >>> for step, flag in enumerate([0, 1, 1, 0, 1]):
-        ...     row = np.array([[4, 0, 0, 0, 0, 0, flag, 0, 0, 0, 0.0]])
+        ...     row = table(count=4, nonfinite=flag, fill=0.0)
         ...     tracker.send(StepRecord(step, 0.0, 0, (key,), row))
         >>> [v.step for v in seen], tracker.first.step, tracker.episodes
         ([1, 4], 1, 2)

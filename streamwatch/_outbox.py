@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
+from streamwatch._buffer import SlotPool
 from streamwatch._channel import OverflowPolicy, Sender
 from streamwatch._param_taps import ParamTaps
-from streamwatch._record import SKIPPED_UPDATE, PendingRecord, SlotPool
+from streamwatch._record import SKIPPED_UPDATE, PendingRecord
 from streamwatch._step_args import StepArgs
 from streamwatch._tapstate import TapState
 

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from streamwatch._record import SeriesKey, StepBuffer
+from streamwatch._buffer import StepBuffer
+from streamwatch._record import SeriesKey
 from streamwatch._tapstate import TapState, guarded, summarize_into
 
 __all__ = ["NO_HOOK", "ParamTaps", "place_in_backward"]

@@ -67,14 +67,15 @@ def series(run: RunData) -> Series:
     Layers are in order of first appearance.
 
     Example:
-        >>> import tempfile, pathlib, numpy as np
+        >>> import tempfile, pathlib
         >>> from streamwatch import SeriesKey, StepRecord
         >>> from streamwatch.sinks import RunFile, read_run
+        >>> from streamwatch.testing import table
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "run.jsonl"
         >>> key = SeriesKey("train", "fc", "param_grad", "weight")
         >>> sink = RunFile(path)
-        >>> sink.send(StepRecord(0, 0.0, 0, (key,), np.array([[2, 0, 9, -3, 0, 1, 0, 0, 0, 0, 0.0]]),
-        ...                      {"loss": 0.5}))
+        >>> row = table(count=2, sumsq=9, min=-3, zeros=1, fill=0.0)
+        >>> sink.send(StepRecord(0, 0.0, 0, (key,), row, {"loss": 0.5}))
         >>> sink.close()
         >>> s = series(read_run(path))
         >>> s["steps"], s["loss"], s["grad_l2"]

@@ -55,13 +55,15 @@ def report(run: RunData, *, top: int = 5) -> str:
       it was not recorded in full.
 
     Example:
-        >>> import tempfile, pathlib, numpy as np
+        >>> import tempfile, pathlib
         >>> from streamwatch import SeriesKey, StepRecord
+        >>> from streamwatch.testing import table
         >>> from streamwatch.sinks import RunFile, read_run
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "run.jsonl"
         >>> sink = RunFile(path)
         >>> key = SeriesKey("train", "fc", "param_grad", "weight")
-        >>> sink.send(StepRecord(7, 0.0, 0, (key,), np.array([[4, 2, 9, -1, 2, 0, 1, 0, 0, 0, 0.0]])))
+        >>> row = table(count=4, sum=2, sumsq=9, min=-1, max=2, nonfinite=1, fill=0.0)
+        >>> sink.send(StepRecord(7, 0.0, 0, (key,), row))
         >>> sink.close()
         >>> print(report(read_run(path)).splitlines()[-1])  # doctest: +ELLIPSIS
         first non-finite: step 7, rank 0, layer 'fc', kind param_grad, name 'weight', direction backward; ...

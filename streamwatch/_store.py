@@ -27,12 +27,12 @@ and, beside it, a statistics callable returning :class:`WatchStatistics` (how th
 the store is doing: ``watch.statistics``, or a replay's own).
 
 Example:
-    >>> import numpy as np
     >>> from streamwatch import SeriesKey, StepRecord
+    >>> from streamwatch.testing import table
     >>> store = SeriesStore()
     >>> keys = (SeriesKey("train", "fc", "activation", ""),)
-    >>> table = np.array([[4, 2.0, 6.0, -1, 2, 1, 0, 0, 0, 0, 0]])
-    >>> store.send(StepRecord(4, 0.0, 0, keys, table, {"loss": 0.5}))
+    >>> row = table(count=4, sum=2.0, sumsq=6.0, min=-1, max=2, zeros=1, fill=0.0)
+    >>> store.send(StepRecord(4, 0.0, 0, keys, row, {"loss": 0.5}))
     >>> store.step, sorted({s.name for s in store.samples()})
     (4, ['streamwatch_layer_mean', 'streamwatch_loss', 'streamwatch_step', 'streamwatch_tensor'])
 """
@@ -220,12 +220,11 @@ class SeriesStore(Sink):
         ValueError: an unknown metric name.
 
     Example:
-        >>> import numpy as np
         >>> from streamwatch import SeriesKey, StepRecord
+        >>> from streamwatch.testing import table
         >>> keys = (SeriesKey("train", "fc", "param", "weight"), SeriesKey("train", "fc", "update", "weight"))
-        >>> table = np.zeros((2, 11)); table[:, 2] = [400.0, 0.0004]
         >>> store = SeriesStore(metrics=["update_ratio"])
-        >>> store.send(StepRecord(0, 0.0, 0, keys, table))
+        >>> store.send(StepRecord(0, 0.0, 0, keys, table(sumsq=[400.0, 0.0004])))
         >>> [round(s.value, 6) for s in store.samples() if s.labels.get("stat") == "update_ratio"]
         [0.001]
     """
@@ -289,11 +288,11 @@ class SeriesStore(Sink):
         Thread-safe; cheap when nothing arrived since the last call.
 
         Example:
-            >>> import numpy as np
             >>> from streamwatch import SeriesKey, StepRecord
+            >>> from streamwatch.testing import table
             >>> store = SeriesStore(metrics=["layer_mean"])
             >>> keys = (SeriesKey("train", "fc", "activation", ""),)
-            >>> store.send(StepRecord(0, 0.0, 0, keys, np.ones((1, 11))))
+            >>> store.send(StepRecord(0, 0.0, 0, keys, table(1, fill=1.0)))
             >>> store.apply()  # (what samples() does first)
             >>> [s.value for s in store.samples() if s.name == "streamwatch_layer_mean"][:1]
             [1.0]

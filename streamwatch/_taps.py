@@ -1,7 +1,7 @@
 """Taps: every torch hook streamwatch installs lives here, and nowhere else.
 
 A tap captures one kind of tensor and hands it to :func:`streamwatch._summary.summarize`, appending the
-row to the current :class:`~streamwatch._record.StepBuffer`. Kinds:
+row to the current :class:`~streamwatch._buffer.StepBuffer`. Kinds:
 
 ==============  ===============================================  ==========================================
 kind            where                                            hook

@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
+from streamwatch._buffer import StepBuffer
 from streamwatch._kernel import FusedKernel
-from streamwatch._record import SeriesKey, StepBuffer
+from streamwatch._record import SeriesKey
 from streamwatch._summary import summarize, unit_dim_for
 
 __all__ = ["Hook", "StepTimes", "TapState", "guarded", "inert", "local", "prepare", "summarize_into"]

@@ -32,13 +32,13 @@ A detector that raises stops only its own pipeline; the worker counts it
 pipeline failure (a warning at the next ``watch.step()``, a :class:`streamwatch.PipelineError` at close).
 
 Example:
-    >>> import numpy as np
     >>> import streamwatch as sw
     >>> from streamwatch import detectors
+    >>> from streamwatch.testing import table
     >>> store = sw.SeriesStore(metrics=())
     >>> pipeline = detectors.LossSpike(warmup=4).pipeline(store)
     >>> for step, loss in enumerate([1.0, 1.2, 0.8, 1.1, 0.9, 5.0]):
-    ...     pipeline.push(sw.StepRecord(step, 0.0, 0, (), np.empty((0, 11)), {"loss": loss}))
+    ...     pipeline.push(sw.StepRecord(step, 0.0, 0, (), table(0), {"loss": loss}))
     >>> {s.name: round(s.value, 2) for s in store.samples() if s.name != "streamwatch_step"}
     {'streamwatch_loss_spikes': 1.0, 'streamwatch_loss_zscore': 17.61}
 """

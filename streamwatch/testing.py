@@ -1,8 +1,11 @@
-"""Test helpers shipped with the package: a fake clock (never ``sleep`` in a test)."""
+"""Test helpers shipped with the package: a fake clock (never ``sleep`` in a test), and summary tables
+built by column name (never by width or offset: the columns are declared in ``streamwatch._schema``)."""
 
 from __future__ import annotations
 
-__all__ = ["FakeClock"]
+from streamwatch._summary import table
+
+__all__ = ["FakeClock", "table"]
 
 
 class FakeClock:

@@ -181,7 +181,7 @@ def test_an_evaluation_pass_on_an_unsampled_step_is_summarised_and_disarmed_afte
     rows = eval_record.rows(kind="activation", phase="eval")
     assert [eval_record.keys[i].layer for i in rows] == ["0", "1", "2"]
     first = rows[0]
-    assert eval_record.table[first, 0] == expected.numel()
+    assert eval_record.column("count")[first] == expected.numel()
     torch.testing.assert_close(eval_record.stat("mean")[first], expected.double().mean().item())
 
 
@@ -359,7 +359,7 @@ def test_a_copy_of_an_observed_model_pickles_and_is_not_observed() -> None:
     assert [r.step for r in records.items] == [0, 1]
     rows = records.items[1].rows(kind="activation", phase="eval")
     assert [records.items[1].keys[i].layer for i in rows] == ["0", "1", "2"]
-    assert records.items[1].table[rows[0], 0] == expected.numel()  # (one pass counted, not four)
+    assert records.items[1].column("count")[rows[0]] == expected.numel()  # (one pass counted, not four)
     torch.testing.assert_close(records.items[1].stat("mean")[rows[0]], expected.double().mean().item())
 
 

@@ -19,13 +19,13 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from streamwatch import SeriesKey, StepRecord
 from streamwatch.cli import main
 from streamwatch.sinks import RunFile, read_run
 from streamwatch.sinks._runformat import FORMAT, VERSION
+from streamwatch.testing import table
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = json.dumps({"format": FORMAT, "version": VERSION, "columns": ["count"], "created": 0.0})
@@ -82,8 +82,8 @@ def _write_run(path: Path, steps: int) -> Path:
     sink = RunFile(path)
     key = SeriesKey("train", "fc", "param_grad", "weight")
     for step in range(steps):
-        row = [[8, 2.0, 6.0, -1.0, 2.0, 1, float("nan"), 0, 0, 0, 0]]
-        sink.send(StepRecord(step, float(step), 0, (key,), np.array(row), {"loss": 1.0 / (step + 1)}))
+        row = table(count=8, sum=2.0, sumsq=6.0, min=-1.0, max=2.0, zeros=1, nonfinite=float("nan"), fill=0)
+        sink.send(StepRecord(step, float(step), 0, (key,), row, {"loss": 1.0 / (step + 1)}))
     sink.close()
     return path
 

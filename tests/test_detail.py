@@ -26,11 +26,11 @@ import torch
 from torch import nn
 
 import streamwatch as sw
-from streamwatch import SeriesKey, StepRecord
+from streamwatch import SeriesKey, StepRecord, testing
 from streamwatch._detail import DETAIL_MODES, keeps_detail, reduce_record
 from streamwatch._families import ALL_LAYERS, DETECTOR_FAMILIES
 from streamwatch._replay import Replay
-from streamwatch._summary import COLUMNS
+from streamwatch._summary import COLUMNS, DERIVED
 from streamwatch.sinks import RunFile, read_run
 from streamwatch.sinks._prometheus import Exporter
 
@@ -323,8 +323,7 @@ def test_the_stepped_weights_stay_served_between_weight_samples_and_are_unknown_
             assert len(served) == 1, step
             assert served[0] > 0
     keys = (SeriesKey("train", "a", "param", "w"), SeriesKey("train", "a", "update", "w"))
-    table = np.zeros((2, len(COLUMNS)))
-    table[0, COLUMNS.index("sumsq")] = np.nan
+    table = testing.table(sumsq=[np.nan, 0.0], fill=0.0)
     stepped = _stepped_weight_sumsq(StepRecord(0, 0.0, 0, keys, table))
     assert stepped is not None
     assert np.isnan(stepped).tolist() == [True]
@@ -333,8 +332,7 @@ def test_the_stepped_weights_stay_served_between_weight_samples_and_are_unknown_
     from streamwatch.metrics._derived import update_ratio
 
     totals = (SeriesKey("train", ALL_LAYERS, "param", ""), SeriesKey("train", ALL_LAYERS, "update", ""))
-    reduced = np.zeros((2, len(COLUMNS)))
-    reduced[:, COLUMNS.index("sumsq")] = [900.0, 4e-6]
+    reduced = testing.table(sumsq=[900.0, 4e-6], fill=0.0)
     unknown = {(totals[1], "stepped_weight_sumsq"): np.array([np.nan])}
     assert update_ratio(StepRecord(0, 0.0, 0, totals, reduced, extras=unknown)) == []
     known = {(totals[1], "stepped_weight_sumsq"): np.array([4.0])}
@@ -364,27 +362,19 @@ def test_a_mixed_job_gets_the_same_global_norms_from_either_kind_of_rank() -> No
 def test_reduce_record_leaves_unknown_values_out_and_adds_histograms() -> None:
     grad = [SeriesKey("train", layer, "param_grad", "weight") for layer in ("a", "b", "c")]
     evals = SeriesKey("eval", "a", "activation", "")
-    table = np.full((4, len(COLUMNS)), np.nan)
-    col = {name: i for i, name in enumerate(COLUMNS)}
-    for row, (count, total, sumsq, low, high, zeros, nonfinite) in enumerate(
-        [
-            (4, 2.0, 6.0, -1.0, 2.0, 1, 0),
-            (2, np.nan, np.nan, np.nan, np.nan, np.nan, 1),  # a NaN gradient: only its count and flag
-            (3, -3.0, 9.0, -3.0, 0.5, 0, 0),
-            (5, 5.0, 5.0, 1.0, 1.0, 0, 0),
-        ]
-    ):
-        for name, value in zip(
-            ("count", "sum", "sumsq", "min", "max", "zeros", "nonfinite"),
-            (count, total, sumsq, low, high, zeros, nonfinite),
-            strict=True,
-        ):
-            table[row, col[name]] = value
-    table[3, col["units"]], table[3, col["dead"]], table[3, col["samples"]], table[3, col["active"]] = (
-        4,
-        1,
-        2,
-        5,
+    nan = np.nan
+    table = testing.table(  # row 1, a NaN gradient: only its count and flag
+        count=[4, 2, 3, 5],
+        sum=[2.0, nan, -3.0, 5.0],
+        sumsq=[6.0, nan, 9.0, 5.0],
+        min=[-1.0, nan, -3.0, 1.0],
+        max=[2.0, nan, 0.5, 1.0],
+        zeros=[1, nan, 0, 0],
+        nonfinite=[0, 1, 0, 0],
+        units=[nan, nan, nan, 4],
+        dead=[nan, nan, nan, 1],
+        samples=[nan, nan, nan, 2],
+        active=[nan, nan, nan, 5],
     )
     extras = {
         (grad[0], "histogram"): np.array([0.0, 1.0, 3.0]),
@@ -417,7 +407,7 @@ def test_reduce_record_leaves_unknown_values_out_and_adds_histograms() -> None:
         "nonfinite": 1.0,
     }
     assert all(math.isnan(row[k]) for k in ("units", "dead", "samples", "active"))  # unknown, not 0
-    assert reduced.table[1].tolist() == table[3].tolist()  # one row: itself
+    np.testing.assert_array_equal(reduced.table[1], table[3])  # one row: itself (NaN where unknown)
     assert reduced.stat("activation_rate")[1] == 5 / (2 * 4)
     assert list(reduced.extras) == [(reduced.keys[0], "histogram")]  # per-layer opt-in values dropped
     assert reduced.extras[(reduced.keys[0], "histogram")].tolist() == [1.0, 1.0, 5.0]
@@ -628,15 +618,32 @@ def test_docs_scale_numbers_are_what_a_7b_shaped_model_serves(caplog: pytest.Log
     kinds = [key.kind for key in keys]
     breakdown = re.search(
         r"is (\d+) activation and output-gradient rows × (\d+) statistics \(([\d ]+)\), (\d+) weight, "
-        r"gradient and update rows × (\d+) statistics \(([\d ]+)\) and (\d+) `update_ratio` values",
+        r"gradient and update rows × (\d+) statistics \(([\d ]+)\) less the (\d+) that are unknown and "
+        r"absent here \(skewness, kurtosis and excess kurtosis of the (\d+) RMSNorm weights, all ones at "
+        r"this step: no spread\) and (\d+) `update_ratio` values",
         " ".join(doc.split()),
     )
     assert breakdown
     forward = sum(kinds.count(k) for k in ("activation", "output_grad"))
     parameters = sum(kinds.count(k) for k in ("param", "param_grad", "update"))
+    norms = sum(1 for k in keys if k.kind == "param" and "norm" in k.layer)
+    shape = ("skewness", "kurtosis", "excess_kurtosis")
+    every = len(COLUMNS) + len(DERIVED)  # per-unit activity: 4 columns and 2 derived statistics
+    without_units = every - len(("units", "dead", "samples", "active", "dead_fraction", "activation_rate"))
     numbers = [_number(group) for group in breakdown.groups()]
-    assert numbers == [forward, 20, forward * 20, parameters, 14, parameters * 14, kinds.count("update")]
-    assert forward * 20 + parameters * 14 + kinds.count("update") == _groups(detail)["tensor"]
+    assert numbers == [
+        forward,
+        every,
+        forward * every,
+        parameters,
+        without_units,
+        parameters * without_units,
+        norms * len(shape),
+        norms,
+        kinds.count("update"),
+    ]
+    served = forward * every + parameters * without_units - norms * len(shape) + kinds.count("update")
+    assert served == _groups(detail)["tensor"]
     # over the default budget: the totals and the worst layers in core detail (the doc says how many)
     worst = re.search(r"the totals and the (\d+) worst of its (\d+) layers", " ".join(doc.split()))
     assert worst

@@ -32,15 +32,13 @@ import torch
 from torch import nn
 
 import streamwatch as sw
-from streamwatch import detectors
+from streamwatch import detectors, testing
 from streamwatch._detectors import Values
 from streamwatch._record import Sample, SeriesKey, StepRecord
 from tests.promtool import check_metrics
 from tests.training import Step, Train
 
 C = math.sqrt(math.pi / 2)  # mean absolute deviation -> sigma, for normal noise
-NCOLS = 11  # streamwatch._summary.COLUMNS
-SUMSQ = 2
 
 
 # -- references ---------------------------------------------------------------------------------------------
@@ -137,8 +135,7 @@ def test_the_scalar_reference_agrees_with_the_closed_form() -> None:
 def record(step: int, rows: dict[SeriesKey, float] | None = None, **scalars: float) -> StepRecord:
     """A step record whose rows have only their sum of squares set."""
     keys = tuple(rows or {})
-    table = np.zeros((len(keys), NCOLS))
-    table[:, SUMSQ] = list((rows or {}).values())
+    table = testing.table(len(keys), sumsq=list((rows or {}).values()), fill=0.0)
     table.setflags(write=False)
     return StepRecord(step, 0.0, 0, keys, table, scalars)
 
@@ -322,7 +319,7 @@ def test_records_without_gradients_layers_that_come_late_and_non_finite_norms() 
     eval_row = record(
         50,
         {
-            **dict(zip(records[50].keys, records[50].table[:, SUMSQ], strict=True)),
+            **dict(zip(records[50].keys, records[50].column("sumsq"), strict=True)),
             grad("a", phase="eval"): 1e9,
         },
         loss=1.0,

@@ -24,6 +24,7 @@ from torch import nn
 import streamwatch as sw
 from streamwatch import SeriesKey
 from streamwatch._families import PER_LAYER_FAMILIES
+from streamwatch._schema import COLUMN
 from tests.promtool import check_metrics
 from tests.training import train
 
@@ -287,9 +288,10 @@ def test_the_series_budget_reduces_to_core_statistics_then_to_aggregates(
     # the aggregate of param_grad: sum of the rows' sums of squares, max of maxima
     grads = [i for i, k in enumerate(keys) if k.kind == "param_grad"]
     got = {s.labels["stat"]: s.value for s in tight_samples if s.labels["kind"] == "param_grad"}
-    assert got["sumsq"] == pytest.approx(float(table[grads, 2].sum()), rel=1e-12)
-    assert got["max"] == float(table[grads, 4].max())
-    assert got["l2"] == pytest.approx(math.sqrt(float(table[grads, 2].sum())), rel=1e-12)
+    sumsq, high = table[grads, COLUMN["sumsq"]], table[grads, COLUMN["max"]]
+    assert got["sumsq"] == pytest.approx(float(sumsq.sum()), rel=1e-12)
+    assert got["max"] == float(high.max())
+    assert got["l2"] == pytest.approx(math.sqrt(float(sumsq.sum())), rel=1e-12)
     reduced = [
         f
         for f in text_string_to_metric_families(generate_latest(tight.registry).decode())

@@ -31,6 +31,8 @@ from typing import Any
 
 import pytest
 
+from streamwatch._summary import derive
+from streamwatch.testing import table
 from tests.promserver import PrometheusServer, require_prometheus
 from tests.test_dashboards import exprs, load_generator
 from tests.test_dashboards_e2e import all_values, resolve_variables, substitute
@@ -140,8 +142,42 @@ def test_fsdp2_shards_sum_to_the_unsharded_norms(tmp_path: Path, ranks: int) -> 
             total = _by(prom, f"sqrt(sum by (run) ({_sumsq(run, kind)}))", "run")
             want = math.sqrt(sum(v[kind] for v in full.values()))
             assert _close(total[(run,)], want), (kind, total, want)
+            _assert_shape_of_unsharded(prom, run, kind, full)
         if ranks == 4:
             _assert_cluster_dashboard(prom, run, ranks)
+
+
+def _assert_shape_of_unsharded(prom: PrometheusServer, run: str, kind: str, full: dict[str, Any]) -> None:
+    """The ranks' sums of |x|, x³ and x⁴ add up to the unsharded tensor's like its sums of squares, so
+    its mean |x|, skewness and kurtosis follow from the summed series (``sum by (run, layer, param)``)."""
+    sums = {
+        stat: _by(
+            prom,
+            f'sum by (layer, param) (streamwatch_tensor{{run="{run}", kind="{kind}", stat="{stat}"}})',
+            "layer",
+            "param",
+        )
+        for stat in ("count", "sum", "sumsq", "sumabs", "sumcube", "sumfourth")
+    }
+    for layer, name in PARAMS:
+        want = full[f"{layer}.{name}"][f"{kind}_sums"]
+        got = {stat: values[(layer, name)] for stat, values in sums.items()}
+        for stat in ("sumabs", "sumfourth"):
+            assert _close(got[stat], want[stat]), (kind, layer, name, stat, got[stat], want[stat])
+        assert math.isclose(got["sumcube"], want["sumcube"], rel_tol=REL, abs_tol=1e-6 * want["abs_cube"])
+        derived = derive(table(**got))
+        n = got["count"]
+        mean = want["sum"] / n
+        m2 = want["sumsq"] / n - mean**2
+        m4 = (
+            want["sumfourth"] / n
+            - 4 * mean * want["sumcube"] / n
+            + 6 * mean**2 * want["sumsq"] / n
+            - 3 * mean**4
+        )
+        assert float(derived["mean_abs"][0]) == pytest.approx(want["sumabs"] / n, rel=REL)
+        kurtosis = float(derived["kurtosis"][0])  # (NaN where the sums cannot give it: never here)
+        assert kurtosis == pytest.approx(m4 / m2**2, rel=1e-4), (kind, layer, name)
 
 
 # -- DDP, mixed detail, the Cluster dashboard and the straggler rules ---------------------------------------

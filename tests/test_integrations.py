@@ -673,7 +673,7 @@ def test_accelerate_wrapped_optimizer_is_unwrapped_to_the_one_it_steps() -> None
             for i, k in enumerate(record.keys)
             if k.kind == "param_grad" and k.layer == "2" and k.name == "weight"
         ]
-        assert record.table[row, 2] == pytest.approx(float(grad.double().pow(2).sum()), rel=1e-6)
+        assert record.column("sumsq")[row] == pytest.approx(float(grad.double().pow(2).sum()), rel=1e-6)
         assert record.scalars["lr/0"] == 0.1
         assert record.rows("update")
     assert _leftover_hooks(model, optimizer) == []

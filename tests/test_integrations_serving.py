@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import streamwatch as sw
 from streamwatch.integrations._common import Logged, serving_options
 from streamwatch.sinks import DEFAULT_PORT, read_run
+from streamwatch.testing import table
 from tests import torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,7 +105,6 @@ def test_logged_values_are_named_capped_and_the_refusals_counted() -> None:
 def test_a_value_put_and_a_records_value_of_one_series_serve_the_later_one() -> None:
     """A trainer's logged learning rate and the optimizer's (``lr/0`` in a record) are one series:
     served once (two samples of one series fail a scrape), with the later value."""
-    import numpy as np
 
     store = sw.SeriesStore(metrics=())
     lr = ("streamwatch_learning_rate", (("group", "0"),))
@@ -112,11 +112,11 @@ def test_a_value_put_and_a_records_value_of_one_series_serve_the_later_one() -> 
     def served() -> list[float]:
         return [s.value for s in store.samples() if (s.name, tuple(s.labels.items())) == lr]
 
-    store.send(sw.StepRecord(0, 0.0, 0, (), np.zeros((0, 11)), {"lr/0": 0.1}))
+    store.send(sw.StepRecord(0, 0.0, 0, (), table(rows=0), {"lr/0": 0.1}))
     assert served() == [0.1]
     store.put([sw.Sample("streamwatch_learning_rate", {"group": "0"}, 0.05)])
     assert served() == [0.05]
-    store.send(sw.StepRecord(1, 0.0, 0, (), np.zeros((0, 11)), {"lr/0": 0.02}))
+    store.send(sw.StepRecord(1, 0.0, 0, (), table(rows=0), {"lr/0": 0.02}))
     assert served() == [0.02]
 
 

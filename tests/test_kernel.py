@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 import streamwatch as sw
-from streamwatch import _kernel
+from streamwatch import _kernel, _schema
+from streamwatch._schema import DEVICE_INDEX, DEVICE_NAMES
 from streamwatch._summary import saturation_bounds, summarize
 
 KERNEL = _kernel.load()
@@ -41,22 +42,33 @@ def fused(
     return out, units
 
 
+SUMS = [d.name for d in _schema.DEVICE if d.reduce == "sum"]
+"""The device values that are sums over the elements (compared with a tolerance; the rest exactly)."""
+
+
+def values_of(x: torch.Tensor | np.ndarray) -> np.ndarray:
+    """Every device value of ``x`` in float64 with numpy, in the kernel's order (``_schema.DEVICE``)."""
+    a = x.detach().double().numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        values = {
+            "sum": a.sum(),
+            "sumsq": (a * a).sum(),
+            "min": a.min() if a.size else np.inf,  # NaN propagates, as in torch.aminmax
+            "max": a.max() if a.size else -np.inf,
+            "nonzero": np.count_nonzero(a),
+            "sumabs": np.abs(a).sum(),
+            "sumcube": (a * a * a).sum(),
+            "sumfourth": ((a * a) * (a * a)).sum(),
+            "nonfinite": np.count_nonzero(~np.isfinite(a)),
+        }
+    return np.array([values[name] for name in DEVICE_NAMES], dtype=np.float64)
+
+
 def reference(
     x: torch.Tensor, unit_dim: int | None = None, bounds: tuple[float, float] | None = None
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """sum, sumsq, min, max, nonzero, nonfinite in float64; active samples per unit (monitorch)."""
-    a = x.detach().double().numpy()
-    with np.errstate(invalid="ignore", over="ignore"):
-        stats = np.array(
-            [
-                a.sum(),
-                (a * a).sum(),
-                a.min(),  # NaN propagates, as in torch.aminmax
-                a.max(),
-                np.count_nonzero(a),
-                np.count_nonzero(~np.isfinite(a)),
-            ]
-        )
+    """Every device value in float64 (:func:`values_of`); active samples per unit (monitorch)."""
+    stats = values_of(x)
     if unit_dim is None:
         return stats, None
     xs = x.detach()
@@ -76,13 +88,30 @@ def assert_matches(
 ) -> None:
     got, got_units = fused(x, unit_dim, bounds)
     want, want_units = reference(x, unit_dim, bounds)
-    rtol = 1e-12 if x.dtype == torch.float64 else 1e-5
-    scale = float(np.nan_to_num(np.abs(x.double().numpy()), posinf=0.0).sum()) + 1.0
-    np.testing.assert_allclose(got[0], want[0], rtol=rtol, atol=rtol * scale, equal_nan=True, err_msg="sum")
-    np.testing.assert_allclose(got[1], want[1], rtol=rtol, equal_nan=True, err_msg="sumsq")
-    np.testing.assert_array_equal(got[2:], want[2:], err_msg="min, max, nonzero, nonfinite")
+    assert_values_match(got, want, x)
     if unit_dim is not None:
         np.testing.assert_array_equal(got_units, want_units, err_msg="active samples per unit")
+
+
+def assert_values_match(
+    got: np.ndarray, want: np.ndarray, x: torch.Tensor, rtol: float | None = None
+) -> None:
+    """Device values against the reference, by name: sums to within float rounding of the sum of their
+    terms' magnitudes (a signed sum cancels), the rest exactly."""
+    if rtol is None:
+        rtol = 1e-12 if x.dtype == torch.float64 else 1e-5
+    a = np.abs(x.detach().double().numpy())
+    with np.errstate(over="ignore", invalid="ignore"):
+        magnitudes = values_of(a)  # Σ|term|: the scale a sum's rounding error is relative to
+    for name in DEVICE_NAMES:
+        i = DEVICE_INDEX[name]
+        if name in SUMS:
+            scale = float(np.nan_to_num(magnitudes[i], posinf=0.0)) + 1.0
+            np.testing.assert_allclose(
+                got[i], want[i], rtol=rtol, atol=rtol * scale, equal_nan=True, err_msg=name
+            )
+        else:
+            np.testing.assert_array_equal(got[i], want[i], err_msg=name)
 
 
 LAYOUTS = {
@@ -126,9 +155,7 @@ def test_the_difference_of_two_tensors_without_materialising_it(dtype: torch.dty
     out = np.full(_kernel.NSTATS, -7.0)
     KERNEL.run_diff(after, before, out.ctypes.data)
     want, _ = reference(after - before)
-    rtol = 1e-12 if dtype == torch.float64 else 1e-5
-    np.testing.assert_allclose(out[:2], want[:2], rtol=rtol, atol=rtol * float((after - before).abs().sum()))
-    np.testing.assert_array_equal(out[2:], want[2:])
+    assert_values_match(out, want, after - before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -143,13 +170,26 @@ def test_the_difference_counts_nan_and_infinities(dtype: torch.dtype) -> None:
     KERNEL.run_diff(after, before, out.ctypes.data)
     want, _ = reference(after - before)
     np.testing.assert_array_equal(out, want)  # sums are NaN, min/max NaN, 3 non-finite
-    assert out[5] == 3
-    assert np.isnan(out[2:4]).all()
+    assert out[DEVICE_INDEX["nonfinite"]] == 3
+    assert np.isnan(out[[DEVICE_INDEX["min"], DEVICE_INDEX["max"]]]).all()
     finite = torch.arange(8, dtype=dtype)
     finite[2] = float("inf")
     KERNEL.run_diff(finite, torch.zeros(8, dtype=dtype), out.ctypes.data)
-    assert out[3] == float("inf")  # +inf without NaN: max is inf
-    assert out[5] == 1
+    assert out[DEVICE_INDEX["max"]] == float("inf")  # +inf without NaN: max is inf
+    assert out[DEVICE_INDEX["nonfinite"]] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_an_empty_tensor_has_sums_of_zero_and_no_extremes(dtype: torch.dtype) -> None:
+    """Zero elements (the taps skip empty tensors, but the kernel must not read past them): every sum 0,
+    min +inf, max -inf, nothing counted — numpy's sums of an empty array."""
+    assert KERNEL is not None
+    x = torch.empty(0, dtype=dtype)
+    out = np.full(_kernel.NSTATS, -7.0)
+    KERNEL.run(x, out.ctypes.data)
+    np.testing.assert_array_equal(out, values_of(x))
+    KERNEL.run_diff(x, x.clone(), out.ctypes.data)
+    np.testing.assert_array_equal(out, values_of(x))
 
 
 def test_the_difference_refuses_mismatched_tensors() -> None:
@@ -238,12 +278,14 @@ def test_nan_and_infinities(dtype: torch.dtype) -> None:
     x[2, 39] = -float("inf")
     assert_matches(x, 1)  # infinities: counted, min/max infinite, no NaN
     out, _ = fused(x)
-    assert (out[2], out[3], out[5]) == (-np.inf, np.inf, 2)
+    got = dict(zip(DEVICE_NAMES, out.tolist(), strict=True))
+    assert (got["min"], got["max"], got["nonfinite"]) == (-np.inf, np.inf, 2)
     x[4, 0] = float("nan")
     assert_matches(x, 1)  # NaN propagates to sum, min and max; a NaN element is never active
     out, _ = fused(x)
-    assert np.isnan(out[[0, 2, 3]]).all()
-    assert out[5] == 3
+    got = dict(zip(DEVICE_NAMES, out.tolist(), strict=True))
+    assert np.isnan([got["sum"], got["min"], got["max"]]).all()
+    assert got["nonfinite"] == 3
     every = torch.full((3, 2), float("nan"), dtype=dtype)
     assert_matches(every, 1)
 
@@ -277,7 +319,8 @@ def test_a_failing_kernel_call_leaves_the_step_as_it_was(monkeypatch: pytest.Mon
     """A row whose summary raises is not half-added: no garbage row, no arena range without units,
     and the rows around it resolve to the reference."""
     assert KERNEL is not None
-    from streamwatch._record import SeriesKey, StepBuffer
+    from streamwatch._buffer import StepBuffer
+    from streamwatch._record import SeriesKey
 
     buffer = StepBuffer()
     a, bad, c = torch.randn(6, 4).relu(), torch.randn(3, 5), torch.randn(2, 3).relu()
@@ -412,12 +455,19 @@ def test_an_unloadable_library_falls_back_to_torch_and_names_it(tmp_path: Path, 
     assert _kernel.status().startswith("torch: the fused CPU kernel is unavailable (")
 
 
-def test_a_library_of_another_abi_is_refused(
-    tmp_path: Path, fresh_loader: None, monkeypatch: pytest.MonkeyPatch
+def test_a_library_built_from_another_schema_is_refused(
+    fresh_loader: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_kernel, "_ABI", 999)
-    with pytest.warns(RuntimeWarning, match=r"implements kernel ABI \d+, this streamwatch calls ABI 999"):
+    """The library says which column schema it was built from; one built from another (a checkout whose
+    _schema.py changed since the last build) is refused with a hint, and so is its compiled module."""
+    other = _schema.SIGNATURE.replace("sumsq:sum", "sumsq2:sum")
+    monkeypatch.setattr(_schema, "SIGNATURE", other)
+    with pytest.warns(
+        RuntimeWarning, match=r"built from another column schema: it has .*sumsq.*; rebuild it"
+    ):
         assert _kernel.load() is None
+    assert _kernel.assembler() is None
+    assert _kernel.scalar_reader() is None
 
 
 def test_forcing_the_torch_path_warns_nothing(fresh_loader: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -453,22 +503,22 @@ def _pending(rng: np.random.Generator, rows: int, counted: bool, repeats: bool, 
     with per-unit counts in the arena; with ``device``, some rows and their unit counts in the copied
     values instead (torch-path summaries), then device step scalars and an extra. Values with NaN,
     ±inf, zeros; keys repeated when ``repeats``."""
-    from streamwatch._record import _NO_DEVICE_DATA, PendingRecord
+    from streamwatch._record import NO_DEVICE_DATA, PendingRecord
 
     nstats = _kernel.NSTATS if counted else _kernel.NSTATS - 1
 
     def stats(k: int) -> np.ndarray:
         values = rng.normal(size=(k, _kernel.NSTATS)) * 10.0
-        values[:, 1] = np.abs(values[:, 1])
-        for column in range(4):  # NaN and ±inf where torch would put them: sums and bounds
+        values[:, DEVICE_INDEX["sumsq"]] = np.abs(values[:, DEVICE_INDEX["sumsq"]])
+        for name in ("sum", "sumsq", "min", "max"):  # NaN and ±inf where torch would put them
             bad = rng.random(k) < 0.1
-            values[bad, column] = rng.choice([np.nan, np.inf, -np.inf], size=int(bad.sum()))
-        values[:, 5] = rng.integers(0, 3, k)
+            values[bad, DEVICE_INDEX[name]] = rng.choice([np.nan, np.inf, -np.inf], size=int(bad.sum()))
+        values[:, DEVICE_INDEX["nonfinite"]] = rng.integers(0, 3, k)
         return values
 
     host = stats(rows + 3)
     counts = [int(c) for c in rng.integers(1, 1000, rows)]
-    host[:rows, 4] = [rng.integers(0, c + 1) for c in counts]  # nonzero <= count
+    host[:rows, DEVICE_INDEX["nonzero"]] = [rng.integers(0, c + 1) for c in counts]  # nonzero <= count
     units = [int(u) if rng.random() < 0.6 else 0 for u in rng.integers(1, 70, rows)]  # (4-wide sums)
     samples = [int(rng.integers(1, 64)) if u else 0 for u in units]
     device_rows = sorted(int(r) for r in rng.choice(rows, size=rows // 3, replace=False)) if device else []
@@ -482,7 +532,7 @@ def _pending(rng: np.random.Generator, rows: int, counted: bool, repeats: bool, 
     arena = np.where(rng.random(offset + 5) < 0.3, 0.0, rng.integers(1, 64, offset + 5).astype(float))
     names = [f"l{i}" for i in range(max(1, rows // 2 if repeats else rows))]
     keys = [names[i % len(names)] for i in range(rows)] if repeats else names[:rows]
-    data, scalar_names, extra_layout = _NO_DEVICE_DATA, (), []
+    data, scalar_names, extra_layout = NO_DEVICE_DATA, (), []
     if device:  # device rows' stats, the device step scalars, the unit-rows' counts, an extra
         copied = stats(len(device_rows))[:, :nstats].ravel()
         vectors = [
@@ -531,7 +581,9 @@ def test_the_compiled_table_is_numpys_to_the_bit(
     # and against plain numpy: each unit-row's dead units and active pairs from its vector of counts
     # (unknown, NaN, where the row's min or max is NaN)
     flat = pending.data.numpy()
-    at = len(pending.device_rows) * (6 if counted else 5) + len(pending.scalar_names)
+    at = len(pending.device_rows) * (_kernel.NSTATS if counted else _kernel.NSTATS - 1) + len(
+        pending.scalar_names
+    )
     segments = [
         (row, pending.arena[offset : offset + pending.units[row]]) for row, offset in pending.host_units
     ]
@@ -539,11 +591,11 @@ def test_the_compiled_table_is_numpys_to_the_bit(
         segments.append((row, flat[at : at + pending.units[row]]))
         at += pending.units[row]
     for row, segment in segments:
-        if np.isnan(fast.table[row, 3:5]).any():
-            assert np.isnan(fast.table[row, [5, 8, 10]]).all()
+        if np.isnan([fast.column("min")[row], fast.column("max")[row]]).any():
+            assert np.isnan([fast.column(name)[row] for name in ("zeros", "dead", "active")]).all()
             continue
-        assert fast.table[row, 8] == np.count_nonzero(segment == 0)
-        assert fast.table[row, 10] == segment.sum()
+        assert fast.column("dead")[row] == np.count_nonzero(segment == 0)
+        assert fast.column("active")[row] == segment.sum()
 
 
 def test_a_steps_keys_resolve_to_one_layout_per_distinct_list_of_keys() -> None:
@@ -583,22 +635,28 @@ def test_a_layouts_remembered_order_follows_each_steps_order() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda a: a.__setitem__(0, np.empty((2, 10))), "table must be"),
+        (lambda a: a.__setitem__(0, np.empty((2, len(_schema.COLUMNS) - 1))), "table must be"),
         (lambda a: a.__setitem__(2, [1]), "`counts` to be a list"),
         (lambda a: a.__setitem__(5, [(5, 0)]), "unit row 5 is outside"),
         (lambda a: a.__setitem__(5, [(0, 99)]), "outside the arena"),
         (lambda a: a.__setitem__(5, [0]), r"\(row, offset\) pairs"),
-        (lambda a: a.__setitem__(9, [0, 1]), "2 device rows need more than the 5 values copied"),
+        (
+            lambda a: a.__setitem__(9, [0, 1]),
+            f"2 device rows need more than the {_kernel.NSTATS - 1} values copied",
+        ),
         (lambda a: a.__setitem__(9, [7]), "device row 7 is outside"),
-        (lambda a: (a.__setitem__(10, [1]), a.__setitem__(11, 4)), "outside the values copied"),
+        (
+            lambda a: (a.__setitem__(10, [1]), a.__setitem__(11, _kernel.NSTATS - 2)),
+            "outside the values copied",
+        ),
     ],
     ids=["table-shape", "short-list", "row", "arena", "pair", "device-values", "device-row", "device-units"],
 )
 def test_assemble_refuses_what_does_not_fit_with_a_clear_error(change: Any, message: str) -> None:
     assemble = _kernel.assembler()
     assert assemble is not None
-    args: list[Any] = [np.empty((2, 11)), np.zeros((2, 6)), [1, 1], [2, 2], [1, 1], [], np.zeros(4), False]
-    args += [np.zeros(5), [], [], 0]  # nothing from a device
+    args: list[Any] = [np.empty((2, len(_schema.COLUMNS))), np.zeros((2, _kernel.NSTATS)), [1, 1], [2, 2]]
+    args += [[1, 1], [], np.zeros(4), False, np.zeros(_kernel.NSTATS - 1), [], [], 0]  # nothing from a device
     change(args)
     with pytest.raises((ValueError, TypeError), match=message):
         assemble(*args)

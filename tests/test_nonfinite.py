@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 import streamwatch as sw
-from streamwatch import detectors
+from streamwatch import detectors, testing
 from streamwatch._nonfinite import Sentinel, find_first
 from streamwatch._replay import Replay
 from streamwatch._report import report
@@ -248,8 +248,8 @@ def test_a_resumed_session_is_judged_without_the_last_sessions_records() -> None
     key = SeriesKey("train", "fc", "activation", "")
     tracker = NonFiniteTracker(None, None)
     for step in range(8):
-        tracker.send(StepRecord(step, 0.0, 0, (key,), np.array([[4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0]])))
-    tracker.send(StepRecord(8, 0.0, 0, (key,), np.array([[4, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0.0]]), start_step=4))
+        tracker.send(StepRecord(step, 0.0, 0, (key,), testing.table(count=4, fill=0.0)))
+    tracker.send(StepRecord(8, 0.0, 0, (key,), testing.table(count=4, nonfinite=1, fill=0.0), start_step=4))
     assert tracker.first is not None
     assert (tracker.first.step, tracker.first.certain) == (8, False)
 
@@ -263,10 +263,8 @@ def test_a_resumed_session_is_full_with_its_own_kinds() -> None:
 
     def record(step: int, start: int, kinds: tuple[str, ...], bad: bool = False) -> StepRecord:
         keys = tuple(SeriesKey("train", "fc", kind, "") for kind in kinds)
-        table = np.zeros((len(keys), 11))
-        table[:, 0] = 4
-        if bad:
-            table[kinds.index("activation"), 6] = 1
+        flags = [float(bad and kind == "activation") for kind in kinds]
+        table = testing.table(count=4, nonfinite=flags, fill=0.0)
         return StepRecord(step, 0.0, 0, keys, table, start_step=start)
 
     tracker = NonFiniteTracker(None, None)
@@ -685,8 +683,7 @@ def test_the_execution_order_survives_the_run_file(tmp_path: Path) -> None:
     """Rows laid out in another order than they ran: the record carries the order, the run file keeps
     it, and the first non-finite tensor is the one that ran first, not the first row."""
     keys = (sw.SeriesKey("train", "b", "param_grad", "weight"), sw.SeriesKey("train", "a", "activation", ""))
-    table = np.zeros((2, 11))
-    table[:, 6] = 1
+    table = testing.table(2, nonfinite=1, fill=0.0)
     record = sw.StepRecord(4, 0.0, 0, keys, table, {"loss": math.nan}, order=(9, 2))
     path = tmp_path / "run.jsonl"
     sink = RunFile(path)
@@ -1011,14 +1008,11 @@ def test_ranks_interleaved_in_one_record_stream_are_judged_each_on_its_own() -> 
     # a run file with two ranks' records interleaved: rank 0's finite step 10 said nothing about rank 1's
     # step 10, yet made rank 1's step 11 look "certain" and replace its real (uncertain) start at step 10
     from streamwatch._nonfinite import NonFiniteTracker
-    from streamwatch._summary import COLUMNS
 
     keys = (sw.SeriesKey("train", "0", "activation", ""), sw.SeriesKey("train", "0", "output_grad", ""))
 
     def record(step: int, rank: int, bad: bool) -> sw.StepRecord:
-        table = np.zeros((2, len(COLUMNS)))
-        table[:, COLUMNS.index("count")] = 4.0
-        table[0, COLUMNS.index("nonfinite")] = 1.0 if bad else 0.0
+        table = testing.table(count=4.0, nonfinite=[1.0 if bad else 0.0, 0.0], fill=0.0)
         return sw.StepRecord(step, float(step), rank, keys, table, {"loss": 1.0})
 
     tracker = NonFiniteTracker(None, reaction=None)

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import streamwatch as sw
-import streamwatch._record
+import streamwatch._buffer
 from streamwatch import ops
 from streamwatch._taps import KINDS
 from tests.training import Train
@@ -119,7 +119,7 @@ def test_an_error_inside_step_drops_the_step_warns_and_is_raised_at_close(
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen: list[torch.Tensor] = []
     model[0].register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
-    seal = streamwatch._record.StepBuffer.seal
+    seal = streamwatch._buffer.StepBuffer.seal
     calls = {"n": 0}
 
     def flaky(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -128,7 +128,7 @@ def test_an_error_inside_step_drops_the_step_warns_and_is_raised_at_close(
             raise Boom("sealing failed")
         return seal(self, *args, **kwargs)
 
-    monkeypatch.setattr(streamwatch._record.StepBuffer, "seal", flaky)
+    monkeypatch.setattr(streamwatch._buffer.StepBuffer, "seal", flaky)
     recs = sw.sinks.collect()
     watch = sw.observe(model, opt, sinks=[recs], every=1)
     for step in range(3):

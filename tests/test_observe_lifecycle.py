@@ -160,7 +160,7 @@ def test_an_evaluation_after_the_last_step_is_sent_at_close(train: Train, every:
     assert "step_seconds" not in last.scalars
     assert "loss" not in last.scalars
     (row,) = [i for i, key in enumerate(last.keys) if key.layer == "0" and key.kind == "activation"]
-    assert last.table[row, 0] == expected.numel()
+    assert last.column("count")[row] == expected.numel()
     torch.testing.assert_close(last.stat("mean")[row], expected.double().mean().item())
     torch.testing.assert_close(last.stat("l2")[row], expected.double().norm().item())
     # a training forward that never reached watch.step(): not a completed step, nothing is sent
@@ -296,7 +296,7 @@ def test_a_module_two_observed_models_share_is_refused_to_the_second_watch() -> 
         b(torch.randn(16, 4))
         third.step()
     (row,) = [i for i, k in enumerate(recs.items[-1].keys) if k.layer == "0" and k.kind == "activation"]
-    assert recs.items[-1].table[row, 0] == 16 * 4  # its own pass only
+    assert recs.items[-1].column("count")[row] == 16 * 4  # its own pass only
 
 
 def test_a_watch_on_a_submodule_of_an_observed_model_is_refused() -> None:

@@ -61,7 +61,20 @@ def reference(tensors: list[torch.Tensor], unit_dim: int | None, counted: bool) 
         "units": units,
         "dead": dead,
         "abs_sum": float(np.abs(flat).sum()),
+        "sumabs": float(np.abs(flat).sum()),
+        "sumcube": float((flat**3).sum()),
+        "sumfourth": float((flat**4).sum()),
+        "abs_cube_sum": float((np.abs(flat) ** 3).sum()),
     }
+    centred = flat - flat.mean()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        m2 = np.mean(centred**2)  # (numpy floats: a zero spread gives NaN, not an exception)
+        out |= {
+            "mean_abs": float(np.abs(flat).mean()),
+            "skewness": float(np.mean(centred**3) / m2**1.5),  # the central moments, two-pass
+            "kurtosis": float(np.mean(centred**4) / m2**2),
+            "spread": float(np.sqrt(m2) / np.abs(flat.mean())),  # std / |mean|
+        }
     out |= {
         "mean": float(flat.mean()),
         "var": float(flat.var()),  # population variance, like the library
@@ -101,6 +114,31 @@ def assert_row(record: sw.StepRecord, key: sw.SeriesKey, ref: dict[str, float]) 
     np.testing.assert_allclose(got["var"], ref["var"], rtol=1e-5, atol=var_atol, err_msg=f"{msg}: var")
     std_atol = math.sqrt(var_atol) if ref["std"] == 0 else min(math.sqrt(var_atol), var_atol / ref["std"])
     np.testing.assert_allclose(got["std"], ref["std"], rtol=1e-5, atol=std_atol, err_msg=f"{msg}: std")
+    for name in ("sumabs", "sumfourth", "mean_abs"):  # sums of non-negative terms
+        np.testing.assert_allclose(got[name], ref[name], rtol=1e-5, err_msg=f"{msg}: {name}")
+    cube_atol = 1e-6 * ref["abs_cube_sum"]
+    np.testing.assert_allclose(
+        got["sumcube"], ref["sumcube"], rtol=1e-5, atol=cube_atol, err_msg=f"{msg}: sumcube"
+    )
+    assert_shape(got, ref, msg)
+
+
+def assert_shape(got: dict[str, float], ref: dict[str, float], msg: str) -> None:
+    """Skewness and kurtosis equal the two-pass central moments' where reported; unknown (NaN) only where
+    the raw sums cannot give them: no spread (constant values, one element), or |mean| several times
+    the standard deviation (the cancellation the library guards against, _summary._shape)."""
+    for name in ("skewness", "kurtosis", "excess_kurtosis"):
+        if math.isnan(got[name]):
+            assert not ref["spread"] > 0.25, f"{msg}: {name} unknown with std/|mean| = {ref['spread']}"
+    if math.isnan(got["kurtosis"]):
+        return
+    np.testing.assert_allclose(got["kurtosis"], ref["kurtosis"], rtol=1e-3, err_msg=f"{msg}: kurtosis")
+    np.testing.assert_allclose(
+        got["excess_kurtosis"], ref["kurtosis"] - 3.0, atol=1e-3 * ref["kurtosis"], err_msg=f"{msg}: excess"
+    )
+    if not math.isnan(got["skewness"]):
+        atol = 1e-3 * (1.0 + abs(ref["skewness"]))
+        np.testing.assert_allclose(got["skewness"], ref["skewness"], atol=atol, err_msg=f"{msg}: skewness")
 
 
 # -- capturing reference tensors ------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from streamwatch import testing
 from streamwatch._plot import plot, series
 from streamwatch._taps import DEFAULT_TAPS
 from streamwatch.sinks import RunData, RunFile, read_run
@@ -47,8 +48,7 @@ def test_series_matches_a_numpy_reference(run: RunData) -> None:
     assert sorted(s["dead"]) == ["0", "1", "2", "3", "4"]
     for j, record in enumerate(records):
         keys = record.keys
-        table = np.asarray(record.table)
-        sumsq = table[:, 2]
+        sumsq = record.column("sumsq")
         for layer in ("0", "2", "4"):
             (g,) = [
                 i for i, k in enumerate(keys) if (k.layer, k.kind, k.name) == (layer, "param_grad", "weight")
@@ -60,7 +60,7 @@ def test_series_matches_a_numpy_reference(run: RunData) -> None:
             assert 0 < s["update_ratio"][layer][j] < 1
         for layer in ("0", "1", "2", "3", "4"):
             (a,) = [i for i, k in enumerate(keys) if (k.layer, k.kind) == (layer, "activation")]
-            dead, units = table[a, 8], table[a, 7]
+            dead, units = record.column("dead")[a], record.column("units")[a]
             assert s["dead"][layer][j] == pytest.approx(dead / units, rel=1e-12)
 
 
@@ -133,7 +133,7 @@ def test_a_run_file_of_several_ranks_is_drawn_one_rank_at_a_time(
     key = SeriesKey("train", "fc", "param_grad", "weight")
     for step in range(3):
         for rank, loss in ((1, 5.0), (0, 1.0)):
-            row = np.array([[2, 0, 9, -3, 0, 1, 0, 0, 0, 0, 0.0]])
+            row = testing.table(count=2, sumsq=9, min=-3, zeros=1, fill=0.0)
             sink.send(StepRecord(step, 0.0, rank, (key,), row, {"loss": loss + step}))
     sink.close()
     drawn: list[list[tuple[int, int, float]]] = []

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import streamwatch as sw
-from streamwatch import StepRecord
+from streamwatch import StepRecord, testing
 from streamwatch._report import report
 from streamwatch._summary import COLUMNS, derive
 from streamwatch.sinks import RunData, RunFile, RunFileError, read_run
@@ -181,7 +181,7 @@ def test_a_closed_sink_without_steps_leaves_a_header(tmp_path: Path) -> None:
     assert run.last_good_step is None
     assert not run.truncated
     with pytest.raises(RuntimeError, match="closed"):
-        sink.send(StepRecord(0, 0.0, 0, (), np.empty((0, len(COLUMNS)))))
+        sink.send(StepRecord(0, 0.0, 0, (), testing.table(0)))
 
 
 def test_one_file_has_one_writer_in_a_process(tmp_path: Path) -> None:
@@ -193,11 +193,11 @@ def test_one_file_has_one_writer_in_a_process(tmp_path: Path) -> None:
     (tmp_path / "link").symlink_to(tmp_path)
     with pytest.raises(RunFileError, match=r"another RunFile of this process.*its own file"):
         RunFile(tmp_path / "link" / "run.jsonl")  # (the same file, by another path)
-    first.send(StepRecord(0, 0.0, 0, (key,), np.zeros((1, len(COLUMNS)))))
+    first.send(StepRecord(0, 0.0, 0, (key,), testing.table(1, fill=0.0)))
     first.close()
     second = RunFile(path)  # the first is closed: the file is the second's to continue
     other = key._replace(layer="d")
-    second.send(StepRecord(1, 1.0, 0, (other, key), np.ones((2, len(COLUMNS)))))
+    second.send(StepRecord(1, 1.0, 0, (other, key), testing.table(2, fill=1.0)))
     RunFile(tmp_path / "elsewhere.jsonl")  # never closed, and dropped: a gone sink writes no more
     second.close()
     RunFile(tmp_path / "elsewhere.jsonl").close()
@@ -207,15 +207,15 @@ def test_one_file_has_one_writer_in_a_process(tmp_path: Path) -> None:
 
 _OTHER_WRITER = textwrap.dedent(
     """
-    import sys, numpy as np, streamwatch as sw
-    from streamwatch._summary import COLUMNS
+    import sys, streamwatch as sw
+    from streamwatch import testing
     from streamwatch.sinks import RunFile
     sink = RunFile(sys.argv[1])
     key = sw.SeriesKey("train", "other", "param", "w")
-    sink.send(sw.StepRecord(0, 0.0, 1, (key,), np.zeros((1, len(COLUMNS)))))
+    sink.send(sw.StepRecord(0, 0.0, 1, (key,), testing.table(1, fill=0.0)))
     print("writing", flush=True)
     sys.stdin.readline()  # held open (and locked) until told
-    sink.send(sw.StepRecord(1, 1.0, 1, (key,), np.ones((1, len(COLUMNS)))))
+    sink.send(sw.StepRecord(1, 1.0, 1, (key,), testing.table(1, fill=1.0)))
     sink.close()
     """
 )
@@ -238,7 +238,7 @@ def test_one_file_has_one_writer_across_processes(tmp_path: Path) -> None:
             assert other.stdout.readline() == "writing\n"
             key = sw.SeriesKey("train", "mine", "param", "w")
             with pytest.raises(RunFileError, match=r"another process.*its own file") as refused:
-                late.send(StepRecord(0, 0.0, 0, (key,), np.full((1, len(COLUMNS)), 7.0)))
+                late.send(StepRecord(0, 0.0, 0, (key,), testing.table(1, fill=7.0)))
             late.fail(refused.value)  # (what its pipeline does)
             with pytest.raises(RunFileError, match=r"another process.*its own file"):
                 RunFile(path)
@@ -251,7 +251,7 @@ def test_one_file_has_one_writer_across_processes(tmp_path: Path) -> None:
     assert [(r.step, r.rank, r.keys[0].layer) for r in run.records] == [(0, 1, "other"), (1, 1, "other")]
     assert not run.truncated
     after = RunFile(path)  # the other process closed it: continued as before
-    after.send(StepRecord(2, 2.0, 0, (key,), np.ones((1, len(COLUMNS)))))
+    after.send(StepRecord(2, 2.0, 0, (key,), testing.table(1, fill=1.0)))
     after.close()
     assert [r.step for r in read_run(path).records] == [0, 1, 2]
 
@@ -264,7 +264,7 @@ def test_the_lock_stands_against_a_hard_link_and_through_reading_in_the_writing_
     path = tmp_path / "run.jsonl"
     key = sw.SeriesKey("train", "a", "param", "w")
     writer = RunFile(path)
-    writer.send(StepRecord(0, 0.0, 0, (key,), np.zeros((1, len(COLUMNS)))))
+    writer.send(StepRecord(0, 0.0, 0, (key,), testing.table(1, fill=0.0)))
     os.link(path, tmp_path / "alias.jsonl")
     with pytest.raises(RunFileError, match="being written"):
         RunFile(tmp_path / "alias.jsonl")
@@ -283,7 +283,7 @@ def test_the_lock_stands_against_a_hard_link_and_through_reading_in_the_writing_
     )
     assert other.returncode != 0
     assert "being written by another process" in other.stderr
-    writer.send(StepRecord(1, 1.0, 0, (key,), np.ones((1, len(COLUMNS)))))
+    writer.send(StepRecord(1, 1.0, 0, (key,), testing.table(1, fill=1.0)))
     writer.close()
     assert [r.step for r in read_run(path).records] == [0, 1]
 
@@ -302,7 +302,7 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     key = sw.SeriesKey("train", "a", "param", "w")
     first = RunFile(path)
-    first.send(StepRecord(0, 0.0, 0, (key,), np.zeros((1, len(COLUMNS)))))
+    first.send(StepRecord(0, 0.0, 0, (key,), testing.table(1, fill=0.0)))
     context = multiprocessing.get_context("fork")
     started, release = context.Event(), context.Event()
     child = context.Process(target=_wait_in_child, args=(started, release))  # alive while the parent goes on
@@ -311,7 +311,7 @@ def test_a_forked_child_does_not_keep_the_lock(tmp_path: Path) -> None:
         assert started.wait(60)  # (the child runs from here: its copy of the file is closed)
         first.close()
         second = RunFile(path)  # refused before: "being written by another process"
-        second.send(StepRecord(1, 1.0, 0, (key,), np.ones((1, len(COLUMNS)))))
+        second.send(StepRecord(1, 1.0, 0, (key,), testing.table(1, fill=1.0)))
         second.close()
     finally:
         release.set()
@@ -363,10 +363,10 @@ def test_a_child_forked_while_the_lock_is_taken_does_not_keep_it(
     key = sw.SeriesKey("train", "a", "param", "w")
     with _a_child_forked_in(monkeypatch, "_lock"):  # the fork lands between open() and flock
         first = RunFile(path)
-        first.send(StepRecord(0, 0.0, 0, (key,), np.zeros((1, len(COLUMNS)))))
+        first.send(StepRecord(0, 0.0, 0, (key,), testing.table(1, fill=0.0)))
         first.close()
         second = RunFile(path)  # refused before: "being written by another process"
-        second.send(StepRecord(1, 1.0, 0, (key,), np.ones((1, len(COLUMNS)))))
+        second.send(StepRecord(1, 1.0, 0, (key,), testing.table(1, fill=1.0)))
         second.close()
     assert [r.step for r in read_run(path).records] == [0, 1]
 
@@ -438,7 +438,7 @@ def test_a_header_cut_short_is_a_truncated_empty_run_that_a_writer_starts_again(
     assert "truncated: yes (no complete step)" in report(run)
     key = sw.SeriesKey("train", "a", "param", "w")
     sink = RunFile(path)
-    sink.send(StepRecord(0, 0.0, 0, (key,), np.ones((1, len(COLUMNS)))))
+    sink.send(StepRecord(0, 0.0, 0, (key,), testing.table(1, fill=1.0)))
     sink.close()
     again = read_run(path)
     assert (again.truncated, [r.step for r in again.records]) == (False, [0])
@@ -460,10 +460,8 @@ def test_report_names_the_first_value_of_a_resumed_session_in_its_own_record(tmp
     step number, and the certainty judged on the first session's records."""
     path = tmp_path / "run.jsonl"
     keys = tuple(sw.SeriesKey("train", f"l{i}", "activation", "") for i in range(3))
-    finite = np.zeros((3, len(COLUMNS)))
-    finite[:, 0] = 4
-    bad = finite.copy()
-    bad[:, 6] = 1  # every row non-finite
+    finite = testing.table(3, count=4, fill=0.0)
+    bad = testing.table(3, count=4, nonfinite=1, fill=0.0)  # every row non-finite
     sink = RunFile(path)
     for step in range(8):  # session 1: steps 0..7, every one in full
         sink.send(StepRecord(step, 0.0, 0, keys, finite))
@@ -495,11 +493,11 @@ def test_a_child_forked_while_an_existing_file_is_scanned_does_not_keep_its_lock
     path = tmp_path / "run.jsonl"
     key = sw.SeriesKey("train", "a", "param", "w")
     first = RunFile(path)
-    first.send(StepRecord(0, 0.0, 0, (key,), np.zeros((1, len(COLUMNS)))))
+    first.send(StepRecord(0, 0.0, 0, (key,), testing.table(1, fill=0.0)))
     first.close()
     with _a_child_forked_in(monkeypatch, "_scan_for_append"):
         second = RunFile(path)
-        second.send(StepRecord(1, 1.0, 0, (key,), np.ones((1, len(COLUMNS)))))
+        second.send(StepRecord(1, 1.0, 0, (key,), testing.table(1, fill=1.0)))
         second.close()
     assert [r.step for r in read_run(path).records] == [0, 1]
 
@@ -529,7 +527,7 @@ def test_special_floats_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "floats.jsonl"
     values = [0.0, -0.0, 1.0, -3.0, 0.1, 1e-310, 2.0**53, 2.0**60, -math.inf, math.inf, math.nan, 1 / 3]
     key = sw.SeriesKey("train", "λ.layer", "param", "w")
-    table = np.array([values[: len(COLUMNS)], values[-len(COLUMNS) :]], dtype=np.float64)
+    table = np.resize(np.array(values, dtype=np.float64), (2, len(COLUMNS)))  # every column, every value
     keys = (key, key._replace(kind="param_grad"))
     record = StepRecord(
         5, 1.25, 2, keys, table, {"loss": math.inf, "x": -0.0}, {(key, "h"): np.array(values)}
@@ -700,6 +698,40 @@ def test_other_columns_are_rearranged_with_a_problem(tmp_path: Path) -> None:
     assert "differ" in run.problems[0]
     with pytest.raises(ValueError, match="columns"):
         RunFile(path)
+
+
+def test_a_run_file_written_before_the_shape_statistics_reads_back_with_them_unknown(tmp_path: Path) -> None:
+    """A file whose header has the eleven columns of the versions before Σ|x|, Σx³ and Σx⁴: every
+    record reads back with its values, the new columns and what derives from them unknown (NaN, so
+    never served), and the report and a replay's samples work from it."""
+    path = tmp_path / "old.jsonl"
+    old = ["count", "sum", "sumsq", "min", "max", "zeros", "nonfinite", "units", "dead", "samples", "active"]
+    lines = [
+        {"format": FORMAT, "version": VERSION, "columns": old, "created": 0.0},
+        {"keys": [[0, "train", "fc", "param_grad", "weight"]]},
+        {"step": 0, "time": 0.0, "rank": 0, "rows": [[0, 4, 2, 6, -1, 2, 1, 0, "nan", "nan", "nan", "nan"]],
+         "scalars": {"loss": 0.5}, "extras": []},
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run = read_run(path)
+    (record,) = run.records
+    assert [float(record.column(name)[0]) for name in ("count", "sum", "sumsq", "min", "max")] == [
+        4,
+        2,
+        6,
+        -1,
+        2,
+    ]
+    for name in ("sumabs", "sumcube", "sumfourth", "mean_abs", "skewness", "kurtosis", "excess_kurtosis"):
+        assert math.isnan(record.stat(name)[0]), name
+    assert record.stat("l2")[0] == pytest.approx(math.sqrt(6))
+    assert "NaN where a column is missing" in run.problems[0]
+    assert "first non-finite: none" in report(run)
+    store = sw.SeriesStore(metrics=())
+    store.send(record)
+    served = {s.labels["stat"] for s in store.samples() if s.name == "streamwatch_tensor"}
+    assert "sumsq" in served
+    assert not served & {"sumabs", "kurtosis", "mean_abs"}  # unknown: absent, never a NaN sample
 
 
 # -- appending ----------------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from prometheus_client.utils import floatToGoString
 from torch import nn
 
 import streamwatch as sw
-from streamwatch import Sample, SeriesKey, SeriesStore, StepRecord, WatchStatistics
+from streamwatch import Sample, SeriesKey, SeriesStore, StepRecord, WatchStatistics, testing
+from streamwatch._summary import COLUMNS
 from streamwatch.metrics._derived import DERIVED
 from streamwatch.sinks import RunFile, read_run
 from streamwatch.sinks._prometheus import format_float
@@ -164,8 +165,8 @@ def _layout_record(step: int, layers: tuple[str, ...], rng: np.random.Generator)
     """A record whose rows are ``layers``' weights and updates (so both metrics have work), random values."""
     kinds = ("param", "update")
     keys = tuple(SeriesKey("train", layer, kind, "weight") for layer in layers for kind in kinds)
-    table = rng.uniform(0.5, 2.0, (len(keys), 11))
-    table[:, 0] = rng.integers(1, 50, len(keys))
+    random = {name: rng.uniform(0.5, 2.0, len(keys)) for name in COLUMNS}  # every column random ...
+    table = testing.table(**{**random, "count": rng.integers(1, 50, len(keys))})  # ... counts whole
     return StepRecord(step, 0.0, 0, keys, table, {"loss": float(step)})
 
 
@@ -277,7 +278,7 @@ def test_records_and_the_run_file_carry_histogram_edges(tmp_path: Path) -> None:
 def test_appending_a_run_with_other_buckets_declares_the_new_edges(tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     key = SeriesKey("train", "fc", "activation", "")
-    row = np.array([[2, 0, 2, -1, 1, 0, 0, 0, 0, 0, 0.0]])
+    row = testing.table(count=2, sumsq=2, min=-1, max=1, fill=0.0)
     first = {"activation": (-1.0, 0.0, 1.0, math.inf)}
     second = {"activation": (-10.0, 0.0, 10.0, math.inf)}
     sink = RunFile(path)
@@ -312,7 +313,7 @@ class _Fixed:
         return out
 
     def table(self) -> tuple[np.ndarray, list[SeriesKey]]:
-        return np.array([[4, 2.0, 6.0, -1.0, 2.0, 1, 0, 0, 0, 0, 0]]), [self.key]
+        return testing.table(count=4, sum=2.0, sumsq=6.0, min=-1.0, max=2.0, zeros=1, fill=0.0), [self.key]
 
     def version(self) -> object:
         return 1

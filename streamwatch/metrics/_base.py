@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from streamwatch._record import StepBuffer
+from streamwatch._buffer import StepBuffer
 from streamwatch._validate import check_int
 
 __all__ = ["Binding", "Metric", "preserved"]

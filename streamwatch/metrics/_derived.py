@@ -20,6 +20,7 @@ import numpy as np
 
 from streamwatch._families import ALL_LAYERS, LAYER_MEAN, TENSOR, stepped_weight_sumsq
 from streamwatch._record import Sample, SeriesKey, StepRecord
+from streamwatch._schema import COLUMN
 
 __all__ = ["DEFAULT_METRICS", "DERIVED", "layer_mean", "update_ratio"]
 
@@ -46,11 +47,10 @@ def update_ratio(record: StepRecord) -> list[Sample]:
     """‖update‖ / ‖weight‖ for every parameter with both rows in ``record``.
 
     Example:
-        >>> import numpy as np
         >>> from streamwatch import SeriesKey, StepRecord
+        >>> from streamwatch.testing import table
         >>> keys = (SeriesKey("train", "fc", "param", "weight"), SeriesKey("train", "fc", "update", "weight"))
-        >>> table = np.zeros((2, 11)); table[:, 2] = [400.0, 0.0004]  # sums of squares
-        >>> samples = update_ratio(StepRecord(0, 0.0, 0, keys, table))
+        >>> samples = update_ratio(StepRecord(0, 0.0, 0, keys, table(sumsq=[400.0, 0.0004])))
         >>> [(s.labels["kind"], s.labels["stat"], round(s.value, 6)) for s in samples]
         [('update', 'update_ratio', 0.001)]
     """
@@ -70,6 +70,8 @@ def update_ratio(record: StepRecord) -> list[Sample]:
 
 
 _LAYER_MEAN_STATS = ("mean", "l2", "rms")
+_LAYER_COLUMNS = np.array([COLUMN["count"], COLUMN["sum"], COLUMN["sumsq"]], dtype=np.intp)
+"""The columns a layer's mean, L2 norm and RMS come from."""
 
 
 @functools.lru_cache(maxsize=16)
@@ -100,15 +102,15 @@ def layer_mean(record: StepRecord) -> list[Sample]:
     record of those alone has no layer mean.
 
     Example:
-        >>> import numpy as np
         >>> from streamwatch import SeriesKey, StepRecord
+        >>> from streamwatch.testing import table
         >>> keys = tuple(SeriesKey("train", name, "activation", "") for name in ("a", "b"))
-        >>> table = np.zeros((2, 11)); table[:, 0] = 4; table[:, 1] = [4.0, 8.0]  # counts, sums
-        >>> [(s.labels["stat"], s.value) for s in layer_mean(StepRecord(0, 0.0, 0, keys, table))][:1]
+        >>> rows = table(count=4, sum=[4.0, 8.0], sumsq=0.0)
+        >>> [(s.labels["stat"], s.value) for s in layer_mean(StepRecord(0, 0.0, 0, keys, rows))][:1]
         [('mean', 1.5)]
         >>> keys = (SeriesKey("train", "fc", "param", "weight"), SeriesKey("train", "fc", "param", "bias"))
-        >>> table = np.zeros((2, 11)); table[:, 0] = [3, 1]; table[:, 2] = [9.0, 16.0]  # counts, Σx²
-        >>> [(s.labels["stat"], s.value) for s in layer_mean(StepRecord(0, 0.0, 0, keys, table))][1]
+        >>> rows = table(count=[3, 1], sum=0.0, sumsq=[9.0, 16.0])
+        >>> [(s.labels["stat"], s.value) for s in layer_mean(StepRecord(0, 0.0, 0, keys, rows))][1]
         ('l2', 5.0)
     """
     rows, layer_starts, group_starts, labels = _layer_groups(record.keys)
@@ -116,7 +118,7 @@ def layer_mean(record: StepRecord) -> list[Sample]:
         return []
     # each layer's count, sum and sum of squares over its rows (grouped: a layer's rows are adjacent; a
     # NaN in any of them makes the layer's unknown)
-    count, total, sumsq = np.add.reduceat(record.table[rows, :3], layer_starts).T
+    count, total, sumsq = np.add.reduceat(record.table[np.ix_(rows, _LAYER_COLUMNS)], layer_starts).T
     values = np.empty((len(layer_starts), len(_LAYER_MEAN_STATS)))  # columns in _LAYER_MEAN_STATS order
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         np.divide(total, count, out=values[:, 0])

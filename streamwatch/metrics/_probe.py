@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from streamwatch._record import SeriesKey, StepBuffer
+from streamwatch._buffer import StepBuffer
+from streamwatch._record import SeriesKey
 from streamwatch.metrics._base import Metric
 from streamwatch.metrics._cca import ProbeSimilarity, flatten_samples
 from streamwatch.metrics._hessian import HessianEigen

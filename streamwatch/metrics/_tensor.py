@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from streamwatch._record import SeriesKey, StepBuffer
+from streamwatch._buffer import StepBuffer
+from streamwatch._record import SeriesKey
 from streamwatch._validate import check_real
 from streamwatch.metrics._base import Metric
 from streamwatch.metrics._histogram import Buckets, histogram

@@ -24,14 +24,13 @@ group, the keys of the totals) is a :class:`Layout`, made once per layout and re
 stay the same.
 
 Example:
-    >>> import numpy as np
     >>> from streamwatch import SeriesKey
-    >>> from streamwatch._summary import COLUMNS
+    >>> from streamwatch.testing import table
     >>> keys = [SeriesKey("train", name, "param_grad", "weight") for name in ("a", "b", "c")]
-    >>> table = np.zeros((3, len(COLUMNS))); table[:, 0] = 4.0; table[:, 2] = [1.0, 900.0, 4.0]
-    >>> served = Budget(14).serve(table, keys, extras=[], histograms={}, edges={}, detectors=[])
-    >>> served.level, [k.layer for k in served.keys], served.wanted, served.exported
-    ('worst', ['__all__', 'b'], 54, 14)
+    >>> rows = table(count=4.0, sumsq=[1.0, 900.0, 4.0], fill=0.0)
+    >>> served = Budget(14).serve(rows, keys, extras=[], histograms={}, edges={}, detectors=[])
+    >>> served.level, [k.layer for k in served.keys], served.exported
+    ('worst', ['__all__', 'b'], 14)
 """
 
 from __future__ import annotations

@@ -53,15 +53,15 @@ How the file is written (durability, appending, locking) is in ``_runwriter.py``
 read back (a last line cut short by a crash, another version's columns) in ``_runreader.py``'s.
 
 Example:
-    >>> import numpy as np
     >>> from streamwatch import SeriesKey, StepRecord
+    >>> from streamwatch.testing import table
     >>> key = SeriesKey("train", "fc", "param_grad", "weight")
-    >>> row = [[8, 2.0, 6.0, -1.0, 2.0, 1, float("nan"), 0, 0, 0, 0]]
-    >>> record = StepRecord(0, 1.5, 0, (key,), np.array(row), {"loss": 0.25})
+    >>> row = table(count=8, sum=2.0, sumsq=6.0, min=-1.0, max=2.0, zeros=1, nonfinite=float("nan"), fill=0)
+    >>> record = StepRecord(0, 1.5, 0, (key,), row, {"loss": 0.25})
     >>> lines = keys_line([(0, key)]) + step_line(record, [0], [])
-    >>> print(lines, end="")  # doctest: +NORMALIZE_WHITESPACE
+    >>> print(lines, end="")  # a row: its key's id, then the header's columns  # doctest: +ELLIPSIS
     {"keys":[[0,"train","fc","param_grad","weight"]]}
-    {"step":0,"time":1.5,"rank":0,"rows":[[0,8,2,6,-1,2,1,"nan",0,0,0,0]],"scalars":{"loss":0.25},"extras":[]}
+    {"step":0,"time":1.5,"rank":0,"rows":[[0,8,2,6,-1,2,1,"nan",0,0,0,0...]],"scalars":{"loss":0.25},"extras":[]}
     >>> keys = {}
     >>> first, second = (load_line(line.encode() + b"\\n") for line in lines.splitlines())
     >>> line_kind(first), parse_keys(first, keys), line_kind(second)

@@ -9,13 +9,14 @@ with its tables rearranged to this version's columns (NaN where one is missing),
 ``problems``. Reading takes no lock: it leaves a writer alone.
 
 Example:
-    >>> import tempfile, pathlib, numpy as np
+    >>> import tempfile, pathlib
     >>> from streamwatch import SeriesKey, StepRecord
     >>> from streamwatch.sinks import RunFile
+    >>> from streamwatch.testing import table
     >>> path = pathlib.Path(tempfile.mkdtemp()) / "run.jsonl"
     >>> key = SeriesKey("train", "fc", "param_grad", "weight")
     >>> sink = RunFile(path)
-    >>> sink.send(StepRecord(4, 1.5, 0, (key,), np.zeros((1, 11)), {"loss": 0.25}))
+    >>> sink.send(StepRecord(4, 1.5, 0, (key,), table(count=1, fill=0.0), {"loss": 0.25}))
     >>> sink.close()
     >>> run = read_run(path)
     >>> run.last_good_step, run.records[0].keys == (key,), run.records[0].scalars, run.truncated
@@ -149,10 +150,10 @@ class RunData:
             ValueError: an unknown statistic in ``stats``.
 
         Example:
-            >>> import numpy as np
             >>> from streamwatch import SeriesKey
+            >>> from streamwatch.testing import table as make_table
             >>> key = SeriesKey("train", "fc", "param_grad", "weight")
-            >>> table = np.array([[4, 2.0, 16.0, -1.0, 2.0, 1, 0, 0, 0, 0, 0]])
+            >>> table = make_table(count=4, sum=2.0, sumsq=16.0, min=-1.0, max=2.0, zeros=1, fill=0.0)
             >>> run = RunData(Path("run.jsonl"), {}, [StepRecord(0, 1.5, 0, (key,), table, {"loss": 0.5})])
             >>> frame = run.to_pandas(stats=["l2"])  # doctest: +SKIP
             >>> list(frame.columns), frame["train/fc/param_grad/weight:l2"].tolist()  # doctest: +SKIP

@@ -21,21 +21,23 @@ reports them (``watch.statistics().pipeline_failures``, a warning, a ``PipelineE
 every other sink keeps running.
 
 Example:
-    >>> import tempfile, pathlib, numpy as np
+    >>> import tempfile, pathlib
     >>> from streamwatch import SeriesKey, StepRecord
     >>> from streamwatch.sinks import read_run
+    >>> from streamwatch.testing import table
     >>> path = pathlib.Path(tempfile.mkdtemp()) / "run.jsonl"
     >>> key = SeriesKey("train", "fc", "param_grad", "weight")
-    >>> row = [[8, 2.0, 6.0, -1.0, 2.0, 1, float("nan"), 0, 0, 0, 0]]
+    >>> row = table(count=8, sum=2.0, sumsq=6.0, min=-1.0, max=2.0, zeros=1, nonfinite=float("nan"), fill=0)
     >>> sink = RunFile(path)
-    >>> sink.send(StepRecord(0, 1.5, 0, (key,), np.array(row), {"loss": 0.25}))
+    >>> sink.send(StepRecord(0, 1.5, 0, (key,), row, {"loss": 0.25}))
     >>> sink.close()
     >>> run = read_run(path)
     >>> run.last_good_step, run.records[0].keys == (key,), run.records[0].scalars
     (0, True, {'loss': 0.25})
-    >>> path.read_text().splitlines()[1:]  # doctest: +NORMALIZE_WHITESPACE
-    ['{"keys":[[0,"train","fc","param_grad","weight"]]}',
-     '{"step":0,"time":1.5,"rank":0,"rows":[[0,8,2,6,-1,2,1,"nan",0,0,0,0]],"scalars":{"loss":0.25},"extras":[]}']
+    >>> for line in path.read_text().splitlines()[1:]:  # a row: its key's id, the header's columns
+    ...     print(line)  # doctest: +ELLIPSIS
+    {"keys":[[0,"train","fc","param_grad","weight"]]}
+    {"step":0,"time":1.5,"rank":0,"rows":[[0,8,2,6,-1,2,1,"nan",0,0,0,0...]],"scalars":{"loss":0.25},"extras":[]}
 """
 
 from __future__ import annotations

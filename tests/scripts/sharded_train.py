@@ -21,6 +21,7 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,14 @@ from tests.torchrun import linger
 
 def _sumsq(t: torch.Tensor) -> float:
     return float(t.detach().double().pow(2).sum())
+
+
+def _sums(t: torch.Tensor) -> dict[str, float]:
+    """The full tensor's sums of powers, in float64: what the ranks' shards must add up to."""
+    x = t.detach().double()
+    sums = {"sum": x.sum(), "sumsq": x.pow(2).sum(), "sumabs": x.abs().sum(), "sumcube": x.pow(3).sum()}
+    sums |= {"sumfourth": x.pow(4).sum(), "abs_cube": x.abs().pow(3).sum()}
+    return {name: float(value) for name, value in sums.items()}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -84,7 +93,7 @@ def main() -> None:
     watch = sw.observe(model, opt, cadence={"param": 1, "update": 1}, detail=_policy(args.detail), every=1)
     watch.expose(port=args.port, run=args.name)
     g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
-    full: dict[str, dict[str, float]] = {}
+    full: dict[str, dict[str, Any]] = {}
     local: dict[str, dict[str, float]] = {}
     for step in range(args.steps):
         x, y = torch.randn(32, 16, generator=g), torch.randint(0, 5, (32,), generator=g)
@@ -104,12 +113,14 @@ def main() -> None:
             for n, p in params.items():
                 assert p.grad is not None
                 full[n] = {"param_grad": _sumsq(_full(p.grad)), "count": float(p.numel())}
+                full[n]["param_grad_sums"] = _sums(_full(p.grad))
                 local[n] = {"param_grad": _sumsq(_local(p.grad)), "count": float(_local(p.detach()).numel())}
         opt.step()
         watch.step(loss=loss, batch_size=32)
     for n, p in model.named_parameters():
         after, after_local = _full(p.detach()), _local(p.detach())
         full[n].update(param=_sumsq(after), update=_sumsq(after - before[n]))
+        full[n].update(param_sums=_sums(after), update_sums=_sums(after - before[n]))
         local[n].update(param=_sumsq(after_local), update=_sumsq(after_local - before_local[n]))
     watch.flush()
     (args.out / f"ref-{rank}.json").write_text(json.dumps({"full": full, "local": local}))
