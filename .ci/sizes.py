@@ -49,7 +49,9 @@ def measure(package: Path) -> list[Size]:
 
 def problems(found: list[Size]) -> list[str]:
     """One line per module or class past its limit."""
-    return [f"{s.what} {s.name}: {s.lines} lines, past its limit of {s.limit}" for s in found if s.lines > s.limit]
+    return [
+        f"{s.what} {s.name}: {s.lines} lines, past its limit of {s.limit}" for s in found if s.lines > s.limit
+    ]
 
 
 def main() -> int:
