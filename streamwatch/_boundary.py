@@ -36,6 +36,7 @@ from streamwatch._exceptions import Full, SendTimeout
 from streamwatch._failures import Failures
 from streamwatch._governor import Governor
 from streamwatch._guard import NonFiniteGuard
+from streamwatch._logbook import LogBook, Value
 from streamwatch._nonfinite import NonFiniteTracker
 from streamwatch._outbox import Outbox
 from streamwatch._record import PendingRecord
@@ -130,7 +131,6 @@ class StepBoundary:
         self.overhead_total = 0.0
         self.closed = False
         self.scoring = TrainAccuracy()  # train accuracy's layouts, and where the classes are
-        self._finite_at = _kernel.finite_checks()  # a CPU loss's finiteness in one C call, by dtype
         self._read_f32 = _kernel.scalar_reader()  # a float32 CPU loss's value in one C call
         self._forced = False  # the running step is sampled only because of an escalation
         self._sampling_now = True  # the step running now is sampled (set with the flags)
@@ -144,6 +144,7 @@ class StepBoundary:
         self._gov_clock = clock
         self._gov_real = clock is time.perf_counter  # (else a test's fake clock: no own time)
         self._file = governor.filed.append if governor is not None else None  # (a quiet step's one call)
+        self.logbook = LogBook()  # watch.log()'s values for the step under way
         self._set_sampling(start_step)
 
     @property
@@ -218,25 +219,25 @@ class StepBoundary:
         microseconds where the full boundary takes tens on a small model whose step evicts the
         interpreter's caches (docs/performance.md); ``tests/test_quiet.py`` holds it to the full
         boundary's results."""
+        value: float | None = None
         if isinstance(loss, _Tensor):
             if not loss.is_cpu:
                 return False  # (a device loss: the sentinel queues its flag; the full boundary does it)
-            finite = self._finite_at.get(loss.dtype) if type(loss) is _Tensor else None
-            if finite is not None and not loss.ndim:  # a plain 0-d float: one C call reads it
-                try:
-                    if not finite(loss.data_ptr()):
-                        return False
-                except RuntimeError:  # (no storage: the full boundary says what is wrong)
-                    return False
-            else:
-                try:
+            try:
+                value = self._loss_value(loss)  # (a plain 0-d float32: one C call reads it)
+                if value is None:
                     value = loss.item()  # (a CPU scalar: nothing to wait for; fails unless one element)
-                except RuntimeError:
-                    return False
-                if type(value) is not float or not math.isfinite(value):
-                    return False
-        elif loss is not None and not (type(loss) is float and math.isfinite(loss)):
-            return False
+            except RuntimeError:  # (no storage, or not one element: the full boundary says what is wrong)
+                return False
+            if type(value) is not float or not math.isfinite(value):
+                return False
+        elif loss is not None:
+            if not (type(loss) is float and math.isfinite(loss)):
+                return False
+            value = loss
+        outbox = self._outbox
+        if outbox.steps.full:
+            return False  # (its end sends a record, which ships the logged steps)
         if not (
             (batch_size is None or (type(batch_size) is int and batch_size > 0))
             and (
@@ -254,6 +255,8 @@ class StepBoundary:
                 return False
             # own time in the step: the last boundary's rest, this one's so far (no hook ran in it)
             self._file((reading, self._tail + (reading - now) if self._gov_real else 0.0))  # type: ignore[misc]
+        lrs = outbox.learning_rates()
+        outbox.steps.add(self.step, now, now - self._last, value, batch_size, lrs, self.logbook.take())
         self.state.quiet -= 1
         self.step += 1
         self._last = now
@@ -392,6 +395,7 @@ class StepBoundary:
     def _boundary(self, now: float, checked: StepArgs) -> None:
         seconds = now - self._last
         state = self.state
+        logged = self.logbook.take()
         failed = True
         try:
             device: dict[str, torch.Tensor] = {}
@@ -405,11 +409,17 @@ class StepBoundary:
                     parameters.summarize_rest()  # parameters it does not step)
                 elif state.on.get("param"):
                     parameters.summarize_params()
-                self._outbox.send(self.step, self.start_step, seconds, checked, device, True, now)
-            elif now - self._outbox.last_record >= SCALAR_SECONDS:
+                self._outbox.send(
+                    self.step, self.start_step, seconds, checked, device, True, now, logged=logged
+                )
+            elif now - self._outbox.last_record >= SCALAR_SECONDS or self._outbox.steps.full:
                 # Between sampled steps, the cheap values (loss, lr, step time, throughput) still go out
-                # at least once a second: a scalar record, no layer rows.
-                self._outbox.send(self.step, self.start_step, seconds, checked, device, False, now)
+                # at least once a second: a scalar record, no layer rows (it ships the logged steps too).
+                self._outbox.send(
+                    self.step, self.start_step, seconds, checked, device, False, now, logged=logged
+                )
+            else:  # an unsampled step: its values wait in the log for the next record
+                self._log_step(now, seconds, checked, logged)
             failed = False
             if self.guard.needs(checked.loss):
                 self._check_finite(checked, seconds)
@@ -421,6 +431,21 @@ class StepBoundary:
             self._end_step(now, failed, checked.loss)
         if self._failures.new():  # anything new to warn about (the common step has nothing)
             self._failures.warn()
+
+    def _log_step(
+        self, now: float, seconds: float, checked: StepArgs, logged: dict[str, Value] | None
+    ) -> None:
+        """Keep an unsampled step's values in the outbox's log (a CPU loss read now: a loop may
+        overwrite its buffer; a device loss as a 0-d view, read with the next record's copy)."""
+        loss = checked.loss
+        if isinstance(loss, torch.Tensor):
+            if loss.is_cpu:
+                value = self._loss_value(loss)  # (one C call for a plain 0-d float32)
+                loss = loss.item() if value is None else value
+            else:
+                loss = loss.detach().reshape(())
+        outbox = self._outbox
+        outbox.steps.add(self.step, now, seconds, loss, checked.batch_size, outbox.learning_rates(), logged)
 
     def _check_finite(self, checked: StepArgs, seconds: float) -> None:
         """The guard's per-step check; a failure is counted like a hook's, never raised."""
@@ -556,22 +581,29 @@ class StepBoundary:
         state.kind_metrics, state.step_metrics = {}, ()
         return deferred
 
-    def send_evaluation(self, wait: float | None) -> bool:
-        """At close: evaluation passes run after the last ``watch.step()`` (a final validation) are
-        handed over as a record of their own (step: the next step's number, as evaluation rows between
-        steps are; no step time, no loss). Rows of a training step that never reached ``watch.step()``
-        are not a completed step: with them in the buffer, nothing is sent (docs/observe.md). Under
-        ``overflow="block"`` it waits at most ``wait`` seconds for room; False if it was not sent then
-        (close() counts it as unflushed). The step buffer is cleared either way."""
+    def send_last(self, wait: float | None) -> bool:
+        """At close: evaluation passes run after the last ``watch.step()`` (a final validation) go out as
+        a record of their own (step: the next step's number, as evaluation rows between steps are; no step
+        time, no loss), carrying the steps still in the outbox's log; without them, the logged steps go
+        out, the last as a record of its own. Rows of a training step that never reached ``watch.step()``
+        are not a completed step: they are dropped, never sent (docs/observe.md). Under
+        ``overflow="block"`` it waits at most ``wait`` seconds for room; False if the record was not
+        sent then (close() counts it as unflushed). The step buffer is cleared either way."""
         buffer = self.state.buffer
         sent = True
-        if len(buffer) and all(getattr(key, "phase", None) == "eval" for key in buffer.keys):
-            try:
+        self.logbook.drop_unfinished()
+        evaluation = len(buffer) and all(getattr(key, "phase", None) == "eval" for key in buffer.keys)
+        if not evaluation:
+            buffer.clear()  # (an unfinished training step's rows: not in the last record)
+        try:
+            if evaluation:
                 self._outbox.send(self.step, self.start_step, None, NO_ARGS, {}, full=True, timeout=wait)
-            except SendTimeout:
-                sent = False
-            except Exception as exc:  # a full channel under overflow="error" too: counted, raised below
-                self.state.fail(exc)
+            else:
+                self._outbox.ship_rest(self.start_step, wait)
+        except SendTimeout:
+            sent = False
+        except Exception as exc:  # a full channel under overflow="error" too: counted, raised by close()
+            self.state.fail(exc)
         release_scratch()
         buffer.clear()  # an unfinished step is not a completed step
         self._outbox.release_optimizer()

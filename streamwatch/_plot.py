@@ -156,12 +156,15 @@ def _no_data(ax: Any, why: str) -> None:
     ax.set_yticks([])
 
 
-def _edges(steps: np.ndarray) -> np.ndarray:
-    """Cell edges around each step (midpoints between steps; half a step beyond the ends)."""
-    if len(steps) == 1:
-        return np.array([steps[0] - 0.5, steps[0] + 0.5])
-    mid = (steps[1:] + steps[:-1]) / 2
-    return np.concatenate(([steps[0] - (mid[0] - steps[0])], mid, [steps[-1] + (steps[-1] - mid[-1])]))
+def _edges(steps: np.ndarray, last: float) -> np.ndarray:
+    """Cell edges of sampled steps: each cell from its step to the next sampled one (what a heatmap knows
+    until the next sample), the last one to ``last``, the run's last step, plus one.
+
+    Example:
+        >>> _edges(np.array([0.0, 10.0, 40.0]), 99.0).tolist()
+        [0.0, 10.0, 40.0, 100.0]
+    """
+    return np.append(steps, max(last, steps[-1]) + 1.0)
 
 
 def plot(run: RunData, out: str | Path, *, top: int = 12, rank: int | None = None) -> Path:
@@ -212,7 +215,12 @@ def plot(run: RunData, out: str | Path, *, top: int = 12, rank: int | None = Non
     fig = Figure(figsize=(14, 9), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     (ax_loss, ax_grad), (ax_ratio, ax_dead) = fig.subplots(2, 2)
-    fig.suptitle(f"{title} ({len(steps)} records)")
+    rows = sum(1 for record in run.records if record.keys)
+    fig.suptitle(f"{title} ({len(steps)} steps, {rows} with layer statistics)")
+    span = None  # every panel's x axis: the run's steps (a little room for a point at either end)
+    if len(steps):
+        pad = 0.01 * (float(steps.max()) - float(steps.min()) + 1.0)
+        span = (float(steps.min()) - pad, float(steps.max()) + 1.0 + pad)
 
     # (a) loss and accuracy
     ax_loss.set_title("(a) loss and accuracy", fontsize=10)
@@ -245,6 +253,8 @@ def plot(run: RunData, out: str | Path, *, top: int = 12, rank: int | None = Non
     _title(ax_grad, "(b) gradient norm per layer (param_grad weight, L2)", left, len(grads))
     matrix = np.array([grads[layer] for layer in layers], dtype=np.float64).reshape(len(layers), len(steps))
     matrix[~(matrix > 0)] = np.nan  # log scale: zeros and non-finite values are left blank
+    sampled = np.isfinite(matrix).any(axis=0)  # the steps with gradient rows: a column each
+    matrix = matrix[:, sampled]
     if not layers or not np.isfinite(matrix).any():
         _no_data(ax_grad, "no param_grad weight rows")
     else:
@@ -253,7 +263,7 @@ def plot(run: RunData, out: str | Path, *, top: int = 12, rank: int | None = Non
         if vmax <= vmin:
             vmin, vmax = vmin / 2, vmax * 2
         mesh = ax_grad.pcolormesh(
-            _edges(steps),
+            _edges(steps[sampled], float(steps.max())),
             np.arange(len(layers) + 1) - 0.5,
             np.ma.masked_invalid(matrix),
             norm=LogNorm(vmin=vmin, vmax=vmax),
@@ -304,5 +314,8 @@ def plot(run: RunData, out: str | Path, *, top: int = 12, rank: int | None = Non
     else:
         _no_data(ax_dead, "no activation rows with units")
 
+    if span is not None:
+        for ax in (ax_loss, ax_grad, ax_ratio, ax_dead):
+            ax.set_xlim(*span)  # one step axis: a panel with a few samples is read against the run
     fig.savefig(out, format="png")
     return out
