@@ -38,7 +38,7 @@ from streamwatch._governor import Governor
 from streamwatch._guard import NonFiniteGuard
 from streamwatch._logbook import LogBook, Value
 from streamwatch._nonfinite import NonFiniteTracker
-from streamwatch._outbox import Outbox
+from streamwatch._outbox import LR_OF, Outbox
 from streamwatch._record import PendingRecord
 from streamwatch._step_args import NO_ARGS, StepArgs, check_step, dark_ready
 from streamwatch._store import SeriesStore
@@ -223,9 +223,17 @@ class StepBoundary:
         if isinstance(loss, _Tensor):
             if not loss.is_cpu:
                 return False  # (a device loss: the sentinel queues its flag; the full boundary does it)
+            read = self._read_f32  # (inline, not _loss_value: a Python call costs µs on a cold step)
             try:
-                value = self._loss_value(loss)  # (a plain 0-d float32: one C call reads it)
-                if value is None:
+                if (
+                    read is not None
+                    and type(loss) is _Tensor
+                    and loss.dtype is _F32
+                    and not loss.ndim
+                    and not loss.is_neg()  # (a lazily negated view: the memory holds -value)
+                ):
+                    value = read(loss.data_ptr())
+                else:
                     value = loss.item()  # (a CPU scalar: nothing to wait for; fails unless one element)
             except RuntimeError:  # (no storage, or not one element: the full boundary says what is wrong)
                 return False
@@ -236,7 +244,8 @@ class StepBoundary:
                 return False
             value = loss
         outbox = self._outbox
-        if outbox.steps.full:
+        log = outbox.steps
+        if len(log.entries) >= log.capacity:
             return False  # (its end sends a record, which ships the logged steps)
         if not (
             (batch_size is None or (type(batch_size) is int and batch_size > 0))
@@ -255,8 +264,13 @@ class StepBoundary:
                 return False
             # own time in the step: the last boundary's rest, this one's so far (no hook ran in it)
             self._file((reading, self._tail + (reading - now) if self._gov_real else 0.0))  # type: ignore[misc]
-        lrs = outbox.learning_rates()
-        outbox.steps.add(self.step, now, now - self._last, value, batch_size, lrs, self.logbook.take())
+        book = self.logbook
+        logged = book.pending
+        if logged is not None:
+            book.pending = None
+        groups = outbox.groups  # (the learning rates in C: no Python frame)
+        lrs = None if groups is None else list(map(LR_OF, groups))
+        log.entries.append((self.step, now, now - self._last, value, batch_size, lrs, logged))
         self.state.quiet -= 1
         self.step += 1
         self._last = now

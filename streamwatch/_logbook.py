@@ -42,10 +42,10 @@ class LogBook:
         ({'a': 2.0, 'b': 3.0}, 0)
     """
 
-    __slots__ = ("_names", "_values", "_warned", "refused")
+    __slots__ = ("_names", "_warned", "pending", "refused")
 
     def __init__(self) -> None:
-        self._values: dict[str, Value] | None = None
+        self.pending: dict[str, Value] | None = None  # the values for the step under way (None: none)
         self._names: set[str] = set()
         self._warned = False
         self.refused = 0
@@ -57,7 +57,7 @@ class LogBook:
             TypeError, ValueError: a name that cannot be a metric name, or a value that is not a real
                 number or a one-element real tensor (:func:`log_value`).
         """
-        kept = self._values if self._values is not None else {}
+        kept = self.pending if self.pending is not None else {}
         names = self._names
         refused: list[str] = []
         for name, value in values.items():
@@ -68,7 +68,7 @@ class LogBook:
                     continue
                 names.add(name)
             kept[name] = checked
-        self._values = kept
+        self.pending = kept
         if refused:
             self.refused += len(refused)
             if not self._warned:
@@ -83,7 +83,7 @@ class LogBook:
 
     def take(self) -> dict[str, Value] | None:
         """The step's values (None: none were given); the book is empty after."""
-        values, self._values = self._values, None
+        values, self.pending = self.pending, None
         return values
 
     def drop_unfinished(self) -> None:

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import operator
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -38,9 +39,12 @@ from streamwatch._record import SKIPPED_UPDATE, STEP_VALUE, PendingRecord
 from streamwatch._step_args import StepArgs
 from streamwatch._tapstate import TapState
 
-__all__ = ["STEP_LOG_CAPACITY", "LoggedStep", "Outbox", "StepLog", "release_dropped"]
+__all__ = ["LR_OF", "STEP_LOG_CAPACITY", "LoggedStep", "Outbox", "StepLog", "release_dropped"]
 
 _LR_NAMES = tuple(f"lr/{i}" for i in range(64))  # (param groups' scalar names, made once)
+LR_OF = operator.methodcaller("get", "lr")
+"""A param group's learning rate (None without one): ``list(map(LR_OF, groups))`` reads them with no
+Python frame (the quiet step's)."""
 
 STEP_LOG_CAPACITY = 4096
 """Steps the log holds between records at most (a full log sends one at the next step's end): at a
@@ -90,8 +94,10 @@ class StepLog:
         return len(self.entries) >= self.capacity
 
     def take(self) -> list[LoggedStep]:
-        """Every step kept, oldest first; the log is empty after."""
-        entries, self.entries = self.entries, []
+        """Every step kept, oldest first; the log is empty after (the same list: a quiet step holds its
+        bound ``append``)."""
+        entries = self.entries[:]
+        self.entries.clear()
         return entries
 
     def __len__(self) -> int:
@@ -138,6 +144,7 @@ class Outbox:
         self.state = state
         self._taps = taps
         self._optimizer = optimizer
+        self.groups: list[dict[str, Any]] | None = None if optimizer is None else optimizer.param_groups
         self._tx = sender
         self._overflow = overflow
         self._edges = edges
@@ -153,11 +160,12 @@ class Outbox:
     def learning_rates(self) -> list[Value | None]:
         """The param groups' learning rates now (none without an optimizer)."""
         optimizer = self._optimizer
-        return [] if optimizer is None else [group.get("lr") for group in optimizer.param_groups]
+        return [] if optimizer is None else list(map(LR_OF, optimizer.param_groups))
 
     def release_optimizer(self) -> None:
         """At close: the optimizer is no longer read (the Watch frees it)."""
         self._optimizer = None
+        self.groups = None
 
     def send(
         self,

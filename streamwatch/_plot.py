@@ -7,7 +7,8 @@ The figure is a ``matplotlib.figure.Figure`` drawn by the Agg canvas, so no pypl
 
 Panels:
 
-(a) ``loss`` and train ``accuracy`` (twin y axes) over steps, and ``eval/accuracy`` where recorded;
+(a) ``loss`` and train ``accuracy`` (twin y axes) over steps, ``eval/accuracy`` where recorded, and the
+    values given to ``watch.log`` (on the loss axis, up to ``top`` names, dots where they are sparse);
 (b) per-layer gradient norm: the L2 norm of each layer's ``param_grad`` ``weight`` row, as a heatmap
     (layers on y, steps on x, log10 colour scale);
 (c) per-layer update/weight ratio ``√(Σ update² / Σ param²)`` over the layer's parameters (the
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
-from streamwatch._families import ALL_LAYERS, stepped_weight_sumsq
+from streamwatch._families import ALL_LAYERS, LOGGED, stepped_weight_sumsq
 from streamwatch._validate import check_int
 from streamwatch._version import extra
 
@@ -44,6 +45,7 @@ class Series(TypedDict):
     loss: list[float]
     accuracy: list[float]
     eval_accuracy: list[float]
+    logged: dict[str, list[float]]
     grad_l2: dict[str, list[float]]
     update_ratio: dict[str, list[float]]
     dead: dict[str, list[float]]
@@ -58,6 +60,7 @@ def series(run: RunData) -> Series:
 
     * ``loss``, ``accuracy``, ``eval_accuracy``: the record's scalars ``loss``, ``accuracy`` and
       ``eval/accuracy``;
+    * ``logged``: per name, the values given to ``watch.log`` (the scalars ``log/<name>``);
     * ``grad_l2``: per layer, the ``l2`` of its ``param_grad`` row named ``weight``;
     * ``update_ratio``: per layer, ``√(Σ sumsq(update) / Σ sumsq(param))`` over the layer's parameters
       that have both rows in the record;
@@ -88,11 +91,15 @@ def series(run: RunData) -> Series:
         loss=[float(r.scalars.get("loss", math.nan)) for r in records],
         accuracy=[float(r.scalars.get("accuracy", math.nan)) for r in records],
         eval_accuracy=[float(r.scalars.get("eval/accuracy", math.nan)) for r in records],
+        logged={},
         grad_l2={},
         update_ratio={},
         dead={},
     )
     for j, record in enumerate(records):
+        for name, value in record.scalars.items():
+            if name.startswith(LOGGED):
+                out["logged"].setdefault(name[len(LOGGED) :], [math.nan] * n)[j] = float(value)
         if not len(record.keys):
             continue
         sumsq = record.column("sumsq")
@@ -227,8 +234,12 @@ def plot(run: RunData, out: str | Path, *, top: int = 12, rank: int | None = Non
     loss = np.asarray(data["loss"], dtype=np.float64)
     acc = np.asarray(data["accuracy"], dtype=np.float64)
     eval_acc = np.asarray(data["eval_accuracy"], dtype=np.float64)
+    logged = {name: np.asarray(values, dtype=np.float64) for name, values in data["logged"].items()}
     if not len(steps) or not (
-        np.isfinite(loss).any() or np.isfinite(acc).any() or np.isfinite(eval_acc).any()
+        np.isfinite(loss).any()
+        or np.isfinite(acc).any()
+        or np.isfinite(eval_acc).any()
+        or any(np.isfinite(values).any() for values in logged.values())
     ):
         _no_data(ax_loss, "no loss or accuracy recorded")
     else:
@@ -236,6 +247,11 @@ def plot(run: RunData, out: str | Path, *, top: int = 12, rank: int | None = Non
         if np.isfinite(loss).any():
             ok = np.isfinite(loss)
             handles += ax_loss.plot(steps[ok], loss[ok], color="tab:red", label="loss (train)")
+        for name in list(logged)[:top]:  # your own values (watch.log), on the loss axis
+            ok = np.isfinite(logged[name])
+            if ok.any():
+                style = ".-" if ok.mean() > 0.5 else "o--"  # (sparse: a validation loss every N steps)
+                handles += ax_loss.plot(steps[ok], logged[name][ok], style, markersize=3, label=name)
         ax_loss.set_xlabel("step")
         ax_loss.set_ylabel("loss")
         ax_acc = ax_loss.twinx()

@@ -89,7 +89,7 @@ def test_the_watch_samples_exactly_the_steps_its_governor_chooses(fake_clock: Fa
         assert watch.flush()
         stats = watch.statistics()
     # records arrive for the sampled steps only, and for every one of them (then close()'s final record)
-    assert [r.step for r in records.items] == chosen + [steps - 1]
+    assert [r.step for r in records.items] == [*chosen, steps - 1]
     assert stats.steps == steps
     assert stats.sampled == len(chosen) == stats.records_received
     assert chosen[:3] == [0, 3, 6]  # the first step, then the calibration interval of 3

@@ -83,7 +83,7 @@ def test_quiet_steps_sample_exactly_what_a_ticking_governor_samples(
         watch.flush()
         stats = watch.statistics()
     assert quiet_calls[True] > 500  # most steps after the dark pairs' measurement were quiet
-    assert [r.step for r in records.items] == chosen + [1499]  # (and close()'s final record)
+    assert [r.step for r in records.items] == [*chosen, 1499]  # (and close()'s final record)
     assert stats.steps == 1500
     assert stats.dark_steps == reference.statistics().dark_steps > 0
     assert stats.sampling_interval == reference.interval
@@ -313,7 +313,8 @@ def test_dark_pairs_run_without_any_streamwatch_hook_and_end_with_both_boundarie
     assert governor.unseen_ratio == 0.0  # (the fake clock gave dark steps the lit steps' time)
     # sampled records only (no scalar record: < 1 s), and close()'s final record of the last step
     assert all(r.keys for r in records.items[:-1] if r.step > 0)
-    assert records.items[-1].step == 1499 and not records.items[-1].keys
+    assert records.items[-1].step == 1499
+    assert not records.items[-1].keys
 
 
 def test_a_bad_argument_in_a_dark_step_is_raised_one_boundary_later(monkeypatch: pytest.MonkeyPatch) -> None:
