@@ -225,14 +225,9 @@ class StepBoundary:
                 return False  # (a device loss: the sentinel queues its flag; the full boundary does it)
             read = self._read_f32  # (inline, not _loss_value: a Python call costs µs on a cold step)
             try:
-                if (
-                    read is not None
-                    and type(loss) is _Tensor
-                    and loss.dtype is _F32
-                    and not loss.ndim
-                    and not loss.is_neg()  # (a lazily negated view: the memory holds -value)
-                ):
-                    value = read(loss.data_ptr())
+                if read is not None and type(loss) is _Tensor and loss.dtype is _F32 and not loss.ndim:
+                    # (a lazily negated view's memory holds -value: item() reads it)
+                    value = read(loss.data_ptr()) if not loss.is_neg() else loss.item()
                 else:
                     value = loss.item()  # (a CPU scalar: nothing to wait for; fails unless one element)
             except RuntimeError:  # (no storage, or not one element: the full boundary says what is wrong)
