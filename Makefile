@@ -11,9 +11,10 @@ DEMO_VENV ?= .venv-demo
 DEMO_PY := $(DEMO_VENV)/bin/python
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+DIVERGENCE_ARGS ?=
 SOURCES := pyproject.toml setup.py streamwatch/_schema.py streamwatch/_fused.c streamwatch/_fused_body.h streamwatch/_fused_module.c
 
-.PHONY: env demo test lint format bench dashboards clean
+.PHONY: env demo test lint format bench bench-divergence dashboards clean
 
 $(VENV)/.installed: $(SOURCES)
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +58,11 @@ dashboards: env
 bench: env
 	$(PY) -m pytest benchmarks -o python_files='bench_*.py' -p no:cacheprovider --benchmark-only \
 		--benchmark-columns=min,median,mean,rounds $(PYTEST_ARGS)
+
+# The divergence suite (benchmarks/divergence/): each detector's steps of warning before a run diverges and its
+# false alarms on healthy runs, as a Markdown table (docs/detectors.md). CPU, a few minutes; not part of `test`.
+bench-divergence: env
+	$(PY) benchmarks/divergence/run.py $(DIVERGENCE_ARGS)
 
 clean:
 	rm -rf $(VENV) $(DEMO_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .benchmarks
