@@ -57,6 +57,9 @@ staler than this on ``/metrics``."""
 
 _Tensor = torch.Tensor  # (read on every quiet step: one global lookup, not two)
 _F32 = torch.float32
+_Stashed = tuple[float, float, tuple[object, object, object, object], "dict[str, Value] | None"]
+"""A dark pair's step end waiting for its boundary: ``now``, the governor's reading, the arguments
+(loss, outputs, targets, batch size) and its ``watch.log()`` values."""
 _LR_NAMES = tuple(f"lr/{i}" for i in range(64))  # (param groups' scalar names, made once)
 
 
@@ -135,7 +138,7 @@ class StepBoundary:
         self._forced = False  # the running step is sampled only because of an escalation
         self._sampling_now = True  # the step running now is sampled (set with the flags)
         self._dark = 0  # steps left in a dark pair (docs/governor.md): their ends only read the clock
-        self._stashed: list[tuple[float, float, tuple[object, object, object, object]]] = []
+        self._stashed: list[_Stashed] = []
         self._reading: float | None = None  # a dark step's reading, for its deferred tick
         self._ticked = 0.0  # perf_counter when the governor took its reading at the last boundary
         self._tail = 0.0  # own seconds after it (the last boundary's rest): the next step's
@@ -301,7 +304,8 @@ class StepBoundary:
         ):  # its boundary (at the next call) sends the scalar record, with train accuracy: score copies,
             # as they are now (a loop may overwrite its output and label buffers in place)
             outputs, targets = outputs.detach().clone(), targets.detach().clone()
-        self._stashed.append((now, reading, (loss, outputs, targets, batch_size)))
+        # (its watch.log() values too: the next step's would replace them in the book before it runs)
+        self._stashed.append((now, reading, (loss, outputs, targets, batch_size), self.logbook.take()))
         self._dark -= 1
         governor = self._governor
         if not self._dark or (governor is not None and reading >= governor.deadline):
@@ -315,8 +319,8 @@ class StepBoundary:
             self._taps.go_light()
         except Exception as exc:  # never into the user's step: counted, and the pair still ends
             self.state.fail(exc)
-        for now, reading, args in stashed:
-            self._reading = reading
+        for now, reading, args, logged in stashed:
+            self._reading, self.logbook.pending = reading, logged
             try:
                 self._full_step(now, *args, started=time.perf_counter())
             except Exception as exc:

@@ -544,3 +544,19 @@ def test_a_dark_pair_counts_only_streamwatch_time_as_its_own(monkeypatch: pytest
         watch.step(loss=1.0)
         spent = watch.statistics().overhead_seconds_total - before
     assert 0 < spent < 0.025
+
+
+def test_a_dark_pairs_logged_values_stay_with_their_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    # watch.log() before each end of a dark pair: both boundaries run at the second end, and each must
+    # ship its own step's values (the first's were taken by the second's, and the second had none)
+    records = sw.sinks.collect()
+    model, opt, watch, clock = _governed(monkeypatch, sinks=[records])
+    with watch:
+        steps = _until_dark(watch, model, opt, clock)
+        for k in range(3):
+            loss, _ = _train(model, opt, *next(_batches(1)))
+            watch.log(mark=float(steps + k), only_first=1.0) if k == 0 else watch.log(mark=float(steps + k))
+            watch.step(loss=loss)
+    logged = {s.step: dict(s.scalars) for r in records.items for s in r.every_step() if s.step >= steps}
+    assert [logged[steps + k].get("log/mark") for k in range(3)] == [steps, steps + 1, steps + 2]
+    assert [("log/only_first" in logged[steps + k]) for k in range(3)] == [True, False, False]
