@@ -34,10 +34,12 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 import numpy as np
 
 from streamwatch import ops
+from streamwatch._clip_tap import GRAD_NORM
 from streamwatch._families import (
     GRAD_NORM_RATIO,
     GRAD_NORM_SPIKES,
     LAYER_UPDATE_RATIO,
+    LOGGED,
     LOSS_SPIKES,
     LOSS_ZSCORE,
     UPDATE_RATIO_OUT_OF_BAND,
@@ -472,7 +474,9 @@ class GradientSpike(_Smoothed):
         ratio = g / mean
 
     with ``mean`` the EWM of the previous norms (no ratio while ``mean`` is 0). The norm enters the
-    baseline winsorised at ``threshold * mean``.
+    baseline winsorised at ``threshold * mean``. In a run that clips with ``clip_grad_norm_`` the global
+    norm is the norm before clipping instead (the step's ``log/grad_norm``, which the clip tap records on
+    every step, sampled or not): every step's is scored, as the loss's is by :class:`LossSpike`.
 
     Served: ``streamwatch_grad_norm_ratio{layer}`` and ``streamwatch_grad_norm_spikes_total{layer}``
     (steps with ``ratio > threshold``; 0 from the first gradients on).
@@ -504,17 +508,30 @@ class GradientSpike(_Smoothed):
             raise TypeError(f"Expected `layers` to be True or False, got {self.layers!r}")
 
     def extract(self, record: StepRecord) -> Values | None:
-        """The global and per-layer gradient norms (None without gradient rows)."""
+        """The global and per-layer gradient norms (None without gradient rows or a pre-clip norm); the
+        global one is the norm before clipping where the step has it (``log/grad_norm``)."""
+        preclip = record.scalars.get(_PRECLIP)
         rows, index, names = _grad_layout(record.keys)
         if not rows.size:
-            return None
+            return None if preclip is None else Values(_GLOBAL, (float(preclip),))
         sumsq = record.column("sumsq")[rows]
         if not self.layers:
-            return Values(_GLOBAL, (_root(sum(sumsq.tolist())),))
+            return Values(_GLOBAL, (_root(sum(sumsq.tolist())) if preclip is None else float(preclip),))
         # float sums: an overflow is inf, and a NaN row a NaN norm, without numpy's warnings
         per_series = np.bincount(index, weights=sumsq, minlength=len(names)).tolist()
-        per_series[0] = sum(per_series)  # the global norm: every row
-        return Values(names, tuple(map(_root, per_series)))
+        norms = list(map(_root, per_series))
+        norms[0] = _root(sum(per_series)) if preclip is None else float(preclip)  # the global norm
+        return Values(names, tuple(norms))
+
+    def extract_steps(self, record: StepRecord) -> list[Values] | None:
+        """The pre-clip norms of the unsampled steps ``record`` carries (a run that clips with
+        ``clip_grad_norm_``: every step's), oldest first, then :meth:`extract` of the record."""
+        carried = (one.scalars.get(_PRECLIP) for one in record.steps)
+        found = [Values(_GLOBAL, (float(norm),)) for norm in carried if norm is not None]
+        own = self.extract(record)
+        if own is not None:
+            found.append(own)
+        return found or None
 
     def _score(self, mean: float, dev: float, x: float) -> tuple[float, float, float]:
         if mean > 0:
@@ -523,6 +540,8 @@ class GradientSpike(_Smoothed):
 
 
 _GLOBAL = (GLOBAL,)
+_PRECLIP = LOGGED + GRAD_NORM
+"""A step's gradient norm before clipping (the clip tap's, or a trainer's ``grad_norm``), as a scalar."""
 
 
 def _root(sumsq: float) -> float:
@@ -708,8 +727,8 @@ def pipelines(store: SeriesStore, detectors: Iterable[Detector] = DEFAULT_DETECT
 
     Example:
         >>> import streamwatch as sw
-        >>> [str(p).split(" | ")[1] for p in pipelines(sw.SeriesStore())]
-        ['<map _Smoothed.extract_steps>', '<map _Smoothed.extract_steps>', '<map UpdateRatioBand.extract>']
+        >>> [str(p).split(" | ")[1].split()[1] for p in pipelines(sw.SeriesStore())]
+        ['_Smoothed.extract_steps>', 'GradientSpike.extract_steps>', 'UpdateRatioBand.extract>']
     """
     return [detector.pipeline(store) for detector in check_detectors(detectors)]
 

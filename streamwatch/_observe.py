@@ -40,6 +40,7 @@ from streamwatch._attach import OBSERVED, check_optimizer_steps, on_cpu, unwrap_
 from streamwatch._boundary import SCALAR_SECONDS, StepBoundary, paused
 from streamwatch._cadence import Cadence
 from streamwatch._channel import OverflowPolicy, Receiver, channel
+from streamwatch._clip_tap import log_clipping
 from streamwatch._clock import Clock
 from streamwatch._detail import Detail, position, resolver, this_rank_keeps_detail
 from streamwatch._detectors import DEFAULT_DETECTORS, Detector
@@ -188,6 +189,7 @@ class Watch:
                 start_step=options.start_step,
                 clock=_governor_clock,
             )
+            self._taps.clip = log_clipping(model, self._boundary.logbook.add, state.fail)  # pre-clip norms
             self._worker.start()  # last: a failure before it leaves no thread and no sink touched
         except BaseException:
             self._undo(model, metrics)

@@ -56,6 +56,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from streamwatch._clip_tap import ClipHandle
 from streamwatch._param_taps import ParamTaps
 from streamwatch._record import SeriesKey
 from streamwatch._summary import saturation_bounds
@@ -139,6 +140,7 @@ class TapSet:
         state: TapState,
     ) -> None:
         self.state = state
+        self.clip: ClipHandle | None = None  # the clip tap (streamwatch._clip_tap), removed with the hooks
         # The root module's calls are seen for the Watch's life (:meth:`_root_in`): through its call slot
         # (``_entry``) or, where the slot is taken, a forward pre-hook (``_root_handle``).
         self._entry: Callable[..., Any] | None = None
@@ -461,6 +463,9 @@ class TapSet:
 
     def remove(self) -> None:
         """Remove every hook. Idempotent."""
+        if self.clip is not None:
+            self.clip.remove()
+            self.clip = None
         self._root_out()
         self._release_leaves()
         for group in _GROUPS:
