@@ -31,6 +31,8 @@ __all__ = [
     "ALL_LAYERS",
     "DATA_FAMILIES",
     "DETECTOR_FAMILIES",
+    "DRIFT_ALARMS",
+    "DRIFT_CUSUM",
     "FAMILIES",
     "FIRST_NONFINITE_INFO",
     "FIRST_NONFINITE_STEP",
@@ -185,6 +187,10 @@ UPDATE_RATIO_OUT_OF_BAND = _gauge(
     "Decades a layer's update/weight ratio lies above (+) or below (-) the UpdateRatioBand band, 0 inside",
     "layer",
 )
+DRIFT_CUSUM = _gauge(
+    "drift_cusum", "One-sided CUSUM of every step's log loss or log pre-clip grad norm (Drift)", "series"
+)
+DRIFT_ALARMS = _counter("drift_alarms", "Times the Drift detector's CUSUM passed its threshold", "series")
 DETECTOR_FAMILIES = (
     LOSS_ZSCORE,
     LOSS_SPIKES,
@@ -192,6 +198,8 @@ DETECTOR_FAMILIES = (
     GRAD_NORM_SPIKES,
     LAYER_UPDATE_RATIO,
     UPDATE_RATIO_OUT_OF_BAND,
+    DRIFT_CUSUM,
+    DRIFT_ALARMS,
 )
 
 PER_LAYER_FAMILIES = (

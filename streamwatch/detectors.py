@@ -16,6 +16,9 @@ records only (numpy, no torch), and never touch the model, the optimizer or the 
 * :class:`UpdateRatioBand` — every layer's update/weight ratio ‖Δw‖/‖w‖ against a band (1e-5 to 1e-1
   around the classic ~1e-3): ``streamwatch_layer_update_ratio{layer}`` and
   ``streamwatch_update_ratio_out_of_band{layer}`` (decades above, +, or below, −, the band; 0 inside).
+* :class:`Drift` (opt-in) — a one-sided CUSUM of every step's log loss and log gradient norm before
+  clipping, for the slow climbs a spike detector follows: ``streamwatch_drift_cusum{series}`` and
+  ``streamwatch_drift_alarms_total{series}``.
 
 ``streamwatch.observe()`` runs :data:`DEFAULT_DETECTORS` on its worker (before the series store, so
 ``watch.flush()`` waits for their values); ``observe(detectors=[...])`` chooses and configures them,
@@ -52,10 +55,12 @@ from streamwatch._detectors import (
     attach,
     pipelines,
 )
+from streamwatch._drift import Drift
 
 __all__ = [
     "DEFAULT_DETECTORS",
     "Detector",
+    "Drift",
     "GradientSpike",
     "LossSpike",
     "UpdateRatioBand",

@@ -9,13 +9,13 @@ reached. A median of ten ignores a few bad batches (a noisy run does not diverge
 comparison with the best level rather than the first losses judges a run that had learned something and lost
 it (a dying-ReLU collapse back to chance) the same as one whose loss blows up.
 
-**Judging a detector.** A detector *fires* at a step when its spike counter rises on that step's value
-(``UpdateRatioBand``: a layer out of its band). What matters to a person is when the alert can be
-known: the step of the record that carried the value to the worker (under the governor an unsampled step's
-loss rides with a later record: :attr:`Firing.known`). A scenario's fault starts at its stated onset; the
-warning is the first firing known between the onset and the divergence step, the lead the steps from it to
-the divergence; a firing before the onset (or on a control, any firing) is a false alarm. No firing known by
-the divergence step is *missed*.
+**Judging a detector.** A detector *fires* at a step when its spike (``Drift``: alarm) counter rises on that
+step's value (``UpdateRatioBand``: a layer out of its band). What matters to a person is when the alert can
+be known: the step of the record that carried the value to the worker (under the governor an unsampled
+step's loss rides with a later record: :attr:`Firing.known`). A scenario's fault starts at its stated onset;
+the warning is the first firing known between the onset and the divergence step, the lead the steps from it
+to the divergence; a firing before the onset (or on a control, any firing) is a false alarm. No firing known
+by the divergence step is *missed*.
 
 The detectors run after the run on the records it sent (the same pure functions of records as the watch's
 own, pushed one step at a time so each firing is placed on its step); Lightning's ``SpikeDetection`` (its
@@ -134,7 +134,7 @@ class Firing:
 def _counts(samples: Iterable[sw.Sample]) -> tuple[float, bool]:
     spikes, out = 0.0, False
     for s in samples:
-        if s.name.endswith("_spikes") or s.name.endswith("_spikes_total"):
+        if s.name.endswith(("_spikes", "_alarms")):  # (a chain's samples: counters without _total)
             spikes += s.value
         elif s.name == "streamwatch_update_ratio_out_of_band" and s.value != 0:
             out = True

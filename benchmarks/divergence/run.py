@@ -49,6 +49,7 @@ def columns() -> list[Column]:
         ("LossSpike", detectors.LossSpike),
         ("GradientSpike", detectors.GradientSpike),
         ("UpdateRatioBand", detectors.UpdateRatioBand),
+        ("Drift", detectors.Drift),
     ):
         for run in ("governor", "every=1"):
             cols.append(
