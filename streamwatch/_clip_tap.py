@@ -14,7 +14,8 @@ a CUDA norm stays on its device until the record's one copy. The last call of a 
 
 Not seen: a ``clip_grad_norm_`` imported by name before the watch opened (``from torch.nn.utils import
 clip_grad_norm_``), FSDP1's ``model.clip_grad_norm_``, ``get_total_norm`` with ``clip_grads_with_norm_``,
-and other norm types; log the norm yourself there (``watch.log(grad_norm=norm)``). When the last watch
+other norm types, and a total that is not a plain tensor (FSDP2's DTensor: reading it may need a
+collective); log the norm yourself there (``watch.log(grad_norm=norm)``). When the last watch
 closes the originals are put back, unless someone replaced the wrapper meanwhile (then it stays, passing
 every call straight through).
 
@@ -113,9 +114,13 @@ def _clip_grad_norm_(
         return inner(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     total = inner(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    # a plain tensor only: a DTensor's (FSDP2) total may be a partial sum whose value needs a collective,
+    # which monitoring never starts
+    if type(total) is not torch.Tensor or not _is_two(norm_type):
+        return total
     for listener in listeners:
         try:
-            if _is_two(norm_type) and any(id(p) in listener.ids for p in params):
+            if any(id(p) in listener.ids for p in params):
                 listener.record(total)
         except Exception as exc:  # never into the training step: counted and reported at close()
             listener.fail(exc)

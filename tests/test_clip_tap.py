@@ -204,3 +204,30 @@ def test_an_explosion_that_clipping_contains_is_counted_end_to_end() -> None:
         counts[every] = latest[("streamwatch_grad_norm_spikes", "__all__")]
         assert latest[("streamwatch_grad_norm", None)] > 0
     assert counts == {None: 1.0, 1: 1.0}
+
+
+def test_it_calls_what_was_there_and_skips_totals_that_are_not_plain_tensors() -> None:
+    class Sharded(torch.Tensor):  # stands for a DTensor total (FSDP2), whose value may need a collective
+        pass
+
+    calls: list[str] = []
+
+    def theirs(parameters, max_norm, *args: object) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        calls.append("theirs")
+        total = ORIGINAL(parameters, max_norm, *args)
+        return total.as_subclass(Sharded) if max_norm < 1 else total
+
+    model = nn.Linear(2, 1)
+    seen: list[float] = []
+    torch.nn.utils.clip_grad_norm_ = theirs
+    try:
+        handle = watch_clipping(model.parameters(), lambda t: seen.append(float(t)), print)
+        model(torch.ones(1, 2)).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # a Sharded total: not recorded
+        plain = torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+        handle.remove()
+        assert torch.nn.utils.clip_grad_norm_ is theirs  # put back as it was
+    finally:
+        torch.nn.utils.clip_grad_norm_ = ORIGINAL
+    assert calls == ["theirs", "theirs"]
+    assert seen == [float(plain)]
