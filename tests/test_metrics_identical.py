@@ -123,6 +123,9 @@ CASES: dict[str, Case] = {
         lambda: sw.metrics.Histogram(kinds=("param_grad", "activation"), every=7), ("histogram",)
     ),
     "PNorm": Case(lambda: sw.metrics.PNorm(p=1, kinds=("activation",), every=7), ("norm_p1",)),
+    "OptimizerState": Case(
+        lambda: sw.metrics.OptimizerState(every=7), ("momentum_buffer_norm", "momentum_buffer_max")
+    ),
     "ActivationSimilarity": Case(
         lambda: sw.metrics.ActivationSimilarity(PROBE, layers=["2", "6"], every=7), ("cca_similarity",)
     ),

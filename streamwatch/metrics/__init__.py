@@ -14,6 +14,7 @@ it belongs to; docs/metrics.md lists them all with their cost.
 from streamwatch.metrics._base import Metric
 from streamwatch.metrics._derived import layer_mean, update_ratio
 from streamwatch.metrics._histogram import Buckets, histogram
+from streamwatch.metrics._optstate import OptimizerState
 from streamwatch.metrics._probe import ActivationSimilarity, HessianMaxEig, TestAccuracy
 from streamwatch.metrics._tensor import ConditionNumber, GradientCosine, Histogram, PNorm, SpectralNorm
 
@@ -25,6 +26,7 @@ __all__ = [
     "HessianMaxEig",
     "Histogram",
     "Metric",
+    "OptimizerState",
     "PNorm",
     "SpectralNorm",
     "TestAccuracy",
