@@ -60,6 +60,12 @@ def columns() -> list[Column]:
     return cols
 
 
+def delivery_lag(trace: Trace) -> tuple[float, int]:
+    """(median, max) steps between an unsampled step and the record that carried it to the worker."""
+    lags = [r.step - s.step for r in trace.records for s in r.steps]
+    return (statistics.median(lags), max(lags)) if lags else (0.0, 0)
+
+
 def judge(scenario: Scenario, cols: Sequence[Column]) -> tuple[Trace, list[Verdict], float]:
     start = time.perf_counter()
     traces = {"governor": train(scenario, {}), "every=1": train(scenario, {"every": 1})}
@@ -72,6 +78,9 @@ def judge(scenario: Scenario, cols: Sequence[Column]) -> tuple[Trace, list[Verdi
     if not scenario.control and (d is None or d < (scenario.onset or 0)):
         print(f"warning: {scenario.name} diverged at {d}, onset {scenario.onset}", file=sys.stderr)
     verdicts = [verdict(judge(traces[run]), scenario.onset, d) for _, run, judge in cols]
+    lag = delivery_lag(governed)
+    sampled = sum(1 for r in governed.records if r.keys)
+    every.extra["governor"] = f"{sampled} sampled steps, lag median {lag[0]:g} / max {lag[1]} steps"
     return every, verdicts, time.perf_counter() - start
 
 
@@ -116,6 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"that ended {WINDOW}+ steps before. Cells: steps of warning (lead), **missed**, fa = false alarms.\n"
     )
     print(table(rows, cols))
+    print("\nUnder the governor (sampled steps; lag: from an unsampled step to the record carrying it):")
+    for scenario, trace, _ in rows:
+        print(f"- {scenario.name}: {len(trace.losses)} steps, {trace.extra['governor']}")
     return 0
 
 
