@@ -27,7 +27,7 @@ import abc
 import functools
 import math
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, Protocol
 
@@ -180,14 +180,21 @@ class _PublishLatest(Sink):
     snapshot, not once per record. What the store then serves is what publishing every record's samples
     would have left (:meth:`_Smoothed.published`, :meth:`UpdateRatioBand.published`)."""
 
-    __slots__ = ("detector", "later", "publish")
+    __slots__ = ("alarm", "count", "detector", "later", "publish")
 
-    def __init__(self, store: SeriesStore, detector: Any) -> None:
+    def __init__(self, store: SeriesStore, detector: Any, alarm: Callable[[], object] | None = None) -> None:
         self.later = store.later
         self.detector = detector
         self.publish = detector.published
+        self.alarm = alarm  # called when a Baseline's spike count rises (the watch escalates)
+        self.count = 0
 
     def send(self, item: Any) -> None:
+        if self.alarm is not None:
+            count = sum(item.spikes)
+            if count > self.count:
+                self.alarm()
+            self.count = count
         self.later(self, self.publish, item)
 
     def __repr__(self) -> str:
@@ -205,13 +212,17 @@ class Detector(abc.ABC):
     pipeline's nodes, as for every operator).
     """
 
+    alarms: ClassVar[bool] = False
+    """Whether :meth:`pipeline` takes an ``alarm`` (called when the detector fires: a watch escalates)."""
+
     @abc.abstractmethod
     def chain(self) -> Operator:
         """The operators from a :class:`streamwatch.StepRecord` to the list of samples it yields."""
 
-    def pipeline(self, store: SeriesStore) -> Pipeline:
+    def pipeline(self, store: SeriesStore, alarm: Callable[[], object] | None = None) -> Pipeline:
         """``source() | chain() | publish(store)``: a pipeline that receives every record and puts this
-        detector's values into ``store`` (``watch.store``, or a replay's)."""
+        detector's values into ``store`` (``watch.store``, or a replay's). ``alarm()`` is called when the
+        detector fires, by the detectors whose :attr:`alarms` is true (the others never call it)."""
         return source() | self.chain() | _Publish(store, self)
 
 
@@ -367,15 +378,18 @@ class _Smoothed(Detector):
             | ops.map(self.samples)
         )
 
-    def pipeline(self, store: SeriesStore) -> Pipeline:
+    alarms: ClassVar[bool] = True
+
+    def pipeline(self, store: SeriesStore, alarm: Callable[[], object] | None = None) -> Pipeline:
         """``chain()`` into ``store``, with the samples made from the latest baseline when the store is
-        read (the same values as publishing each record's, once per read)."""
+        read (the same values as publishing each record's, once per read); ``alarm()`` is called on each
+        record that raised a spike count."""
         return (
             source()
             | ops.map(self.extract_steps)
             | ops.filter(_present)
             | ops.scan(self.fold_steps, Baseline.empty())
-            | _PublishLatest(store, self)
+            | _PublishLatest(store, self, alarm)
         )
 
     def extract_steps(self, record: StepRecord) -> list[Values] | None:
@@ -647,9 +661,10 @@ class UpdateRatioBand(Detector):
     def chain(self) -> Operator:
         return ops.map(self.extract) | ops.filter(_present) | ops.map(self.samples)
 
-    def pipeline(self, store: SeriesStore) -> Pipeline:
+    def pipeline(self, store: SeriesStore, alarm: Callable[[], object] | None = None) -> Pipeline:
         """``chain()`` into ``store``, with the samples made from each layer's latest finite ratio when the
-        store is read (the same values as publishing each record's, once per read)."""
+        store is read (the same values as publishing each record's, once per read). No alarm: a band is a
+        state, not an event (its alert waits 10 minutes)."""
         return (
             source()
             | ops.map(self.extract)
@@ -717,9 +732,14 @@ def check_detectors(detectors: object) -> tuple[Detector, ...]:
     return out
 
 
-def pipelines(store: SeriesStore, detectors: Iterable[Detector] = DEFAULT_DETECTORS) -> list[Pipeline]:
+def pipelines(
+    store: SeriesStore,
+    detectors: Iterable[Detector] = DEFAULT_DETECTORS,
+    alarm: Callable[[], object] | None = None,
+) -> list[Pipeline]:
     """One pipeline per detector, each publishing into ``store``: hand them to a worker that feeds it
-    step records (each is stopped alone if it fails).
+    step records (each is stopped alone if it fails). ``alarm()`` is called when a spike or drift
+    detector fires (a watch's escalation).
 
     Raises:
         TypeError: ``detectors`` is not a collection of detectors.
@@ -730,7 +750,7 @@ def pipelines(store: SeriesStore, detectors: Iterable[Detector] = DEFAULT_DETECT
         >>> [str(p).split(" | ")[1].split()[1] for p in pipelines(sw.SeriesStore())]
         ['_Smoothed.extract_steps>', 'GradientSpike.extract_steps>', 'UpdateRatioBand.extract>']
     """
-    return [detector.pipeline(store) for detector in check_detectors(detectors)]
+    return [detector.pipeline(store, alarm) for detector in check_detectors(detectors)]
 
 
 class Watched(Protocol):

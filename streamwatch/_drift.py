@@ -33,16 +33,17 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from streamwatch import ops
 from streamwatch._clip_tap import GRAD_NORM
 from streamwatch._detectors import Detector
 from streamwatch._families import DRIFT_ALARMS, DRIFT_CUSUM, LOGGED
-from streamwatch._pipeline import Operator
+from streamwatch._pipeline import Operator, Pipeline, Sink, source
 from streamwatch._record import Sample, StepRecord
+from streamwatch._store import SeriesStore
 from streamwatch._validate import check_int, check_real
 
 __all__ = ["CAP", "Drift", "DriftState"]
@@ -117,6 +118,18 @@ class Drift(Detector):
             | ops.map(self.samples)
         )
 
+    alarms: ClassVar[bool] = True
+
+    def pipeline(self, store: SeriesStore, alarm: Callable[[], object] | None = None) -> Pipeline:
+        """``chain()`` into ``store``; ``alarm()`` is called on each record that raised an alarm count."""
+        return (
+            source()
+            | ops.map(self.extract_steps)
+            | ops.filter(_present)
+            | ops.scan(self.fold, DriftState.empty())
+            | _Publish(store, self, alarm)
+        )
+
     def extract_steps(self, record: StepRecord) -> list[tuple[tuple[str, float], ...]] | None:
         """Each step's positive finite values, oldest first: the steps ``record`` carries, then its own."""
         found = [_values(one.scalars) for one in record.steps]
@@ -157,6 +170,27 @@ class Drift(Detector):
             if s.n > self.warmup:
                 out.append(Sample(DRIFT_CUSUM.name, dict(labels), s.cusum))
         return out
+
+
+class _Publish(Sink):
+    """The end of :meth:`Drift.pipeline`: the state's samples into the store, and the alarm when the
+    state's alarm count rose."""
+
+    __slots__ = ("alarm", "count", "detector", "store")
+
+    def __init__(self, store: SeriesStore, detector: Drift, alarm: Callable[[], object] | None) -> None:
+        self.store, self.detector, self.alarm = store, detector, alarm
+        self.count = 0
+
+    def send(self, item: DriftState) -> None:
+        count = sum(s.alarms for _, s in item.series)
+        if self.alarm is not None and count > self.count:
+            self.alarm()
+        self.count = count
+        self.store.put(self.detector.samples(item))
+
+    def __repr__(self) -> str:
+        return f"<publish {self.detector!r}>"
 
 
 def _values(scalars: object) -> tuple[tuple[str, float], ...]:

@@ -27,11 +27,48 @@ import torch
 
 from streamwatch._nonfinite import FirstNonFinite, NonFiniteTracker, Reaction, Sentinel, direction_of, log
 
-__all__ = ["GRAD_NORM_TRIAL", "NonFiniteGuard"]
+__all__ = ["GRAD_NORM_TRIAL", "Alarm", "NonFiniteGuard"]
 
 GRAD_NORM_TRIAL = 8
 """Steps over which an automatic gradient-norm sentinel (``overhead=`` with the default ``sentinel``) is
 timed before it is kept or turned off."""
+
+
+class Alarm:
+    """A detector fired (``LossSpike``, ``GradientSpike``, ``Drift``): posted by the worker thread, taken by
+    the guard at the next step boundary, which escalates as a sentinel trip does (docs/detectors.md).
+
+    :meth:`fire` also ends the Watch's quiet window (``state.quiet = 0``, the same as a hook error does),
+    so the next step's end runs the full boundary that takes it — unless the training thread was just
+    counting that window down, then at the window's end (at most :data:`SCALAR_SECONDS` later): the
+    countdown is the training thread's and is never locked.
+
+    Example:
+        >>> class State: quiet = 5
+        >>> alarm = Alarm(State())
+        >>> alarm.fire(); alarm.take(), alarm.take(), alarm.fired, alarm.state.quiet
+        (True, False, 1, 0)
+    """
+
+    __slots__ = ("fired", "pending", "state")
+
+    def __init__(self, state: Any) -> None:
+        self.state = state  # (the TapState: what ends the quiet window)
+        self.pending = False
+        self.fired = 0
+
+    def fire(self) -> None:
+        """A detector's count rose (worker thread; never blocks)."""
+        self.fired += 1
+        self.pending = True
+        self.state.quiet = 0
+
+    def take(self) -> bool:
+        """Whether a detector fired since the last call (training thread)."""
+        if self.pending:
+            self.pending = False
+            return True
+        return False
 
 
 class NonFiniteGuard:
@@ -44,6 +81,7 @@ class NonFiniteGuard:
         escalate: steps sampled in full after a trip (0: never).
         reaction: ``observe(on_nonfinite=)``.
         rank: this process's rank (what a raised error names).
+        alarm: the detectors' :class:`Alarm`, which escalates too (None: only trips do).
 
     Attributes:
         escalated_until: while escalated, the first step after the escalation; else None.
@@ -59,6 +97,7 @@ class NonFiniteGuard:
         escalate: int,
         reaction: Reaction,
         rank: int,
+        alarm: Alarm | None = None,
     ) -> None:
         self.sentinel = Sentinel(grad_norm="grad_norm" in checks or auto_grad_norm) if checks else None
         self.checks_loss = "loss" in checks
@@ -72,6 +111,7 @@ class NonFiniteGuard:
         self._rank = rank
         self.escalated_until: int | None = None
         self.escalations = 0
+        self._alarm = alarm
         self.tripped: list[int] = []  # sentinel trips learnt at this step's boundary
         self._trip_kind = "loss"  # what the last trip saw go bad: "loss" or "grad_norm"
         self._last_trip = -2
@@ -81,7 +121,12 @@ class NonFiniteGuard:
         """Whether the step's end has nothing for the guard but a CPU loss to look at: no escalation, no
         trial, a sentinel with no device probes pending (a quiet step may then skip the full boundary)."""
         sentinel = self.sentinel
-        return self.escalated_until is None and (sentinel is None or (sentinel.idle and self._trial is None))
+        alarm = self._alarm
+        return (
+            self.escalated_until is None
+            and (alarm is None or not alarm.pending)
+            and (sentinel is None or (sentinel.idle and self._trial is None))
+        )
 
     def needs(self, loss: object) -> bool:
         """Whether the sentinel has anything to check at a step that ended with ``loss`` (checked): not
@@ -97,10 +142,15 @@ class NonFiniteGuard:
         )
 
     def escalated(self, step: int) -> bool:
-        """Whether ``step`` is escalated (sampled in full); an escalation past its end is over."""
+        """Whether ``step`` is escalated (sampled in full); an escalation past its end is over. A detector's
+        alarm taken here starts one from ``step`` on (one escalation at a time, as for trips)."""
         until = self.escalated_until
         if until is not None and step >= until:
             self.escalated_until = until = None
+        alarm = self._alarm
+        if alarm is not None and alarm.take() and until is None and self._escalate:
+            self.escalated_until = until = step + self._escalate
+            self.escalations += 1
         return until is not None
 
     def check(

@@ -27,7 +27,7 @@ import math
 import time
 import warnings
 import weakref
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from types import MappingProxyType, TracebackType
 
 import torch
@@ -49,7 +49,7 @@ from streamwatch._exceptions import PipelineError
 from streamwatch._failures import Failures
 from streamwatch._families import check_served
 from streamwatch._governor import Governor
-from streamwatch._guard import NonFiniteGuard
+from streamwatch._guard import Alarm, NonFiniteGuard
 from streamwatch._nonfinite import DEFAULT_ESCALATE, NonFiniteTracker, Reaction
 from streamwatch._options import DEFAULT_OVERHEAD, STATS, Options, check_start_step, parse_options
 from streamwatch._outbox import Outbox, release_dropped
@@ -142,7 +142,8 @@ class Watch:
                 edges.update(metric.edges())
             self._tx, rx = channel(options.capacity, on_drop=release_dropped)
             self._rx = rx  # the worker's once it starts; closed here only if observe() fails before
-            self._worker = _worker(rx, self._store, self._tracker, options, detailed)
+            alarm = Alarm(state)  # the detectors' (worker) → the guard's escalation (training thread)
+            self._worker = _worker(rx, self._store, self._tracker, options, detailed, alarm.fire)
             self._failures = Failures(state, self._store, self._tracker, self._worker)
             self._taps = TapSet(model, modules, params, optimizer, state)
             binding = Binding(model, tuple(params), optimizer, lambda: paused(state))
@@ -184,6 +185,7 @@ class Watch:
                     escalate=options.escalate,
                     reaction=options.reaction,
                     rank=rank,
+                    alarm=alarm,
                 ),
                 metrics=bound,
                 start_step=options.start_step,
@@ -637,6 +639,7 @@ def _worker(
     tracker: NonFiniteTracker,
     options: Options,
     detailed: bool,
+    alarm: Callable[[], object] | None = None,
 ) -> Worker:
     """The worker thread's pipelines, in order: the tracker and the detectors publish into the store
     before it counts the record (``watch.flush()`` waits for that count: their values are in when it
@@ -646,7 +649,7 @@ def _worker(
         rx,
         [
             source() | tracker,
-            *detector_pipelines(store, options.detectors),
+            *detector_pipelines(store, options.detectors, alarm),
             source() | store,
             *(source() | sink for sink in options.sinks),
         ],
@@ -741,8 +744,9 @@ def observe(
             :class:`streamwatch.FirstNonFinite` once per episode (if it raises, it is stopped, counted
             and reported like a failing sink). ``watch.statistics().first_nonfinite`` holds the run's
             first whatever the reaction.
-        escalate: when the per-step sentinel trips, sample every step and every tapped kind for this
-            many steps (default 100), so that the origin is recorded if the fault recurs; ``0``: never.
+        escalate: when the per-step sentinel trips, or a spike or drift detector fires (docs/detectors.md),
+            sample every step and every tapped kind for this many steps (default 100), so that the origin
+            is recorded if the fault recurs; ``0``: never.
         sentinel: the per-step finite check, on every step, sampled or not: ``("loss",)`` (a few µs on the
             CPU, no host sync on CUDA); ``("loss", "grad_norm")`` also checks the global gradient norm
             (one pass over the gradients); ``()`` turns it off. Default (None): the loss, and with

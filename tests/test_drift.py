@@ -175,3 +175,52 @@ def test_drift_is_a_detector_like_the_others() -> None:
     assert dataclasses.is_dataclass(detectors.Drift)
     with pytest.raises(ValueError, match="two"):
         check_detectors([detectors.Drift(), detectors.Drift(threshold=4)])
+
+
+@pytest.mark.parametrize("detector", ["LossSpike", "Drift"])
+def test_a_detector_firing_on_an_unsampled_step_escalates_sampling(detector: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    records = sw.sinks.collect()
+    chosen = [detectors.LossSpike()] if detector == "LossSpike" else [detectors.Drift()]
+    bad = range(45, 46) if detector == "LossSpike" else range(41, 50)  # a spike, or a climb
+    with sw.observe(model, opt, every=10, escalate=5, detectors=chosen, sinks=[records]) as watch:
+        for step in range(80):
+            x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+            scale = 1.0 if step not in bad else (30.0 if detector == "LossSpike" else 1.6 ** (step - 40))
+            loss = F.cross_entropy(model(scale * x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            watch.step(loss=loss)
+            if step % 10 == 0:
+                watch.flush()  # the worker has judged every step up to this record before the next step
+        stats = watch.statistics()
+    sampled = [r.step for r in records.items if r.keys]
+    assert stats.escalations == 1
+    # judged when step 50's record arrived (flush), after step 51's sampling was decided: 52-56 in full
+    assert sampled == [0, 10, 20, 30, 40, 50, 52, 53, 54, 55, 56, 60, 70]
+    escalated = [r for r in records.items if 52 <= r.step <= 56]
+    assert all({"activation", "param_grad", "param", "update"} <= {k.kind for k in r.keys} for r in escalated)
+    assert stats.sentinel_trips == 0
+
+
+def test_no_alarm_no_escalation_and_escalate_0_turns_it_off() -> None:
+    for escalate, bad in ((100, None), (0, 45)):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        with sw.observe(model, opt, every=10, escalate=escalate) as watch:
+            for step in range(60):
+                scale = 30.0 if step == bad else 1.0
+                loss = F.cross_entropy(model(scale * torch.randn(16, 8)), torch.randint(0, 3, (16,)))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                watch.step(loss=loss)
+                if step % 10 == 0:
+                    watch.flush()
+            stats = watch.statistics()
+        assert stats.escalations == 0
+        assert stats.sampled == 6
