@@ -96,7 +96,10 @@ def train(scenario: Any, watch_options: dict[str, Any] | None, after: int = AFTE
     records = sw.sinks.collect()
     watch = None
     if watch_options is not None:
-        watch = sw.observe(run.model, run.optimizer, sinks=[records], detectors=(), **watch_options)
+        # the detectors run live too, as in a user's watch: their alarms escalate sampling, which changes
+        # when later records arrive (judging below is on the records, by fresh detectors)
+        live = [*detectors.DEFAULT_DETECTORS, detectors.Drift()]
+        watch = sw.observe(run.model, run.optimizer, sinks=[records], detectors=live, **watch_options)
     losses: list[float] = []
     start = time.perf_counter()
     try:
