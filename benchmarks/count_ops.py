@@ -1,13 +1,14 @@
 """Launch counts: the torch ops one sampled step dispatches, on the torch path (the ops CUDA tensors take).
 
-Runs on a CPU with ``STREAMWATCH_KERNEL=torch`` (set here, before streamwatch is imported), so every
-summary takes the path a CUDA tensor takes; a counting ``TorchDispatchMode`` records every aten op the
-training thread dispatches during one step. Each model is trained twice in lockstep, unobserved and
-observed with ``every=1`` and every kind's cadence at 1 (weights and updates too), and a sampled step's
-monitoring ops are the observed step's minus the unobserved one's. Also counted: the ``stack``/``cat``
-calls whose inputs have more than one dtype (CUDA's ``cat`` copies such inputs one by one).
+Runs on a CPU with ``STREAMWATCH_KERNEL=torch`` (``main`` sets it; ``tests/test_launches.py`` imports
+this file and sets it itself), so every summary takes the path a CUDA tensor takes; a counting
+``TorchDispatchMode`` records every aten op the training thread dispatches during one step. Each model is
+trained twice in lockstep, unobserved and observed with ``every=1`` and every kind's cadence at 1
+(weights and updates too), and a sampled step's monitoring ops are the observed step's minus the
+unobserved one's. Also counted: the ``stack``/``cat`` calls whose inputs have more than one dtype
+(CUDA's ``cat`` copies such inputs one by one).
 
-Not a test and not timed (``tests/test_launches.py`` asserts the bounds). Run::
+Not timed (``tests/test_launches.py`` asserts the bounds on these counts). Run::
 
     python benchmarks/count_ops.py            # the table of docs/performance.md#launch-counts
     python benchmarks/count_ops.py --ops      # and the monitoring ops of each case by name
@@ -26,8 +27,6 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-os.environ["STREAMWATCH_KERNEL"] = "torch"
 
 import torch
 from torch import nn
@@ -153,6 +152,7 @@ def main() -> None:
     parser.add_argument("cases", nargs="*", help=f"of {list(CASES)} (default: all)")
     parser.add_argument("--ops", action="store_true", help="list the monitoring ops of each case by name")
     args = parser.parse_args()
+    os.environ["STREAMWATCH_KERNEL"] = "torch"
     print(f"torch {torch.__version__}, STREAMWATCH_KERNEL={os.environ['STREAMWATCH_KERNEL']}")
     print(
         "| case | step ops (unobserved) | + ops (sampled) | + kernels | rows | ops / row | kernels / row "
