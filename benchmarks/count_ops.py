@@ -115,7 +115,7 @@ def _step(
     autocast: torch.dtype | None,
     watch: sw.Watch | None,
 ) -> None:
-    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+    with torch.autocast(x.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         logits = model(x)
         loss = nn.functional.cross_entropy(logits.float(), y)
     opt.zero_grad()
@@ -125,10 +125,12 @@ def _step(
         watch.step(loss=loss)
 
 
-def count_case(name: str, warmup: int = 2) -> tuple[Count, Count, int]:
-    """``(unobserved step, observed sampled step, rows in its record)`` for the case ``name``."""
+def count_case(name: str, warmup: int = 2, device: str = "cpu") -> tuple[Count, Count, int]:
+    """``(unobserved step, observed sampled step, rows in its record)`` for the case ``name`` on
+    ``device`` (``tests/test_cuda.py`` counts on a GPU too)."""
     make, autocast = CASES[name]
     model, x, y = make()
+    model, x, y = model.to(device), x.to(device), y.to(device)
     twin = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.01, momentum=0.9)
@@ -151,9 +153,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("cases", nargs="*", help=f"of {list(CASES)} (default: all)")
     parser.add_argument("--ops", action="store_true", help="list the monitoring ops of each case by name")
+    parser.add_argument("--device", default="cpu", help="where the models run (default: cpu)")
     args = parser.parse_args()
     os.environ["STREAMWATCH_KERNEL"] = "torch"
-    print(f"torch {torch.__version__}, STREAMWATCH_KERNEL={os.environ['STREAMWATCH_KERNEL']}")
+    print(f"torch {torch.__version__}, {args.device}, STREAMWATCH_KERNEL={os.environ['STREAMWATCH_KERNEL']}")
     print(
         "| case | step ops (unobserved) | + ops (sampled) | + kernels | rows | ops / row | kernels / row "
         "| mixed-dtype stack/cat (most inputs) |"
@@ -161,7 +164,7 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     details = []
     for name in args.cases or CASES:
-        plain, observed, rows = count_case(name)
+        plain, observed, rows = count_case(name, device=args.device)
         ops = observed.total - plain.total
         kernels = observed.kernels - plain.kernels
         print(

@@ -29,7 +29,7 @@ from torch import nn
 from streamwatch._buffer import StepBuffer
 from streamwatch._record import SeriesKey
 from streamwatch._tapstate import TapState, guarded, summarize_into, summarize_many
-from streamwatch._torchpath import Packing, batches, packing_for, summarize_packed
+from streamwatch._torchpath import GROUP_ELEMENTS, Packing, Packings, batches, summarize_packed
 
 __all__ = ["NO_HOOK", "ParamTaps", "place_in_backward"]
 
@@ -92,7 +92,7 @@ class ParamTaps:
         self.found_inf: torch.Tensor | None = None
         self._before: list[torch.Tensor] | None = None
         self._packed: list[tuple[Packing, list[tuple[str, str, nn.Parameter]]]] = []  # packed snapshots
-        self._snapshots: dict[Any, Packing] = {}  # their packs, by layout
+        self._snapshots = Packings()  # their packs, by layout
         self._grads: list[tuple[SeriesKey, nn.Parameter]] = []  # the param_grad tap's keys and parameters
         self._grad_flags: list[bool] = []  # their requires_grad when their hooks went in (no optimizer)
         # With an optimizer: the parameters it steps (read at its hooks) and the others (at the step's
@@ -263,19 +263,21 @@ class ParamTaps:
             self.summarize_params(self._split(optimizer)[0])
 
     def _snapshot(self, stepped: list[tuple[str, str, nn.Parameter]]) -> None:
-        """The weights before the step: CPU parameters cloned one by one (the fused kernel reads Δ from
-        the two copies), the others (CUDA; all of them with ``STREAMWATCH_KERNEL=torch``) copied into
-        packs by one multi-tensor copy each (``_torchpath.Packing``), where Δ is computed in place
-        (cloned too, as :func:`~streamwatch._tapstate.summarize_many` decides)."""
+        """The weights before the step: with the fused kernel and CPU parameters (the first one's device
+        decides) cloned one by one (the kernel reads Δ from the two copies); otherwise (CUDA;
+        ``STREAMWATCH_KERNEL=torch``) copied into packs by one multi-tensor copy each
+        (``_torchpath.Packing``), where Δ is computed in place. Exact non-finite counts, opt-in metrics
+        of updates and compiled code clone, as :func:`~streamwatch._tapstate.summarize_many` decides."""
         state = self.state
         cloned, packed = stepped, []
-        if torch.compiler.is_compiling() or state.count_nonfinite or state.kind_metrics.get("update"):
-            pass  # (exact non-finite counts and opt-in metrics read each Δ on its own)
-        elif state.kernel is None:
-            cloned, packed = [], stepped
-        elif any(param.device.type != "cpu" for _, _, param in stepped):
-            cloned = [t for t in stepped if t[2].device.type == "cpu"]
-            packed = [t for t in stepped if t[2].device.type != "cpu"]
+        if not (
+            (state.kernel is not None and stepped and stepped[0][2].device.type == "cpu")
+            or state.count_nonfinite
+            or state.kind_metrics.get("update")
+            or torch.compiler.is_compiling()
+        ):  # (a tensor larger than a pack is cloned and summarised alone)
+            cloned = [t for t in stepped if t[2].numel() > GROUP_ELEMENTS]
+            packed = [t for t in stepped if t[2].numel() <= GROUP_ELEMENTS] if cloned else stepped
         with torch.no_grad():
             self._before = [param.detach().clone() for _, _, param in cloned]
             self._packed = []
@@ -285,7 +287,7 @@ class ParamTaps:
             for members in by_device.values():
                 for run in batches([param.numel() for _, _, param in members]):
                     batch = [members[i] for i in run]
-                    pack = packing_for(self._snapshots, [param for _, _, param in batch])
+                    pack, _ = self._snapshots.get([param for _, _, param in batch], either_order=False)
                     pack.fill([param for _, _, param in batch])
                     self._packed.append((pack, batch))
         self._before_params = cloned
@@ -334,7 +336,7 @@ class ParamTaps:
     def clear(self) -> None:
         """Forget every parameter and registration (``remove()``: a closed Watch keeps none alive)."""
         self._before = None
-        self._packed, self._snapshots = [], {}
+        self._packed, self._snapshots = [], Packings()
         self._before_params = self._owned_params = self._other_params = []
         self._owned_grads = self._other_grads = []
         self.params = []

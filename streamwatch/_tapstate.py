@@ -30,7 +30,7 @@ from streamwatch._buffer import StepBuffer
 from streamwatch._kernel import FusedKernel
 from streamwatch._record import SeriesKey
 from streamwatch._summary import summarize, unit_dim_for
-from streamwatch._torchpath import Packing, batches, packing_for, summarize_packed
+from streamwatch._torchpath import GROUP_ELEMENTS, Packings, batches, summarize_packed
 
 __all__ = [
     "Hook",
@@ -106,7 +106,7 @@ class TapState:
     # how many coming step ends may take the Watch's quiet path; anything that records (an evaluation
     # pass arming its hooks) or fails on the training thread sets it to 0
     quiet: int = 0
-    packings: dict[Any, Packing] = field(default_factory=dict)  # summarize_many's, by layout
+    packings: Packings = field(default_factory=Packings)  # summarize_many's, by layout
 
     def skip(self, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
@@ -197,25 +197,31 @@ def summarize_into(
             state.call(metric, state.buffer, key, prepared)
 
 
-def summarize_many(state: TapState, items: Sequence[tuple[SeriesKey, torch.Tensor]]) -> None:
+def summarize_many(state: TapState, items: Sequence[tuple[SeriesKey, torch.Tensor]]) -> None:  # one kind
     """Summarise several tensors of the parameter kinds into the step (each replacing an earlier row of
-    its key): CPU tensors one by one as :func:`summarize_into` does (the fused kernel); the others
-    (CUDA; every tensor with ``STREAMWATCH_KERNEL=torch``) in packs of a device, copied in by one
-    multi-tensor op and summarised by a fixed number of ops each (``_torchpath.summarize_packed``).
-    Exact non-finite counts, opt-in tensor metrics and compiled code take the one-by-one path. One
-    failing tensor (or pack) stops only itself."""
-    packed: dict[torch.device, list[tuple[SeriesKey, torch.Tensor]]] = {}
-    one_by_one = torch.compiler.is_compiling() or state.count_nonfinite
-    for key, x in items:
-        if (
-            one_by_one
-            or state.kind_metrics.get(key.kind)
-            or (state.kernel is not None and x.device.type == "cpu")
-        ):
+    its key): with the fused kernel and CPU tensors (the first one's device decides) one by one as
+    :func:`summarize_into` does; otherwise (CUDA; ``STREAMWATCH_KERNEL=torch``) in packs of a device,
+    copied in by one multi-tensor op and summarised by a fixed number of ops each
+    (``_torchpath.summarize_packed``). Exact non-finite counts, opt-in tensor metrics and compiled code
+    take the one-by-one path. One failing tensor (or pack) stops only itself."""
+    if not items:
+        return
+    kind = items[0][0].kind
+    if (
+        (state.kernel is not None and items[0][1].device.type == "cpu")
+        or state.count_nonfinite
+        or state.kind_metrics.get(kind)
+        or torch.compiler.is_compiling()
+    ):
+        for key, x in items:
             state.call(summarize_into, state, key, x, None, True)
-            continue
+        return
+    packed: dict[torch.device, list[tuple[SeriesKey, torch.Tensor]]] = {}
+    for key, x in items:
         prepared = prepare(x, state, detach=False)  # (read under no_grad)
-        if prepared is not None:
+        if prepared is not None and prepared.numel() > GROUP_ELEMENTS:  # alone: a pack would copy it
+            state.call(summarize_into, state, key, prepared, None, True)
+        elif prepared is not None:
             packed.setdefault(prepared.device, []).append((key, prepared))
     for members in packed.values():
         for run in batches([x.numel() for _, x in members]):
@@ -224,10 +230,10 @@ def summarize_many(state: TapState, items: Sequence[tuple[SeriesKey, torch.Tenso
 
 def _summarize_pack(state: TapState, members: list[tuple[SeriesKey, torch.Tensor]]) -> None:
     tensors = [x for _, x in members]
-    pack = packing_for(state.packings, tensors)
+    pack, flipped = state.packings.get(tensors)
     with torch.no_grad():
-        pack.fill(tensors)
-        rows = summarize_packed(pack)
+        pack.fill(tensors[::-1] if flipped else tensors)
+        rows = summarize_packed(pack, reverse=flipped)
     for (key, x), row in zip(members, rows, strict=True):
         state.buffer.add(key, x.numel(), row, replace=True)
 

@@ -48,11 +48,11 @@ from streamwatch._schema import DEVICE_NAMES
 __all__ = [
     "GROUP_ELEMENTS",
     "Packing",
+    "Packings",
     "Row",
     "batches",
     "device_values",
     "gram_dtype",
-    "packing_for",
     "release_scratch",
     "summarize",
     "summarize_packed",
@@ -72,6 +72,9 @@ _CHUNK = 1024
 GROUP_ELEMENTS = 1 << 22
 """The most elements one :class:`Packing` holds (its buffers: 5 values per element, in float32 80 MB);
 a larger tensor is summarised alone."""
+SLICE_ELEMENTS = 1 << 24
+"""A larger tensor is summarised in slices along its first dimension of about this many elements, so the
+scratch rows stay within 4 of them (256 MB in float32) however large the tensor."""
 _VIEWS_KEPT = 512
 """Scratch views remembered per thread (shapes repeat every step; a model fed ever-new shapes must not
 grow the cache without bound)."""
@@ -159,7 +162,8 @@ def gram_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _views(x: torch.Tensor, dtype: torch.dtype) -> _Views:
     key = (x.device, dtype, x.shape)
-    found = _SCRATCH.views.get(key)
+    compiling = torch.compiler.is_compiling()  # (traced code makes its views: dynamo reads a kept view
+    found = None if compiling else _SCRATCH.views.get(key)  # as a graph input, a non-leaf's .grad)
     if found is not None:
         return found
     n = x.numel()
@@ -172,8 +176,8 @@ def _views(x: torch.Tensor, dtype: torch.dtype) -> _Views:
     if len(_SCRATCH.views) >= _VIEWS_KEPT:
         _SCRATCH.views.clear()
     rows = buffer[:, :n]
-    exponents = torch.tensor([1.0, 2.0], dtype=dtype, device=x.device).view(2, *([1] * x.dim()))
-    found = _SCRATCH.views[key] = _Views(
+    exponents = torch.arange(1, 3, dtype=dtype, device=x.device).view(2, *([1] * x.dim()))  # [1, 2]
+    found = _Views(
         rows,
         rows.t(),
         rows[1:3].view(2, *x.shape),
@@ -182,6 +186,8 @@ def _views(x: torch.Tensor, dtype: torch.dtype) -> _Views:
         rows[1],
         exponents,
     )
+    if not compiling:
+        _SCRATCH.views[key] = found
     return found
 
 
@@ -224,6 +230,10 @@ def summarize(
         bounds: the module's saturation bounds (``_summary.saturation_bounds``): activity is "not at a
             bound" instead of "nonzero".
     """
+    if torch.compiler.is_compiling():
+        return _traced(x, unit_dim, count_nonfinite, bounds)
+    if x.numel() > SLICE_ELEMENTS and x.dim() and x.shape[0] > 1:
+        return _sliced(x, unit_dim, count_nonfinite, bounds)
     dtype = gram_dtype(x)
     views = _views(x, dtype)
     with _no_autocast(x.device):
@@ -241,6 +251,48 @@ def summarize(
             positions = [d for d in range(1, x.dim()) if d != unit_dim]
             active = torch.linalg.vector_norm(active, _INF, dim=positions, dtype=dtype)
         counts = torch.linalg.vector_norm(active, 1, dim=0, dtype=dtype)  # Σ over samples of |sign|
+    return Row(gram, low, high, nonfinite, counts, x.shape[0])
+
+
+def _traced(
+    x: torch.Tensor, unit_dim: int | None, count_nonfinite: bool, bounds: tuple[float, float] | None
+) -> Row:
+    """:func:`summarize` in code ``torch.compile`` traces: the same values from plain ops, in float64
+    (no scratch, no ``out=`` into views, no backend flags: Dynamo traces none of them; Inductor fuses
+    what is left)."""
+    v = x.reshape(-1).to(torch.float64)
+    sign = torch.sign(v)
+    rows = torch.stack([torch.ones_like(v), v, v * v, sign])
+    gram = rows @ rows.t()
+    low, high = torch.aminmax(v)
+    nonfinite = (v - v).nan_to_num(nan=1.0).sum() if count_nonfinite else None
+    if unit_dim is None:
+        return Row(gram, low, high, nonfinite)
+    active = sign.view(x.shape) if bounds is None else _inside(x, bounds).to(torch.float64)
+    if x.dim() > 2:
+        positions = [d for d in range(1, x.dim()) if d != unit_dim]
+        active = torch.linalg.vector_norm(active, _INF, dim=positions)
+    return Row(gram, low, high, nonfinite, torch.linalg.vector_norm(active, 1, dim=0), x.shape[0])
+
+
+def _sliced(
+    x: torch.Tensor, unit_dim: int | None, count_nonfinite: bool, bounds: tuple[float, float] | None
+) -> Row:
+    """:func:`summarize` of a large tensor, slice by slice along dimension 0 (samples, for per-unit
+    activity), the slices' Gram matrices and counts added, their extremes combined."""
+    per = max(1, SLICE_ELEMENTS // (x.numel() // x.shape[0]))
+    parts = [
+        summarize(part, unit_dim=unit_dim, count_nonfinite=count_nonfinite, bounds=bounds)
+        for part in x.split(per)
+    ]
+    with _no_autocast(x.device):
+        gram = torch.stack([p.gram for p in parts]).sum(0)
+        low = torch.stack([p.low for p in parts]).amin()
+        high = torch.stack([p.high for p in parts]).amax()
+        nonfinite = torch.stack([p.nonfinite for p in parts]).sum() if count_nonfinite else None  # type: ignore[misc]
+        if unit_dim is None:
+            return Row(gram, low, high, nonfinite)
+        counts = torch.stack([p.unit_counts for p in parts]).sum(0)  # type: ignore[misc]
     return Row(gram, low, high, nonfinite, counts, x.shape[0])
 
 
@@ -270,7 +322,7 @@ class Packing:
             flat[s : s + shape.numel()].view(shape) for s, shape in zip(starts, shapes, strict=True)
         ]
         # how many chunks each tensor has: the segments its chunks' sums are added over
-        self.lengths = torch.tensor([-(-shape.numel() // _CHUNK) for shape in shapes], device=device)
+        self.lengths = _on(device, [-(-shape.numel() // _CHUNK) for shape in shapes])
         self.rows: tuple[torch.Tensor, ...] = ()  # views of the thread's chunk scratch (summarize_packed)
 
     def fill(self, tensors: list[torch.Tensor]) -> None:
@@ -298,29 +350,56 @@ def batches(sizes: Sequence[int], most: int = GROUP_ELEMENTS) -> list[range]:
     return runs
 
 
-_PACKINGS_KEPT = 16
-"""Packings a cache holds (:func:`packing_for`): layouts repeat every step."""
+KEPT_ELEMENTS = 1 << 25
+"""The most elements the packings of one :class:`Packings` keep (128 MB in float32): a larger model's
+packings beyond it are made for each use (one allocation and a view per tensor: ops, no kernels)."""
 
 
-def packing_for(cache: dict[Any, Packing], tensors: Sequence[torch.Tensor]) -> Packing:
-    """The :class:`Packing` of ``tensors``' layout from ``cache`` (made and kept if new): on their
-    device, in their :func:`gram_dtype` (float64 if any is)."""
-    device = tensors[0].device
-    dtype = max((gram_dtype(t) for t in tensors), key=lambda d: d.itemsize)
-    key = (device, dtype, tuple(t.shape for t in tensors))
-    found = cache.get(key)
-    if found is None:
-        if len(cache) >= _PACKINGS_KEPT:
-            cache.clear()
-        found = cache[key] = Packing([t.shape for t in tensors], device, dtype)
-    return found
+class Packings:
+    """Packings by layout, kept while they hold at most :data:`KEPT_ELEMENTS` in all (layouts repeat
+    every step: a packing's views are made once).
+
+    Example:
+        >>> packs = Packings()
+        >>> a, b = torch.ones(3), torch.ones(2, 2)
+        >>> pack, flipped = packs.get([a, b])
+        >>> packs.get([a, b]) == (pack, False), packs.get([b, a]) == (pack, True)
+        (True, True)
+    """
+
+    def __init__(self, kept: int = KEPT_ELEMENTS) -> None:
+        self._kept = kept
+        self._packs: dict[tuple[Any, ...], Packing] = {}
+        self._elements = 0
+
+    def get(self, tensors: Sequence[torch.Tensor], either_order: bool = True) -> tuple[Packing, bool]:
+        """``(packing, flipped)``: the packing of ``tensors``' layout on their device in their
+        :func:`gram_dtype` (float64 if any is), or with ``either_order`` that of the reversed layout
+        (``flipped``: gradients come in backward order, weights in forward order; one packing serves
+        both)."""
+        device = tensors[0].device
+        dtype = max((gram_dtype(t) for t in tensors), key=lambda d: d.itemsize)
+        shapes = tuple(t.shape for t in tensors)
+        found = self._packs.get((device, dtype, shapes))
+        if found is not None:
+            return found, False
+        if either_order:
+            found = self._packs.get((device, dtype, shapes[::-1]))
+            if found is not None:
+                return found, True
+        pack = Packing(shapes, device, dtype)
+        if self._elements + pack.buffer.numel() <= self._kept:
+            self._packs[(device, dtype, shapes)] = pack
+            self._elements += pack.buffer.numel()
+        return pack, False
 
 
-def summarize_packed(pack: Packing) -> list[Row]:
+def summarize_packed(pack: Packing, reverse: bool = False) -> list[Row]:
     """The :class:`Row` of every tensor in ``pack``, in a fixed number of ops whatever their number:
     ``pow`` and ``sign`` into a chunked scratch of rows, one batched product for each chunk's Gram
     matrix, one ``segment_reduce`` adding chunks into tensors (in order: deterministic); the extremes by
-    two ``_foreach_max`` calls (on the tensors and their negations) and two ``_foreach_neg``.
+    two ``_foreach_max`` calls (on the tensors and their negations) and two ``_foreach_neg``. With
+    ``reverse``, the rows of the tensors in reverse order (one ``flip`` more).
 
     Example:
         >>> pack = Packing([torch.Size([3]), torch.Size([2])], torch.device("cpu"), torch.float32)
@@ -344,9 +423,12 @@ def summarize_packed(pack: Packing) -> list[Row]:
         torch.sign(pack.buffer, out=sign)
         grams = torch.bmm(rows, rows_t).view(chunks, 16)
         # each tensor's chunks added up, in order (a product with a 0/1 matrix would make 0·inf = NaN)
-        gram = torch.segment_reduce(grams, "sum", lengths=pack.lengths, axis=0, unsafe=True).view(-1, 4)
+        gram = torch.segment_reduce(grams, "sum", lengths=pack.lengths, axis=0, unsafe=True)
         highs = torch._foreach_max(pack.views)
         lows = torch._foreach_neg(torch._foreach_max(torch._foreach_neg(pack.views)))
+        if reverse:  # (one flip: the step boundary then takes the whole pack in one piece)
+            gram, lows, highs = gram.flip(0), lows[::-1], highs[::-1]
+    gram = gram.view(-1, 4)
     return [Row(gram, low, high, part=i) for i, (low, high) in enumerate(zip(lows, highs, strict=True))]
 
 
@@ -354,7 +436,7 @@ def _exponents(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     key = (device, dtype)
     found = _SCRATCH.other.get(key)
     if found is None:
-        found = _SCRATCH.other[key] = torch.tensor([1.0, 2.0], dtype=dtype, device=device).view(2, 1)
+        found = _SCRATCH.other[key] = torch.arange(1, 3, dtype=dtype, device=device).view(2, 1)  # [1, 2]
     return found
 
 
@@ -407,5 +489,11 @@ def _pick(device: torch.device, counted: bool) -> torch.Tensor:
     found = _SCRATCH.picks.get((device, counted))
     if found is None:
         pick = _PICK if counted else _PICK[:-1]
-        found = _SCRATCH.picks[(device, counted)] = torch.tensor(pick, dtype=torch.int64, device=device)
+        found = _SCRATCH.picks[(device, counted)] = _on(device, pick)
     return found
+
+
+def _on(device: torch.device, values: list[int]) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``, copied without waiting: a blocking host-to-device copy
+    is a host sync (``torch.tensor(..., device=)`` makes one), which the training thread never makes."""
+    return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)

@@ -340,3 +340,15 @@ def test_every_tap_kind_on_convolutions_norms_and_attention_makes_no_host_sync(
     kinds = {key.kind for key in items[-1].keys}
     assert set(KINDS) <= kinds
     assert all(np.isfinite([r.column(c) for c in FIRST_SIX]).all() for r in items)
+
+
+@pytest.mark.parametrize("case", ["mlp", "transformer bf16"])
+def test_a_sampled_step_keeps_the_launch_budget_on_the_gpu(case: str) -> None:
+    """The launch counts of docs/performance.md#launch-counts, counted on the GPU itself: within the CPU
+    budget plus the pinned copy's few ops, and no ``stack``/``cat`` of mixed dtypes (host syncs: the
+    tests above)."""
+    from tests.test_launches import BUDGET, COUNT_OPS
+
+    plain, observed, _ = COUNT_OPS.count_case(case, device="cuda")
+    assert observed.total - plain.total <= BUDGET[case] + 8, sorted((observed.ops - plain.ops).items())
+    assert observed.mixed == 0
