@@ -1,7 +1,8 @@
 """Launch counts: the torch ops one sampled step dispatches, on the torch path (the ops CUDA tensors take).
 
 Runs on a CPU with ``STREAMWATCH_KERNEL=torch`` (``main`` sets it; ``tests/test_launches.py`` imports
-this file and sets it itself), so every summary takes the path a CUDA tensor takes; a counting
+this file and sets it itself) and ``_torchpath.FEW_LAUNCHES_ON_CPU``, so every summary takes the ops a
+CUDA tensor takes; a counting
 ``TorchDispatchMode`` records every aten op the training thread dispatches during one step. Each model is
 trained twice in lockstep, unobserved and observed with ``every=1`` and every kind's cadence at 1
 (weights and updates too), and a sampled step's monitoring ops are the observed step's minus the
@@ -33,6 +34,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import streamwatch as sw
+from streamwatch import _torchpath
 
 __all__ = ["CASES", "Count", "OpCounter", "count_case", "main"]
 
@@ -127,7 +129,17 @@ def _step(
 
 def count_case(name: str, warmup: int = 2, device: str = "cpu") -> tuple[Count, Count, int]:
     """``(unobserved step, observed sampled step, rows in its record)`` for the case ``name`` on
-    ``device`` (``tests/test_cuda.py`` counts on a GPU too)."""
+    ``device`` (``tests/test_cuda.py`` counts on a GPU too), CPU tensors taking the ops CUDA tensors
+    take (``_torchpath.FEW_LAUNCHES_ON_CPU``)."""
+    was = _torchpath.FEW_LAUNCHES_ON_CPU
+    _torchpath.FEW_LAUNCHES_ON_CPU = True
+    try:
+        return _count_case(name, warmup, device)
+    finally:
+        _torchpath.FEW_LAUNCHES_ON_CPU = was
+
+
+def _count_case(name: str, warmup: int, device: str) -> tuple[Count, Count, int]:
     make, autocast = CASES[name]
     model, x, y = make()
     model, x, y = model.to(device), x.to(device), y.to(device)

@@ -3,7 +3,8 @@
 Every sum of the column schema is an entry of one small Gram matrix. With the rows
 ``R = [1, x, x², sign x]`` of a tensor (flattened), ``R Rᵀ`` holds Σx ``(0,1)``, Σx² ``(1,1)``,
 Σx³ ``(1,2)``, Σx⁴ ``(2,2)``, Σ|x| = Σ sign(x)·x ``(1,3)`` and the nonzero count Σ sign(x)² ``(3,3)``. So
-one tensor is four dispatched ops (:func:`summarize`):
+one tensor is four dispatched ops on an accelerator (:func:`summarize`; a CPU takes five or six faster
+ones, :data:`FEW_LAUNCHES_ON_CPU`):
 
 1. ``pow(x, [1, 2])`` writes x and x² into rows 1-2 of a reused scratch buffer, in the accumulation dtype
    (float32, float64 for float64 tensors: a float16 x² cannot overflow); row 0 holds ones for good;
@@ -72,6 +73,12 @@ _CHUNK = 1024
 GROUP_ELEMENTS = 1 << 22
 """The most elements one :class:`Packing` holds (its buffers: 5 values per element, in float32 80 MB);
 a larger tensor is summarised alone."""
+FEW_LAUNCHES_ON_CPU = False
+"""Whether CPU tensors take the few-launch ops of the module docstring (``pow``, one ``mm``) too. A CPU
+pays no launches but ~10 µs of dispatch per op and its bandwidth, so by default it takes a copy and a
+multiply for x and x² and a batched product per chunk (both 2-3× faster there) — five or six ops. The
+launch counts (``benchmarks/count_ops.py``, ``tests/test_launches.py``) set it: what they count on a CPU
+is then what CUDA runs."""
 SLICE_ELEMENTS = 1 << 24
 """A larger tensor is summarised in slices along its first dimension of about this many elements, so the
 scratch rows stay within 4 of them (256 MB in float32) however large the tensor."""
@@ -123,6 +130,8 @@ class _Views:
     sign: torch.Tensor  # (*shape): row 3
     flat: torch.Tensor  # (n,): row 1
     exponents: torch.Tensor  # (2, 1, ..., 1): [1, 2]
+    square: torch.Tensor  # (n,): row 2
+    chunks: tuple[torch.Tensor, torch.Tensor] | None  # the rows as (C, 4, L) and (C, L, 4), if n = C·L
 
 
 class _Scratch(threading.local):
@@ -177,6 +186,10 @@ def _views(x: torch.Tensor, dtype: torch.dtype) -> _Views:
         _SCRATCH.views.clear()
     rows = buffer[:, :n]
     exponents = torch.arange(1, 3, dtype=dtype, device=x.device).view(2, *([1] * x.dim()))  # [1, 2]
+    chunks = None
+    if n % _CHUNK == 0:
+        chunked = rows.view(4, n // _CHUNK, _CHUNK).transpose(0, 1)
+        chunks = (chunked, chunked.transpose(1, 2))
     found = _Views(
         rows,
         rows.t(),
@@ -185,6 +198,8 @@ def _views(x: torch.Tensor, dtype: torch.dtype) -> _Views:
         rows[3].view(x.shape),
         rows[1],
         exponents,
+        rows[2],
+        chunks,
     )
     if not compiling:
         _SCRATCH.views[key] = found
@@ -236,10 +251,18 @@ def summarize(
         return _sliced(x, unit_dim, count_nonfinite, bounds)
     dtype = gram_dtype(x)
     views = _views(x, dtype)
+    few = FEW_LAUNCHES_ON_CPU or x.device.type != "cpu"
     with _no_autocast(x.device):
-        torch.pow(x, views.exponents, out=views.powers)
+        if few:  # x and x² in one op
+            torch.pow(x, views.exponents, out=views.powers)
+        else:  # a CPU: a copy and a multiply, where pow takes a transcendental per element
+            views.value.copy_(x)
+            torch.mul(views.flat, views.flat, out=views.square)
         torch.sign(views.value, out=views.sign)
-        gram = torch.mm(views.rows, views.rows_t)
+        if few or views.chunks is None:
+            gram = torch.mm(views.rows, views.rows_t)
+        else:  # a CPU: a Gram matrix per chunk, added (a 4×n product runs at a fraction of the bandwidth)
+            gram = torch.bmm(*views.chunks).sum(0)
         low, high = torch.aminmax(views.flat)
         nonfinite = None
         if count_nonfinite:  # x - x is 0 where finite and NaN at NaN/±inf: count those

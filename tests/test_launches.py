@@ -44,6 +44,12 @@ def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STREAMWATCH_KERNEL", "torch")
 
 
+@pytest.fixture(autouse=True)
+def few_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU tensors take the ops CUDA tensors take (a CPU takes faster ones by default: the test below)."""
+    monkeypatch.setattr(_torchpath, "FEW_LAUNCHES_ON_CPU", True)
+
+
 @pytest.mark.parametrize("case", list(BUDGET))
 def test_a_sampled_step_dispatches_few_ops_and_never_stacks_mixed_dtypes(torch_path: None, case: str) -> None:
     """One sampled step with every kind at cadence 1, float32 and under bf16 autocast: its added ops
@@ -262,3 +268,25 @@ def test_compiled_code_takes_plain_ops_with_the_same_values(unit_dim: int | None
     np.testing.assert_allclose(traced.values().numpy(), eager.values().double().numpy(), rtol=1e-6, atol=1e-6)
     if unit_dim is not None:
         np.testing.assert_array_equal(traced.unit_counts.numpy(), eager.unit_counts.double().numpy())
+
+
+@pytest.mark.parametrize("unit_dim", [None, 1])
+@pytest.mark.parametrize("n", [1024 * 6, 1000], ids=["chunks", "no_chunks"])
+def test_a_cpu_takes_a_copy_a_multiply_and_chunked_products_with_the_same_values(
+    monkeypatch: pytest.MonkeyPatch, unit_dim: int | None, n: int
+) -> None:
+    monkeypatch.setattr(_torchpath, "FEW_LAUNCHES_ON_CPU", False)
+    g = torch.Generator().manual_seed(7)
+    for x in (
+        torch.randn(n // 8, 8, generator=g).relu() + 0.5,
+        torch.randn(8, n // 8, generator=g).bfloat16(),
+    ):
+        summarize(x, unit_dim=unit_dim)
+        with COUNT_OPS.OpCounter() as counter:
+            row = summarize(x, unit_dim=unit_dim)
+        assert ("bmm" in counter.count.ops) == (n % 1024 == 0)
+        assert "pow" not in counter.count.ops
+        _assert_values(row.values(), x)
+        if unit_dim is not None:
+            active = (x != 0).sum(0).double()
+            np.testing.assert_array_equal(row.unit_counts.double().numpy(), active.numpy())
