@@ -3,8 +3,8 @@
 Every sum of the column schema is an entry of one small Gram matrix. With the rows
 ``R = [1, x, x², sign x]`` of a tensor (flattened), ``R Rᵀ`` holds Σx ``(0,1)``, Σx² ``(1,1)``,
 Σx³ ``(1,2)``, Σx⁴ ``(2,2)``, Σ|x| = Σ sign(x)·x ``(1,3)`` and the nonzero count Σ sign(x)² ``(3,3)``. So
-one tensor is four dispatched ops on an accelerator (:func:`summarize`; a CPU takes five or six faster
-ones, :data:`FEW_LAUNCHES_ON_CPU`):
+one tensor is four dispatched ops on an accelerator (:func:`summarize`; a CPU takes five to eight
+faster ones, :data:`FEW_LAUNCHES_ON_CPU`):
 
 1. ``pow(x, [1, 2])`` writes x and x² into rows 1-2 of a reused scratch buffer, in the accumulation dtype
    (float32, float64 for float64 tensors: a float16 x² cannot overflow); row 0 holds ones for good;
@@ -76,7 +76,8 @@ a larger tensor is summarised alone."""
 FEW_LAUNCHES_ON_CPU = False
 """Whether CPU tensors take the few-launch ops of the module docstring (``pow``, one ``mm``) too. A CPU
 pays no launches but ~10 µs of dispatch per op and its bandwidth, so by default it takes a copy and a
-multiply for x and x² and a batched product per chunk (both 2-3× faster there) — five or six ops. The
+multiply for x and x², a batched product per chunk (both 2-3× faster there) and ``abs_``, ``amax``,
+``sum`` for per-unit activity (norms are slow there) — five to eight ops. The
 launch counts (``benchmarks/count_ops.py``, ``tests/test_launches.py``) set it: what they count on a CPU
 is then what CUDA runs."""
 SLICE_ELEMENTS = 1 << 24
@@ -270,10 +271,17 @@ def summarize(
         if unit_dim is None:
             return Row(gram, low, high, nonfinite)
         active = views.sign if bounds is None else _inside(x, bounds)
-        if x.dim() > 2:  # a (sample, unit) pair is active if the unit is active anywhere in its positions
-            positions = [d for d in range(1, x.dim()) if d != unit_dim]
-            active = torch.linalg.vector_norm(active, _INF, dim=positions, dtype=dtype)
-        counts = torch.linalg.vector_norm(active, 1, dim=0, dtype=dtype)  # Σ over samples of |sign|
+        positions = [d for d in range(1, x.dim()) if d != unit_dim]
+        if few:  # |sign| reduced by norms: one op over the samples (one more over the positions first)
+            if positions:  # a (sample, unit) pair is active if the unit is active anywhere in its positions
+                active = torch.linalg.vector_norm(active, _INF, dim=positions, dtype=dtype)
+            counts = torch.linalg.vector_norm(active, 1, dim=0, dtype=dtype)
+        else:  # a CPU: |sign| in place (the Gram matrix is taken), then max and sum (norms are slow there)
+            if bounds is None:
+                active.abs_()
+            if positions:
+                active = active.amax(dim=positions)
+            counts = active.sum(0, dtype=dtype)
     return Row(gram, low, high, nonfinite, counts, x.shape[0])
 
 
