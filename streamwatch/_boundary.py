@@ -40,6 +40,7 @@ from streamwatch._nonfinite import NonFiniteTracker
 from streamwatch._outbox import Outbox
 from streamwatch._record import PendingRecord
 from streamwatch._step_args import NO_ARGS, StepArgs, check_step, dark_ready
+from streamwatch._steptimes import StepTimes
 from streamwatch._store import SeriesStore
 from streamwatch._summary import release_scratch
 from streamwatch._taps import TapSet
@@ -128,6 +129,7 @@ class StepBoundary:
         self.failed_steps = 0
         self.overhead = 0.0  # streamwatch's own time on the training thread, last step
         self.overhead_total = 0.0
+        self.times = StepTimes()  # every step's wall time and samples (the step counters, the histogram)
         self.closed = False
         self.scoring = TrainAccuracy()  # train accuracy's layouts, and where the classes are
         self._finite_at = _kernel.finite_checks()  # a CPU loss's finiteness in one C call, by dtype
@@ -256,6 +258,7 @@ class StepBoundary:
             self._file((reading, self._tail + (reading - now) if self._gov_real else 0.0))  # type: ignore[misc]
         self.state.quiet -= 1
         self.step += 1
+        self.times.add(now - self._last, batch_size)
         self._last = now
         end = time.perf_counter()
         self.overhead = end - now
@@ -391,6 +394,7 @@ class StepBoundary:
 
     def _boundary(self, now: float, checked: StepArgs) -> None:
         seconds = now - self._last
+        self.times.add(seconds, checked.batch_size)
         state = self.state
         failed = True
         try:

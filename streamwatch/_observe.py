@@ -509,6 +509,7 @@ class Watch:
             sentinel=guard.checks(),
             escalations=guard.escalations,
             escalated_until=guard.escalated_until,
+            **boundary.times.statistics(),
         )
 
     def close(self, timeout: float | None = None) -> None:

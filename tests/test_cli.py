@@ -219,7 +219,7 @@ def test_live_view_replay_and_plot_from_the_command_line(tmp_path: Path) -> None
             assert line
         body = urllib.request.urlopen(url, timeout=10).read().decode()
         assert re.search(r"streamwatch_step\{[^}]*\} 39\.0", body)
-        assert "streamwatch_tensor{" in body
+        assert "streamwatch_tensor_l2{" in body
     finally:
         replay.send_signal(signal.SIGINT)
         _, err = replay.communicate(timeout=60)
