@@ -208,7 +208,7 @@ TENSOR_VALUES = Family(
     "streamwatch_tensor_values",
     "histogram",
     "Values of a tapped tensor in fixed log-spaced buckets (non-finite values excluded: see "
-    'streamwatch_tensor{stat="nonfinite"})',
+    "streamwatch_tensor_nonfinite_elements)",
     _TENSOR_KEY,
 )
 LAYER_MEAN = _gauge(
@@ -236,7 +236,7 @@ LOSS_ZSCORE = _gauge("loss_zscore", "Robust z-score of the loss against its EWM 
 LOSS_SPIKES = _counter("loss_spikes", "Sampled steps whose loss z-score exceeded the LossSpike threshold")
 GRAD_NORM_RATIO = _gauge(
     "grad_norm_ratio",
-    'Gradient norm over its EWM baseline per layer, layer="__all__" the global norm (GradientSpike)',
+    "Gradient norm over its EWM baseline per layer, layer __all__ the global norm (GradientSpike)",
     "layer",
 )
 GRAD_NORM_SPIKES = _counter(

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
@@ -26,10 +28,12 @@ from streamwatch import SeriesKey
 from streamwatch._families import PER_LAYER_FAMILIES, exposed_sample
 from streamwatch._schema import COLUMN
 from streamwatch._steptimes import STEP_BUCKETS
-from tests.promtool import check_metrics
+from streamwatch.sinks._http import OPENMETRICS_CONTENT_TYPE
+from tests.promtool import check_metrics, lint_problems
 from tests.training import train
 
 IDENTITY = ("run", "rank", "local_rank", "world_size", "host")
+OPENMETRICS_ACCEPT = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
 SERIES_IDENTITY = ("run", "rank")  # on every series; the rest of the identity on streamwatch_info alone
 
 
@@ -465,8 +469,9 @@ def test_serve_refuses_reserved_and_malformed_labels(
         watch.serve("tenfold", labels)
 
 
-def _served_run(**expose: Any) -> tuple[str, sw.Watch]:
-    """A run with a histogram and a served family, scraped through ``expose(**expose)``."""
+def _served_run(**expose: Any) -> tuple[str, sw.Watch, str]:
+    """A run with a histogram and a served family, scraped through ``expose(**expose)``: the text body,
+    the watch, and the OpenMetrics body of the same route."""
     model, opt = _model()
     registry = expose.pop("registry", None)
     metrics = [*sw.DEFAULT_METRICS, sw.metrics.Histogram(kinds=("param_grad",))]
@@ -477,14 +482,19 @@ def _served_run(**expose: Any) -> tuple[str, sw.Watch]:
             exporter = watch.expose(port=0, **expose)
             _train(watch, model, opt)
             body = urllib.request.urlopen(exporter.url, timeout=10).read().decode()
+            asked = urllib.request.Request(exporter.url, headers={"Accept": OPENMETRICS_ACCEPT})
+            with urllib.request.urlopen(asked, timeout=10) as resp:
+                assert resp.headers["Content-Type"] == OPENMETRICS_CONTENT_TYPE
+                om = resp.read().decode()
         else:
             exporter = sw.sinks.Exporter(
                 watch.store, watch.statistics, serve=False, registry=registry, **expose
             )
             _train(watch, model, opt)
             body = generate_latest(exporter.registry).decode()
+            om = generate_openmetrics(exporter.registry).decode()
             exporter.close()
-    return body, watch
+    return body, watch, om
 
 
 @pytest.mark.parametrize(
@@ -505,7 +515,7 @@ def _served_run(**expose: Any) -> tuple[str, sw.Watch]:
     ],
 )
 def test_promtool_accepts_every_route(route: dict[str, Any]) -> None:
-    body, _ = _served_run(**route)
+    body, _, _ = _served_run(**route)
     families = {f.name: f for f in text_string_to_metric_families(body)}
     served = families["streamwatch_custom_ratio"]
     assert served.type == "gauge"
@@ -562,3 +572,43 @@ def test_no_samples_counter_until_a_step_gives_its_batch_size() -> None:
         families = _scrape(exporter.url)
     assert "streamwatch_samples" not in families
     assert families["streamwatch_step_duration_seconds"]
+
+
+@pytest.mark.parametrize(
+    "route",
+    [{}, {"registry": CollectorRegistry()}, {"series_budget": 200}],
+    ids=["expose", "caller registry", "budget: totals and the worst layer"],
+)
+def test_openmetrics_serves_the_same_samples_and_ends_with_eof(route: dict[str, Any]) -> None:
+    """A scrape that asks for OpenMetrics gets it: the same samples as the text format, counters' families
+    named without _total (their samples keep it), # EOF last; prometheus_client's strict OpenMetrics
+    parser reads it. promtool has no OpenMetrics parser (prometheus/prometheus#8932): it reads the body
+    as the 0.0.4 text format and its only complaint is that each counter's _total samples have no HELP
+    of their own (the HELP is the family's, as OpenMetrics has it); nothing else."""
+    body, _, om = _served_run(**route)
+    assert om.endswith("\n# EOF\n")
+    assert om.count("# EOF") == 1
+
+    def samples(families: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in families
+            for s in family.samples
+            # time-varying, and the count of scrapes that reduced (one more for the second scrape)
+            if not s.name.startswith(
+                ("streamwatch_overhead", "streamwatch_worker_lag", "streamwatch_series_red")
+            )
+        }
+
+    om_families = list(parse_openmetrics(om))
+    assert samples(om_families) == samples(text_string_to_metric_families(body))
+    counters = {f.name for f in om_families if f.type == "counter" and f.samples}
+    assert {"streamwatch_steps", "streamwatch_step_seconds", "streamwatch_samples"} <= counters
+    for name in counters:
+        assert f"# TYPE {name} counter\n" in om
+        assert f"\n{name}_total{{" in om
+    assert {f.name: f.type for f in om_families}["streamwatch_step_duration_seconds"] == "histogram"
+    problems = lint_problems(om)
+    assert problems == sorted(f"{name}_total no help text" for name in counters)
+    assert len(problems) >= 10
+    check_metrics(body)

@@ -71,6 +71,9 @@ def test_a_real_prometheus_scrapes_a_real_training_run(tmp_path: Path) -> None:
             )
             grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
             assert float(norm[0]["value"][1]) == pytest.approx(float(grads.norm()), rel=1e-5)
+            # Prometheus asks for OpenMetrics first, and got it: every scrape of this run parsed as such
+            assert exporter._server is not None
+            assert exporter._server.openmetrics_responses > 0
             identity = prom.query('streamwatch_info{run="e2e"}')
             assert identity[0]["metric"]["rank"] == "0"
             assert identity[0]["metric"]["world_size"] == "1"

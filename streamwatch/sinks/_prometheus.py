@@ -52,6 +52,7 @@ from pathlib import Path
 import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.registry import Collector
 
 from streamwatch._detail import position
@@ -230,9 +231,12 @@ class StoreCollector(Collector):
                 metric.add_sample(name, {**self.series_labels, **labels}, value)
             yield metric
 
-    def render(self) -> bytes:
+    def render(self, openmetrics: bool = False) -> bytes:
         """The text exposition of every family (what ``generate_latest`` would write for
-        :meth:`collect`), every series' name and labels from cached strings."""
+        :meth:`collect`), every series' name and labels from cached strings; with ``openmetrics``, the
+        OpenMetrics 1.0.0 text format instead (what prometheus_client's OpenMetrics ``generate_latest``
+        writes): a counter's family named without ``_total`` (its samples keep it), ``"`` escaped in
+        HELP, and ``# EOF`` at the end."""
         lines: list[str] = []
         prefixes = self._prefixes
         with self._lock:
@@ -241,8 +245,11 @@ class StoreCollector(Collector):
             for block in self.exposition():
                 family = block.family
                 help_text = family.help.replace("\\", "\\\\").replace("\n", "\\n")
-                lines.append(f"# HELP {family.exposed} {help_text}")
-                lines.append(f"# TYPE {family.exposed} {family.type}")
+                name = family.exposed
+                if openmetrics:
+                    help_text, name = help_text.replace('"', '\\"'), family.name
+                lines.append(f"# HELP {name} {help_text}")
+                lines.append(f"# TYPE {name} {family.type}")
                 if block.rows is not None:
                     self._tensor_lines(family, block.rows, lines)
                 for name, labels, value in block.entries:
@@ -252,6 +259,8 @@ class StoreCollector(Collector):
                         prefix = prefixes[key] = self._prefix(name, labels)
                     lines.append(f"{prefix} {format_float(value)}")
             self._rendered = len(lines)
+        if openmetrics:
+            lines.append("# EOF")
         # (a module name with a lone surrogate cannot be UTF-8: it reads "?" rather than failing the scrape)
         return ("\n".join(lines) + "\n").encode("utf-8", "replace") if lines else b""
 
@@ -470,6 +479,12 @@ def _step_histogram(buckets: Sequence[int], seconds: float) -> Block:
     return block
 
 
+def _openmetrics(registry: CollectorRegistry) -> bytes:
+    """prometheus_client's OpenMetrics writer over every collector of ``registry``."""
+    body: bytes = generate_openmetrics(registry)  # type: ignore[no-untyped-call]
+    return body
+
+
 def _block(family: Family, samples: Sequence[Sample]) -> Block:
     """A gauge family's samples, every one with the union of their labels (``""`` where one lacks it)."""
     names = sorted({k for s in samples for k in s.labels} - set(IDENTITY))
@@ -552,10 +567,14 @@ class Exporter:
             # rendered for each batch of requests (its other collectors have no version)
             if self._own_registry:
                 render: Callable[[], bytes] = lambda: self.collector.render()  # noqa: E731 - late-bound
+                render_om: Callable[[], bytes] = lambda: self.collector.render(openmetrics=True)  # noqa: E731
                 version: Callable[[], object] | None = self.collector.version
             else:
                 render, version = (lambda: generate_latest(self.registry)), None
-            self._server = MetricsServer(sock, render, version, timeout=self.timeout)
+                render_om = lambda: _openmetrics(self.registry)  # noqa: E731
+            self._server = MetricsServer(
+                sock, render, version, timeout=self.timeout, render_openmetrics=render_om
+            )
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self.port}/metrics"
 
