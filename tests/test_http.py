@@ -292,7 +292,10 @@ def test_a_real_prometheus_scrapes_the_gzip_body(tmp_path: Path, server: Metrics
 
 # -- OpenMetrics, when the server is given a renderer for it ---------------------------------------------
 
-_OM_BODY = b"# HELP sw_test_version The version of the values.\n# TYPE sw_test_version gauge\nsw_test_version 0\n# EOF\n"
+_OM_BODY = (
+    b"# HELP sw_test_version The version of the values.\n# TYPE sw_test_version gauge\n"
+    b"sw_test_version 0\n# EOF\n"
+)
 
 
 @pytest.fixture
@@ -365,7 +368,7 @@ def test_each_format_is_rendered_once_per_version(
 def test_406_names_both_formats_when_neither_is_acceptable(
     om_server: tuple[MetricsServer, list[int]], accept: str
 ) -> None:
-    status, headers, body = _request(_port(om_server[0]), headers={"Accept": accept})
+    status, _, body = _request(_port(om_server[0]), headers={"Accept": accept})
     assert status == 406
     assert CONTENT_TYPE.encode() in body
     assert b"application/openmetrics-text; version=1.0.0" in body
