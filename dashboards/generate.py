@@ -1,6 +1,7 @@
 """Generate streamwatch's Grafana dashboards with grafana-foundation-sdk (pinned to 0.0.21).
 
-``python dashboards/generate.py`` writes one JSON file per dashboard next to this script;
+``python dashboards/generate.py`` writes one JSON file per dashboard next to this script, and the
+Kubernetes bundle (``kubernetes/``: PodMonitor, PrometheusRule, dashboard ConfigMaps; ``k8s_bundle.py``);
 ``python dashboards/generate.py --check`` writes nothing and exits 1, naming every file whose committed
 content differs from what this script generates (a drift check for CI and for ``tests/test_dashboards.py``).
 
@@ -22,12 +23,14 @@ Minimum Grafana version: :data:`MIN_GRAFANA` (the SDK's dashboard model, ``schem
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 with warnings.catch_warnings():
@@ -934,12 +937,26 @@ def build(name: str) -> dict[str, Any]:
     return _flatten_rows(model)
 
 
+def _k8s_bundle() -> ModuleType:
+    """``dashboards/k8s_bundle.py`` (a sibling file, not a package)."""
+    spec = importlib.util.spec_from_file_location("streamwatch_k8s_bundle", HERE / "k8s_bundle.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def render() -> dict[str, str]:
-    """Every dashboard's file name → its JSON text, exactly as committed."""
-    return {
+    """Every generated file's path (relative to ``dashboards/``) → its text, exactly as committed: the
+    dashboards' JSON, and the Kubernetes bundle made from them and the rules (``k8s_bundle.py``)."""
+    out = {
         name: json.dumps(build(name), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
         for name in DASHBOARDS
     }
+    rules = (HERE / "rules" / "streamwatch.rules.yml").read_text(encoding="utf-8")
+    bundle: dict[str, str] = _k8s_bundle().bundle(dict(out), rules)
+    return {**out, **bundle}
 
 
 def check(directory: Path = HERE) -> list[str]:
@@ -968,6 +985,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         return 0
     for name, text in render().items():
+        (HERE / name).parent.mkdir(parents=True, exist_ok=True)
         (HERE / name).write_text(text, encoding="utf-8")
         print(f"wrote dashboards/{name}")
     return 0

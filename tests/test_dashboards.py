@@ -97,7 +97,10 @@ def test_the_committed_json_is_what_the_generator_produces() -> None:
     assert sorted(generator.DASHBOARDS) == DASHBOARD_NAMES
     assert generator.check() == [], "run `make dashboards` and commit the result"
     rendered = generator.render()
-    assert {p.name for p in DASHBOARDS_DIR.glob("*.json")} == set(rendered)
+    assert {p.name for p in DASHBOARDS_DIR.glob("*.json")} == {n for n in rendered if n.endswith(".json")}
+    assert {f"kubernetes/{p.name}" for p in (DASHBOARDS_DIR / "kubernetes").iterdir()} == {
+        n for n in rendered if n.startswith("kubernetes/")
+    }
 
 
 def test_the_drift_check_cli_passes_and_names_a_drifted_file(tmp_path: Path) -> None:
@@ -107,12 +110,18 @@ def test_the_drift_check_cli_passes_and_names_a_drifted_file(tmp_path: Path) -> 
     assert result.returncode == 0, result.stderr
     generator = load_generator()
     for name, text in generator.render().items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text, encoding="utf-8")
     assert generator.check(tmp_path) == []
     drifted = tmp_path / "streamwatch-health.json"
     drifted.write_text(drifted.read_text(encoding="utf-8").replace("Queue length", "Queue"), encoding="utf-8")
     (tmp_path / "streamwatch-layers.json").unlink()
-    assert generator.check(tmp_path) == ["streamwatch-layers.json", "streamwatch-health.json"]
+    (tmp_path / "kubernetes" / "podmonitor.yaml").unlink()
+    assert generator.check(tmp_path) == [
+        "streamwatch-layers.json",
+        "streamwatch-health.json",
+        "kubernetes/podmonitor.yaml",
+    ]
 
 
 @pytest.mark.parametrize("name", DASHBOARD_NAMES)
@@ -319,9 +328,6 @@ def test_the_scrape_config_example_is_valid(tmp_path: Path) -> None:
     targets = json.loads((DASHBOARDS_DIR / "scrape/file_sd.json").read_text(encoding="utf-8"))
     assert targets
     assert all(group["targets"] for group in targets)
-    assert "monitoring.coreos.com/v1" in (DASHBOARDS_DIR / "scrape/podmonitor.yaml").read_text(
-        encoding="utf-8"
-    )
     provisioning = DASHBOARDS_DIR / "provisioning"
     assert "apiVersion: 1" in (provisioning / "dashboards.yaml").read_text(encoding="utf-8")
     assert "type: prometheus" in (provisioning / "datasources.yaml").read_text(encoding="utf-8")

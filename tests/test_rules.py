@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from torch import nn
 
 import streamwatch as sw
@@ -296,7 +297,6 @@ def test_every_runbook_url_leads_to_a_runbook_section_with_queries_and_causes() 
 def test_the_alertmanager_example_groups_by_run_and_routes_every_severity() -> None:
     """dashboards/alertmanager.yml: one notification per alert and run (group_by), critical alerts paged,
     every receiver it names defined, and the inhibited alerts exist in the rules."""
-    yaml = pytest.importorskip("yaml")
     config = yaml.safe_load((ROOT / "dashboards" / "alertmanager.yml").read_text(encoding="utf-8"))
     route = config["route"]
     assert route["group_by"] == ["alertname", "job", "run"]
