@@ -167,9 +167,14 @@ def resolved_queries(
 def empty_targets(
     prom: Backend, dashboards: dict[str, dict[str, Any]], pick: Callable[[list[str]], str]
 ) -> list[str]:
-    """``dashboard: panel: query`` of every target that returns nothing (allow-listed panels excepted)."""
+    """``dashboard: panel: query`` of every target that returns nothing (allow-listed panels excepted), or
+    the variable that has no value yet (the first sampled step may not have been scraped)."""
+    try:
+        queries = resolved_queries(prom, dashboards, pick)
+    except AssertionError as err:
+        return [str(err)]
     missing = []
-    for name, title, query, required in resolved_queries(prom, dashboards, pick):
+    for name, title, query, required in queries:
         result = prom.query(query)  # raises on a query Prometheus rejects, allow-listed or not
         if not result and required:
             missing.append(f"{name}: {title}: {query}")
