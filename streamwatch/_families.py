@@ -43,6 +43,7 @@ __all__ = [
     "LAYER_MEAN",
     "LAYER_MEAN_FAMILIES",
     "LAYER_MEAN_PREFIX",
+    "LOGGED",
     "LOGGED_PREFIX",
     "LOGGED_REFUSED",
     "PER_LAYER_FAMILIES",
@@ -271,6 +272,9 @@ PER_LAYER_FAMILIES = (
 docs/prometheus.md): every one of their series counts, a histogram's per ``le`` bucket, the
 ``layer="__all__"`` totals too; ``streamwatch_series`` and ``streamwatch_series_wanted`` count them."""
 
+LOGGED = "log/"
+"""The prefix of a record's scalars that ``watch.log()`` recorded (``log/val_loss``)."""
+
 LOGGED_PREFIX = "streamwatch_logged_"
 """The name a value a trainer logged gets (``self.log("val_acc", ...)`` in Lightning, a Hugging Face
 Trainer's ``logs``): ``streamwatch_logged_val_acc``, unless :data:`TRAINER_LOGS` names its family
@@ -442,7 +446,7 @@ _PREFIXED = {
 }
 
 
-def scalar_sample(name: str, value: float) -> Sample:
+def scalar_sample(name: str, value: float) -> Sample | None:
     """The sample of a record's step-level value ``name`` (``StepRecord.scalars``).
 
     Example:
@@ -450,10 +454,16 @@ def scalar_sample(name: str, value: float) -> Sample:
         Sample(name='streamwatch_step_phase_seconds', labels={'part': 'forward'}, value=0.5)
         >>> scalar_sample("eval/accuracy", 0.75).labels
         {'phase': 'eval'}
+        >>> scalar_sample("log/val/acc", 0.5).name  # watch.log(): the scalars' log/ names
+        'streamwatch_logged_val_acc'
+
+    None for a ``log/`` name that cannot be served (``watch.log()`` refuses those).
     """
     known = _SCALARS.get(name)
     if known is not None:
         return Sample(known[0], dict(known[1]), value)
+    if name.startswith(LOGGED):  # watch.log(): a trainer's well-known name, else streamwatch_logged_<name>
+        return logged_sample(name[len(LOGGED) :], value)
     for prefix, (family, label) in _PREFIXED.items():
         if name.startswith(prefix):
             return Sample(family, {label: name[len(prefix) :]}, value)
