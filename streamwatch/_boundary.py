@@ -36,10 +36,11 @@ from streamwatch._exceptions import Full, SendTimeout
 from streamwatch._failures import Failures
 from streamwatch._governor import Governor
 from streamwatch._guard import NonFiniteGuard
+from streamwatch._logbook import LogBook, Value
 from streamwatch._nonfinite import NonFiniteTracker
-from streamwatch._outbox import Outbox
+from streamwatch._outbox import LR_OF, Outbox
 from streamwatch._record import PendingRecord
-from streamwatch._step_args import NO_ARGS, StepArgs, check_step, dark_ready
+from streamwatch._step_args import NO_ARGS, StepArgs, check_step, dark_ready, read_loss
 from streamwatch._store import SeriesStore
 from streamwatch._summary import release_scratch
 from streamwatch._taps import TapSet
@@ -128,9 +129,9 @@ class StepBoundary:
         self.failed_steps = 0
         self.overhead = 0.0  # streamwatch's own time on the training thread, last step
         self.overhead_total = 0.0
+        self.times = outbox.times  # every step's wall time and samples (the step counters, the histogram)
         self.closed = False
         self.scoring = TrainAccuracy()  # train accuracy's layouts, and where the classes are
-        self._finite_at = _kernel.finite_checks()  # a CPU loss's finiteness in one C call, by dtype
         self._read_f32 = _kernel.scalar_reader()  # a float32 CPU loss's value in one C call
         self._forced = False  # the running step is sampled only because of an escalation
         self._sampling_now = True  # the step running now is sampled (set with the flags)
@@ -144,6 +145,7 @@ class StepBoundary:
         self._gov_clock = clock
         self._gov_real = clock is time.perf_counter  # (else a test's fake clock: no own time)
         self._file = governor.filed.append if governor is not None else None  # (a quiet step's one call)
+        self.logbook = LogBook()  # watch.log()'s values for the step under way
         self._set_sampling(start_step)
 
     @property
@@ -218,25 +220,36 @@ class StepBoundary:
         microseconds where the full boundary takes tens on a small model whose step evicts the
         interpreter's caches (docs/performance.md); ``tests/test_quiet.py`` holds it to the full
         boundary's results."""
-        if isinstance(loss, _Tensor):
-            if not loss.is_cpu:
-                return False  # (a device loss: the sentinel queues its flag; the full boundary does it)
-            finite = self._finite_at.get(loss.dtype) if type(loss) is _Tensor else None
-            if finite is not None and not loss.ndim:  # a plain 0-d float: one C call reads it
-                try:
-                    if not finite(loss.data_ptr()):
-                        return False
-                except RuntimeError:  # (no storage: the full boundary says what is wrong)
-                    return False
-            else:
-                try:
+        value: float | torch.Tensor | None = None
+        probe = None  # (a device loss: its 0-d view for the sentinel, given once nothing can refuse)
+        if isinstance(loss, _Tensor) and not loss.is_cpu:
+            sentinel = self.guard.sentinel
+            if loss.ndim or not loss.is_floating_point() or type(loss) is not _Tensor:
+                return False  # (the full boundary checks and says what is wrong)
+            if sentinel is not None and not sentinel.takes_quiet_probes:
+                return False  # (a batch's flags in flight: the full boundary polls them)
+            value = loss.detach()  # (a view: no kernel, no sync; read with the next record's copy)
+            probe = value if sentinel is not None and self.guard.checks_loss else None
+        elif isinstance(loss, _Tensor):
+            read = self._read_f32  # (inline, not _loss_value: a Python call costs µs on a cold step)
+            try:
+                if read is not None and type(loss) is _Tensor and loss.dtype is _F32 and not loss.ndim:
+                    # (a lazily negated view's memory holds -value: item() reads it)
+                    value = read(loss.data_ptr()) if not loss.is_neg() else loss.item()
+                else:
                     value = loss.item()  # (a CPU scalar: nothing to wait for; fails unless one element)
-                except RuntimeError:
-                    return False
-                if type(value) is not float or not math.isfinite(value):
-                    return False
-        elif loss is not None and not (type(loss) is float and math.isfinite(loss)):
-            return False
+            except RuntimeError:  # (no storage, or not one element: the full boundary says what is wrong)
+                return False
+            if type(value) is not float or not math.isfinite(value):
+                return False
+        elif loss is not None:
+            if not (type(loss) is float and math.isfinite(loss)):
+                return False
+            value = loss
+        outbox = self._outbox
+        log = outbox.steps
+        if len(log.entries) >= log.capacity:
+            return False  # (its end sends a record, which ships the logged steps)
         if not (
             (batch_size is None or (type(batch_size) is int and batch_size > 0))
             and (
@@ -254,6 +267,15 @@ class StepBoundary:
                 return False
             # own time in the step: the last boundary's rest, this one's so far (no hook ran in it)
             self._file((reading, self._tail + (reading - now) if self._gov_real else 0.0))  # type: ignore[misc]
+        if probe is not None:
+            self.guard.sentinel.probe(self.step, probe)  # type: ignore[union-attr]
+        book = self.logbook
+        logged = book.pending
+        if logged is not None:
+            book.pending = None
+        groups = outbox.groups  # (the learning rates in C: no Python frame)
+        lrs = None if groups is None else list(map(LR_OF, groups))
+        log.entries.append((self.step, now, now - self._last, value, batch_size, lrs, logged))
         self.state.quiet -= 1
         self.step += 1
         self._last = now
@@ -277,10 +299,13 @@ class StepBoundary:
         reading = float(self._gov_clock())
         if type(loss) is _Tensor and not self._stashed:  # the first end: its loss is read at once (one
             # C call; it may be a buffer the loop overwrites before the boundary runs at the next call)
-            value = self._loss_value(loss)
-            if value is None and loss.dtype is _F32 and loss.is_cpu and loss.numel() == 1:
-                value = loss.item()  # (no compiled reader, or a negated view)
-            loss = loss if value is None else value
+            if not loss.is_cpu:  # (a 0-d device loss, dark_ready: a copy, no sync)
+                loss = loss.detach().clone()
+            else:
+                value = read_loss(loss, self._read_f32)
+                if value is None and loss.dtype is _F32 and loss.numel() == 1:
+                    value = loss.item()  # (no compiled reader, or a negated view)
+                loss = loss if value is None else value
         if (
             not self._stashed
             and now - self._outbox.last_record >= SCALAR_SECONDS
@@ -317,20 +342,6 @@ class StepBoundary:
         if error is not None:
             raise error
 
-    def _loss_value(self, loss: object) -> float | None:
-        """A plain 0-d float32 CPU loss's value in one C call; None for any other loss."""
-        read = self._read_f32
-        if (
-            read is None
-            or type(loss) is not _Tensor
-            or loss.dtype is not _F32
-            or not loss.is_cpu
-            or loss.ndim
-            or loss.is_neg()  # (a lazily negated view, z.conj().imag: the memory holds -value)
-        ):
-            return None
-        return read(loss.data_ptr())
-
     def _unencumbered(self) -> bool:
         """Whether the step beginning now has nothing for the full boundary to do at its end, nor in
         it: no sampling, metrics, escalation, hooks or rows in, and a guard with nothing to do but look
@@ -341,7 +352,7 @@ class StepBoundary:
             self._sampling_now
             or self._metrics
             or state.step_metrics
-            or not self.guard.idle
+            or not self.guard.quiet_ready
             or taps.pending
             or taps.static
             or state.compiled
@@ -392,6 +403,7 @@ class StepBoundary:
     def _boundary(self, now: float, checked: StepArgs) -> None:
         seconds = now - self._last
         state = self.state
+        logged = self.logbook.take()
         failed = True
         try:
             device: dict[str, torch.Tensor] = {}
@@ -405,11 +417,17 @@ class StepBoundary:
                     parameters.summarize_rest()  # parameters it does not step)
                 elif state.on.get("param"):
                     parameters.summarize_params()
-                self._outbox.send(self.step, self.start_step, seconds, checked, device, True, now)
-            elif now - self._outbox.last_record >= SCALAR_SECONDS:
+                self._outbox.send(
+                    self.step, self.start_step, seconds, checked, device, True, now, logged=logged
+                )
+            elif now - self._outbox.last_record >= SCALAR_SECONDS or self._outbox.steps.full:
                 # Between sampled steps, the cheap values (loss, lr, step time, throughput) still go out
-                # at least once a second: a scalar record, no layer rows.
-                self._outbox.send(self.step, self.start_step, seconds, checked, device, False, now)
+                # at least once a second: a scalar record, no layer rows (it ships the logged steps too).
+                self._outbox.send(
+                    self.step, self.start_step, seconds, checked, device, False, now, logged=logged
+                )
+            else:  # an unsampled step: its values wait in the log for the next record
+                self._log_step(now, seconds, checked, logged)
             failed = False
             if self.guard.needs(checked.loss):
                 self._check_finite(checked, seconds)
@@ -421,6 +439,21 @@ class StepBoundary:
             self._end_step(now, failed, checked.loss)
         if self._failures.new():  # anything new to warn about (the common step has nothing)
             self._failures.warn()
+
+    def _log_step(
+        self, now: float, seconds: float, checked: StepArgs, logged: dict[str, Value] | None
+    ) -> None:
+        """Keep an unsampled step's values in the outbox's log (a CPU loss read now: a loop may
+        overwrite its buffer; a device loss as a 0-d view, read with the next record's copy)."""
+        loss = checked.loss
+        if isinstance(loss, torch.Tensor):
+            if loss.is_cpu:
+                value = read_loss(loss, self._read_f32)  # (one C call for a plain 0-d float32)
+                loss = loss.item() if value is None else value
+            else:
+                loss = loss.detach().reshape(())
+        outbox = self._outbox
+        outbox.steps.add(self.step, now, seconds, loss, checked.batch_size, outbox.learning_rates(), logged)
 
     def _check_finite(self, checked: StepArgs, seconds: float) -> None:
         """The guard's per-step check; a failure is counted like a hook's, never raised."""
@@ -556,22 +589,29 @@ class StepBoundary:
         state.kind_metrics, state.step_metrics = {}, ()
         return deferred
 
-    def send_evaluation(self, wait: float | None) -> bool:
-        """At close: evaluation passes run after the last ``watch.step()`` (a final validation) are
-        handed over as a record of their own (step: the next step's number, as evaluation rows between
-        steps are; no step time, no loss). Rows of a training step that never reached ``watch.step()``
-        are not a completed step: with them in the buffer, nothing is sent (docs/observe.md). Under
-        ``overflow="block"`` it waits at most ``wait`` seconds for room; False if it was not sent then
-        (close() counts it as unflushed). The step buffer is cleared either way."""
+    def send_last(self, wait: float | None) -> bool:
+        """At close: evaluation passes run after the last ``watch.step()`` (a final validation) go out as
+        a record of their own (step: the next step's number, as evaluation rows between steps are; no step
+        time, no loss), carrying the steps still in the outbox's log; without them, the logged steps go
+        out, the last as a record of its own. Rows of a training step that never reached ``watch.step()``
+        are not a completed step: they are dropped, never sent (docs/observe.md). Under
+        ``overflow="block"`` it waits at most ``wait`` seconds for room; False if the record was not
+        sent then (close() counts it as unflushed). The step buffer is cleared either way."""
         buffer = self.state.buffer
         sent = True
-        if len(buffer) and all(getattr(key, "phase", None) == "eval" for key in buffer.keys):
-            try:
+        self.logbook.drop_unfinished()
+        evaluation = len(buffer) and all(getattr(key, "phase", None) == "eval" for key in buffer.keys)
+        if not evaluation:
+            buffer.clear()  # (an unfinished training step's rows: not in the last record)
+        try:
+            if evaluation:
                 self._outbox.send(self.step, self.start_step, None, NO_ARGS, {}, full=True, timeout=wait)
-            except SendTimeout:
-                sent = False
-            except Exception as exc:  # a full channel under overflow="error" too: counted, raised below
-                self.state.fail(exc)
+            else:
+                self._outbox.ship_rest(self.start_step, wait)
+        except SendTimeout:
+            sent = False
+        except Exception as exc:  # a full channel under overflow="error" too: counted, raised by close()
+            self.state.fail(exc)
         release_scratch()
         buffer.clear()  # an unfinished step is not a completed step
         self._outbox.release_optimizer()

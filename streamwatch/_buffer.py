@@ -327,9 +327,12 @@ class StepBuffer:
         pool: SlotPool | None = None,
         start_step: int = 0,
         marks: Sequence[float] = (),
+        steps: Sequence[tuple[int, float, dict[str, float]]] = (),
     ) -> PendingRecord | None:
         """Hand the step over: host rows as they are, device rows stacked with one copy; returns None
-        if no pinned slot was free. ``marks``: a sampled step's clock marks (:func:`step_parts`).
+        if no pinned slot was free. ``marks``: a sampled step's clock marks (:func:`step_parts`);
+        ``steps``: the unrecorded steps since the last record (``PendingRecord.steps``; their device
+        losses ride in ``step_scalars``).
 
         Layout of the device copy: every device row's scalars, then the device step scalars, then each
         device unit-row's per-unit activity counts (small vectors: dead units and active pairs are
@@ -371,6 +374,7 @@ class StepBuffer:
                 self.order,
                 start_step,
                 marks,
+                steps,
             ),
         )
         # The next step's table and arena, fresh (the record keeps these), and its rows: clear() written

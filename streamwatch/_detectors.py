@@ -238,6 +238,9 @@ class _Smoothed(Detector):
     """The family of the spike counts (a counter)."""
     label: ClassVar[str]
     """The label naming a series (``""``: one series, no label)."""
+    per_step: ClassVar[bool] = False
+    """Whether it reads values every step has (the loss): then it folds the unrecorded steps a record
+    carries too (``StepRecord.steps``), not only the recorded ones."""
 
     def _check(self) -> None:
         check_real(self.threshold, "threshold", above=0, finite=True)
@@ -356,9 +359,9 @@ class _Smoothed(Detector):
 
     def chain(self) -> Operator:
         return (
-            ops.map(self.extract)
+            ops.map(self.extract_steps)
             | ops.filter(_present)
-            | ops.scan(self.fold, Baseline.empty())
+            | ops.scan(self.fold_steps, Baseline.empty())
             | ops.map(self.samples)
         )
 
@@ -367,19 +370,35 @@ class _Smoothed(Detector):
         read (the same values as publishing each record's, once per read)."""
         return (
             source()
-            | ops.map(self.extract)
+            | ops.map(self.extract_steps)
             | ops.filter(_present)
-            | ops.scan(self.fold, Baseline.empty())
+            | ops.scan(self.fold_steps, Baseline.empty())
             | _PublishLatest(store, self)
         )
+
+    def extract_steps(self, record: StepRecord) -> list[Values] | None:
+        """What the detector folds of a record, oldest first: :meth:`extract` of the record (a detector
+        of per-step values, ``per_step``, also of each unrecorded step it carries); None: nothing."""
+        if self.per_step and record.steps:
+            found = [self.extract(step) for step in record.every_step()]
+            kept = [values for values in found if values is not None]
+            return kept or None
+        values = self.extract(record)
+        return None if values is None else [values]
+
+    def fold_steps(self, state: Baseline, values: list[Values]) -> Baseline:
+        """:meth:`fold` each of a record's values in turn."""
+        for one in values:
+            state = self.fold(state, one)
+        return state
 
 
 @dataclass(frozen=True)
 class LossSpike(_Smoothed):
     """The loss's robust z-score against an exponentially weighted baseline of its recent history.
 
-    For each record with a finite loss ``x`` (sampled steps, and the scalar records between them), once
-    ``warmup`` losses are in the baseline::
+    For every step with a finite loss ``x`` (each record's, and those of the unsampled steps it carries:
+    ``StepRecord.steps``), once ``warmup`` losses are in the baseline::
 
         z = (x - mean) / max(sqrt(pi/2) * dev, 1e-9 * max(|mean|, 1))
 
@@ -387,14 +406,14 @@ class LossSpike(_Smoothed):
     docs/detectors.md; ``sqrt(pi/2) * dev`` estimates σ for normal noise, so ``z`` reads in standard
     deviations). The value enters the baseline winsorised at ``mean ± threshold * scale``.
 
-    Served: ``streamwatch_loss_zscore`` (the last sampled step's z; absent during the warm-up) and
+    Served: ``streamwatch_loss_zscore`` (the last step's z; absent during the warm-up) and
     ``streamwatch_loss_spikes_total`` (steps with ``z > threshold``; 0 from the first loss on).
 
     Args:
         threshold: a z above it is a spike. 6: normal noise exceeds it about once in 10⁹ steps, so in a
             long run with heavy-tailed minibatch losses and an estimated scale it still stays quiet,
             while a diverging step or a corrupt batch is typically tens of σ out.
-        alpha: the EWM weight of a new value (0.05: a memory of about 20 sampled steps).
+        alpha: the EWM weight of a new value (0.05: a memory of about 20 steps).
         warmup: losses in the baseline before z is reported (20: one memory length, 19 deviations).
 
     Example:
@@ -408,6 +427,7 @@ class LossSpike(_Smoothed):
     scores: ClassVar[Family] = LOSS_ZSCORE
     counts: ClassVar[Family] = LOSS_SPIKES
     label: ClassVar[str] = ""
+    per_step: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self._check()
@@ -689,7 +709,7 @@ def pipelines(store: SeriesStore, detectors: Iterable[Detector] = DEFAULT_DETECT
     Example:
         >>> import streamwatch as sw
         >>> [str(p).split(" | ")[1] for p in pipelines(sw.SeriesStore())]
-        ['<map LossSpike.extract>', '<map GradientSpike.extract>', '<map UpdateRatioBand.extract>']
+        ['<map _Smoothed.extract_steps>', '<map _Smoothed.extract_steps>', '<map UpdateRatioBand.extract>']
     """
     return [detector.pipeline(store) for detector in check_detectors(detectors)]
 

@@ -1,9 +1,9 @@
 /* Makes the fused kernel's shared library a valid CPython extension module, so that setuptools'
  * build_ext builds, names and installs it like any other (see setup.py). The kernel's functions live in
  * _fused.c and are called through ctypes from _kernel.py. The module itself has functions for the
- * calls per step where a ctypes call costs too much: whether the float32/float64 at an address is
- * finite (the quiet step's look at a CPU loss, _observe.py) and its value (a sampled step's loss), the correct predictions of a CPU batch of
- * class scores (train accuracy on a sampled step, _observe.py), and the worker's summary table of a step
+ * calls per step where a ctypes call costs too much: the value of the float32 at an address (a step's
+ * CPU loss, _boundary.py), the correct predictions of a CPU batch of class scores (train accuracy on a
+ * sampled step, _accuracy.py), and the worker's summary table of a step
  * (assemble, _record.py; numpy's _summary.finalize is the reference and the fallback). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -19,30 +19,6 @@ static void *address_of(PyObject *arg) {
         return NULL;
     }
     return PyLong_AsVoidPtr(arg);
-}
-
-static PyObject *finite_f32(PyObject *self, PyObject *arg) {
-    (void)self;
-    void *p = address_of(arg);
-    if (p == NULL) {
-        if (PyErr_Occurred()) return NULL;
-        Py_RETURN_FALSE; /* no data: not a finite value */
-    }
-    float v;
-    memcpy(&v, p, sizeof v);
-    return PyBool_FromLong(isfinite(v));
-}
-
-static PyObject *finite_f64(PyObject *self, PyObject *arg) {
-    (void)self;
-    void *p = address_of(arg);
-    if (p == NULL) {
-        if (PyErr_Occurred()) return NULL;
-        Py_RETURN_FALSE;
-    }
-    double v;
-    memcpy(&v, p, sizeof v);
-    return PyBool_FromLong(isfinite(v));
 }
 
 /* The float32 at an address as a Python float (a sampled step's CPU loss, _observe.py). NaN for
@@ -395,11 +371,6 @@ fail:
 }
 
 static PyMethodDef fused_methods[] = {
-    {"finite_f32", finite_f32, METH_O,
-     "finite_f32(address) -> bool: whether the float32 at ``address`` (a live CPU tensor's data_ptr()) "
-     "is finite; False for address 0."},
-    {"finite_f64", finite_f64, METH_O,
-     "finite_f64(address) -> bool: the same for a float64."},
     {"scalar_f32", scalar_f32, METH_O,
      "scalar_f32(address) -> float: the float32 at ``address`` (a live CPU tensor's data_ptr()); NaN for "
      "address 0."},
@@ -433,7 +404,7 @@ static struct PyModuleDef fused_module = {
     PyModuleDef_HEAD_INIT,
     "_fused",
     "streamwatch's fused CPU summary kernel (its functions are called through ctypes, _kernel.py), and "
-    "finite_f32/finite_f64 for a scalar's finiteness in one C call.",
+    "the per-step calls where a ctypes call costs too much (a scalar's value, train accuracy, assembly).",
     0,
     fused_methods,
     fused_slots,

@@ -358,24 +358,6 @@ def load(directory: Path | None = None) -> FusedKernel | None:
     return _loaded
 
 
-def finite_checks() -> dict[torch.dtype, Callable[[int], bool]]:
-    """The compiled module's one-call finiteness checks of a scalar at an address, by dtype: what the
-    quiet step (``Watch.step``) uses to look at a CPU loss for a fraction of ``Tensor.item()``'s cost
-    (one C call instead of a dispatch through torch, which costs microseconds on a step that evicted
-    the interpreter's caches). Empty (callers use ``item()``) when the module is missing, predates
-    them, or ``STREAMWATCH_KERNEL=torch``. Never raises, never warns (:func:`load` does).
-
-    Example:
-        >>> import torch
-        >>> from streamwatch import _kernel
-        >>> checks = _kernel.finite_checks()
-        >>> loss = torch.tensor(0.25)
-        >>> checks[torch.float32](loss.data_ptr()) if checks else True
-        True
-    """
-    return _by_dtype("finite_f32", "finite_f64")
-
-
 def scalar_reader() -> Callable[[int], float] | None:
     """The compiled module's one-call read of the float32 at an address: a sampled step's CPU loss
     without ``Tensor.item()``'s dispatch through torch, which costs microseconds on a step that evicted

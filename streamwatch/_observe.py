@@ -29,7 +29,6 @@ import warnings
 import weakref
 from collections.abc import Collection, Iterable, Mapping
 from types import MappingProxyType, TracebackType
-from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -40,7 +39,7 @@ from streamwatch._accuracy import AMBIGUOUS
 from streamwatch._attach import OBSERVED, check_optimizer_steps, on_cpu, unwrap_optimizer
 from streamwatch._boundary import SCALAR_SECONDS, StepBoundary, paused
 from streamwatch._cadence import Cadence
-from streamwatch._channel import OverflowPolicy, Receiver, Sender, channel
+from streamwatch._channel import OverflowPolicy, Receiver, channel
 from streamwatch._clock import Clock
 from streamwatch._detail import Detail, position, resolver, this_rank_keeps_detail
 from streamwatch._detectors import DEFAULT_DETECTORS, Detector
@@ -56,11 +55,11 @@ from streamwatch._outbox import Outbox, release_dropped
 from streamwatch._pipeline import Pipeline, Sink, source
 from streamwatch._record import PendingRecord, Sample
 from streamwatch._select import check_hookable, describe_modules, named_params
-from streamwatch._store import SeriesStore, WatchStatistics
+from streamwatch._store import SeriesStore, Served, WatchStatistics
 from streamwatch._taps import DEFAULT_TAPS, KINDS, TapSet
 from streamwatch._tapstate import TapState
 from streamwatch._validate import check_seconds
-from streamwatch._worker import Worker, seconds_or_forever
+from streamwatch._worker import Worker, give_up, seconds_or_forever
 from streamwatch.metrics._base import Binding, Metric
 from streamwatch.metrics._derived import DEFAULT_METRICS
 from streamwatch.sinks._prometheus import DEFAULT_PORT, Exporter
@@ -256,6 +255,30 @@ class Watch:
         """
         self._boundary.end(loss, outputs, targets, batch_size)
 
+    def log(self, values: Mapping[str, object] | None = None, /, **named: object) -> None:
+        """Record your own values with the step under way (W&B's ``log``, Lightning's ``self.log``), before
+        its ``watch.step()``: they ride with its record into the run file (``log/<name>``), ``report``,
+        ``plot`` and ``/metrics`` (``streamwatch_logged_<name>``; ``eval_loss`` is
+        ``streamwatch_loss{phase="eval"}``). Never blocks, never syncs (a device tensor is read with the
+        record's copy). docs/observe.md#your-own-values-per-step.
+
+        Raises:
+            TypeError, ValueError: a name that cannot be a metric name (``..._total``, a built-in family's),
+                or a value that is not a real number or a one-element real tensor. New names past 64 are
+                refused, counted (``statistics().log_refused``) and warned about once, never raised.
+
+        Example:
+            >>> import torch, streamwatch as sw
+            >>> records = sw.sinks.collect()
+            >>> with sw.observe(torch.nn.Linear(2, 1), every=2, sinks=[records]) as watch:
+            ...     for step in range(3):
+            ...         watch.log(val_loss=1.0 / (step + 1))
+            ...         watch.step(loss=0.5)
+            >>> [(s.step, round(s.scalars["log/val_loss"], 2)) for r in records.items for s in r.every_step()]
+            [(0, 1.0), (1, 0.5), (2, 0.33)]
+        """
+        self._boundary.logbook.add({**(values or {}), **named})
+
     # -- users' side ------------------------------------------------------------------------------------
 
     def expose(
@@ -281,7 +304,7 @@ class Watch:
                 scrape, explicitly (``""`` is refused rather than binding every interface).
             registry: a ``prometheus_client.CollectorRegistry`` to register in (default: a new one).
             run: the ``run`` label (default ``$STREAMWATCH_RUN``, else the script's name).
-            series_budget: the most series of the per-layer families to export (``streamwatch_tensor``,
+            series_budget: the most series of the per-layer families to export (``streamwatch_tensor_*``,
                 the histogram buckets, the detectors' per-layer families); past it, core statistics per
                 layer, else per-(phase, kind) totals (``layer="__all__"``) and the worst layers in core
                 detail (docs/prometheus.md#series-budget).
@@ -302,7 +325,7 @@ class Watch:
             ...     _ = model(torch.ones(1, 2)); watch.step()
             ...     _ = watch.flush()
             ...     body = urllib.request.urlopen(exporter.url, timeout=10).read().decode()
-            >>> 'streamwatch_info{host=' in body and 'stat="l2"' in body and 'run="' in body
+            >>> 'streamwatch_info{host=' in body and 'streamwatch_tensor_l2{' in body and 'run="' in body
             True
         """
         if self._boundary.closed:
@@ -382,7 +405,7 @@ class Watch:
             [10.0]
         """
         full, checked = check_served(name, labels)
-        return _Served(self._store, full, checked)
+        return Served(self._store, full, checked)
 
     @property
     def detectors(self) -> tuple[Detector, ...]:
@@ -400,9 +423,9 @@ class Watch:
         """The latest value of every series (the data ``/metrics`` serves): ``watch.store.samples()``.
         Thread-safe.
 
-        Tensor statistics are one family, ``streamwatch_tensor``, labelled ``phase``, ``layer``, ``kind``,
-        ``param`` (parameter kinds), ``index`` (leaf of a tuple/dict output) and ``stat``. Series whose
-        value is unknown (e.g. dead units of a weight) are absent, never NaN.
+        Tensor statistics are ``streamwatch_tensor`` samples labelled ``phase``, ``layer``, ``kind``,
+        ``param`` (parameter kinds), ``index`` (leaf of a tuple/dict output) and ``stat`` (``/metrics``
+        serves each statistic as a family: ``streamwatch_tensor_l2``, ...). Unknown ones are absent.
         """
         return self._store.samples()
 
@@ -497,6 +520,7 @@ class Watch:
             overhead_seconds=boundary.overhead,
             overhead_seconds_total=boundary.overhead_total,
             failed_steps=boundary.failed_steps,
+            log_refused=boundary.logbook.refused,
             stuck_pipelines=self._stuck,
             unflushed_records=self._unflushed,
             sampling_interval=self._every if governor is None else governor.interval,
@@ -509,6 +533,7 @@ class Watch:
             sentinel=guard.checks(),
             escalations=guard.escalations,
             escalated_until=guard.escalated_until,
+            **boundary.times.statistics(),
         )
 
     def close(self, timeout: float | None = None) -> None:
@@ -549,7 +574,7 @@ class Watch:
         for exporter in self._exporters:  # the final values stay readable through snapshot()
             exporter.close()
         deadline = None if wait is None else time.monotonic() + wait
-        evaluation_sent = boundary.send_evaluation(wait)
+        evaluation_sent = boundary.send_last(wait)
         OBSERVED.release(self._model_ref(), self._claimed)
         self._claimed = []
         self._tx.close()
@@ -561,7 +586,7 @@ class Watch:
             errors.extend(err.errors)
         except TimeoutError:
             finished = False  # the worker may still be in the store: leave it be
-            self._stuck, self._unflushed, stuck_errors = _give_up(
+            self._stuck, self._unflushed, stuck_errors = give_up(
                 self._worker,
                 self._tx,
                 wait or math.inf,
@@ -605,22 +630,6 @@ class Watch:
         return f"<Watch {state} {sampling} taps={sorted(self._state.taps)}>"
 
 
-class _Served(Sink):
-    """The sink :meth:`Watch.serve` returns: its items become the store's latest values."""
-
-    def __init__(self, store: SeriesStore, name: str, labels: dict[str, str]) -> None:
-        self.store, self.name, self.labels = store, name, labels
-
-    def send(self, item: Any) -> None:
-        if isinstance(item, Mapping):
-            samples = [
-                Sample(self.name, {**self.labels, "series": str(k)}, float(v)) for k, v in item.items()
-            ]
-        else:
-            samples = [Sample(self.name, self.labels, float(item))]
-        self.store.put(samples)
-
-
 def _worker(
     rx: Receiver[PendingRecord],
     store: SeriesStore,
@@ -643,31 +652,6 @@ def _worker(
         name="streamwatch-worker",
         prepare=resolver(detailed),
     )
-
-
-def _give_up(
-    worker: Worker, sender: Sender[PendingRecord], waited: float, evaluation_sent: bool
-) -> tuple[tuple[str, ...], int, list[tuple[str, BaseException]]]:
-    """close() waited ``waited`` seconds for the worker in vain: warn, leave it behind. Returns the
-    pipelines stuck, the records not flushed to every sink, and the failures the worker had before."""
-    stats = worker.statistics()
-    stuck = (stats.current,) if stats.current else ()
-    unflushed = stats.in_flight + sender.statistics().len + (not evaluation_sent)
-    errors: list[tuple[str, BaseException]] = []
-    try:
-        worker.check()  # failures before it got stuck are reported as usual
-    except PipelineError as err:
-        errors.extend(err.errors)
-    what = f"{stats.current} did not return" if stats.current else "the worker thread did not finish"
-    warnings.warn(
-        f"streamwatch: close() gave up after {waited:g} s: {what}; {unflushed} records were not "
-        "flushed to every sink. The worker thread is left running (a daemon thread: it does not keep "
-        "the process alive) and finishes by itself if that call returns. Wait longer with "
-        "observe(..., close_timeout=...) or close(timeout=...) (math.inf waits forever).",
-        RuntimeWarning,
-        stacklevel=4,  # the user's close() call
-    )
-    return stuck, unflushed, errors
 
 
 def _skipped(tensors: Mapping[str, int], ambiguous: int) -> dict[str, int]:

@@ -6,6 +6,12 @@ pinned slot on a side stream, with an event) and offers the :class:`streamwatch.
 to the worker with the overflow policy the user chose. It counts what it sent; the worker counts what it
 received.
 
+Steps that send no record of their own (unsampled steps between records) are not lost: each one's
+step-level values go into the outbox's :class:`StepLog` at the step's end (a tuple appended, a few
+hundred nanoseconds; a device loss is kept as a 0-d view, never read there) and ride with the next record
+(``StepRecord.steps``), so a sink that keeps every step (the run file) has every one. The log holds at most
+:data:`STEP_LOG_CAPACITY` steps: a full log makes the next step's end send a record.
+
 Example:
     >>> import torch, streamwatch as sw
     >>> model = torch.nn.Linear(2, 1)
@@ -18,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import operator
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -26,14 +33,76 @@ import torch
 
 from streamwatch._buffer import SlotPool
 from streamwatch._channel import OverflowPolicy, Sender
+from streamwatch._logbook import Value
 from streamwatch._param_taps import ParamTaps
-from streamwatch._record import SKIPPED_UPDATE, PendingRecord
+from streamwatch._record import SKIPPED_UPDATE, STEP_VALUE, PendingRecord
 from streamwatch._step_args import StepArgs
+from streamwatch._steptimes import StepTimes
 from streamwatch._tapstate import TapState
 
-__all__ = ["Outbox", "release_dropped"]
+__all__ = ["LR_OF", "STEP_LOG_CAPACITY", "LoggedStep", "Outbox", "StepLog", "release_dropped"]
 
 _LR_NAMES = tuple(f"lr/{i}" for i in range(64))  # (param groups' scalar names, made once)
+LR_OF = operator.methodcaller("get", "lr")
+"""A param group's learning rate (None without one): ``list(map(LR_OF, groups))`` reads them with no
+Python frame (the quiet step's)."""
+
+STEP_LOG_CAPACITY = 4096
+"""Steps the log holds between records at most (a full log sends one at the next step's end): at a
+thousand steps a second and a record at least once a second (``SCALAR_SECONDS``), never full."""
+
+LoggedStep = tuple[
+    int, float, float, "Value | None", "int | None", "list[Value | None] | None", "dict[str, Value] | None"
+]
+"""One unrecorded step: ``(step, perf_counter at its end, seconds, loss, batch size, the param groups'
+learning rates, the values given to watch.log)``."""
+
+
+class StepLog:
+    """The steps since the last record, kept on the training thread (no lock: one thread).
+
+    Example:
+        >>> log = StepLog(capacity=2)
+        >>> log.add(5, 10.0, 0.25, 0.5, 32, [0.1], None)
+        >>> len(log), log.full
+        (1, False)
+        >>> log.take()[0][:4], len(log)
+        ((5, 10.0, 0.25, 0.5), 0)
+    """
+
+    __slots__ = ("capacity", "entries")
+
+    def __init__(self, capacity: int = STEP_LOG_CAPACITY) -> None:
+        self.capacity = capacity
+        self.entries: list[LoggedStep] = []
+
+    def add(
+        self,
+        step: int,
+        at: float,
+        seconds: float,
+        loss: Value | None,
+        batch_size: int | None,
+        lrs: list[Value | None] | None,
+        values: dict[str, Value] | None,
+    ) -> None:
+        """Keep one step's values (a device loss or value as a 0-d view: nothing is read here)."""
+        self.entries.append((step, at, seconds, loss, batch_size, lrs, values))
+
+    @property
+    def full(self) -> bool:
+        """Whether the next step's end must send a record (the log has no room for it)."""
+        return len(self.entries) >= self.capacity
+
+    def take(self) -> list[LoggedStep]:
+        """Every step kept, oldest first; the log is empty after (the same list: a quiet step holds its
+        bound ``append``)."""
+        entries = self.entries[:]
+        self.entries.clear()
+        return entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
 
 def release_dropped(item: Any, reason: str) -> None:
@@ -76,6 +145,7 @@ class Outbox:
         self.state = state
         self._taps = taps
         self._optimizer = optimizer
+        self.groups: list[dict[str, Any]] | None = None if optimizer is None else optimizer.param_groups
         self._tx = sender
         self._overflow = overflow
         self._edges = edges
@@ -86,10 +156,18 @@ class Outbox:
         self.sent_steps: collections.deque[int] = collections.deque(maxlen=capacity + 2)
         self.pool: SlotPool | None = None
         self._stream: Any = None
+        self.steps = StepLog()  # the unrecorded steps, shipped with the next record
+        self.times = StepTimes()  # every step's time and samples: counted as its values are sent
+
+    def learning_rates(self) -> list[Value | None]:
+        """The param groups' learning rates now (none without an optimizer)."""
+        optimizer = self._optimizer
+        return [] if optimizer is None else list(map(LR_OF, optimizer.param_groups))
 
     def release_optimizer(self) -> None:
         """At close: the optimizer is no longer read (the Watch frees it)."""
         self._optimizer = None
+        self.groups = None
 
     def send(
         self,
@@ -101,12 +179,16 @@ class Outbox:
         full: bool,
         now: float | None = None,
         timeout: float | None = None,
+        logged: dict[str, Value] | None = None,
+        lrs: list[Value | None] | None = None,
     ) -> None:
         """Seal this step's record and offer it to the worker: ``full`` for a sampled step (or one with
         rows: an evaluation pass, a metric), else a scalar record between sampled steps. ``seconds``
         None: not a step's end (evaluation rows handed over at close), so no step time and no parts.
         ``timeout``: how long ``overflow="block"`` may wait for room (None: as long as it takes).
-        ``step``, ``start_step``: the record's step index and its run's first.
+        ``step``, ``start_step``: the record's step index and its run's first. ``logged``: the values
+        given to ``watch.log`` in the step; ``lrs``: its learning rates (None: the optimizer's now). The
+        step log's steps ride with the record.
 
         Raises:
             Full, SendTimeout: the overflow policy the user chose (``"error"``; ``"block"`` with a
@@ -117,6 +199,7 @@ class Outbox:
         state = self.state
         if seconds is not None:
             host["step_seconds"] = seconds
+            self.times.add(seconds, checked.batch_size)
             if full:  # (the boundaries the hooks saw, and the step's end, on their clock)
                 t = state.times
                 marks = (
@@ -148,16 +231,15 @@ class Outbox:
             else:
                 device["correct"] = correct  # type: ignore[assignment]
             host["total"] = float(total)
-        optimizer = self._optimizer  # each param group's learning rate (a tensor lr stays on its device)
-        for i, group in enumerate(() if optimizer is None else optimizer.param_groups):
-            lr = group.get("lr")
+        for i, lr in enumerate(self.learning_rates() if lrs is None else lrs):
             name = _LR_NAMES[i] if i < len(_LR_NAMES) else f"lr/{i}"
-            if type(lr) is float:
+            if type(lr) is float:  # (a tensor lr stays on its device)
                 host[name] = lr
-            elif isinstance(lr, torch.Tensor):
-                device[name] = lr.detach().reshape(()).to(torch.float32)
             elif lr is not None:
-                host[name] = float(lr)
+                _put_value(name, lr, host, device)
+        if logged:
+            _put_values(logged, "log/", host, device)
+        steps = self._ship_steps(device) if self.steps.entries else ()
         found_inf = self._taps.found_inf
         if found_inf is not None:  # a fused step a GradScaler skipped: the worker drops its update rows
             self._taps.found_inf = None
@@ -177,6 +259,7 @@ class Outbox:
             pool=self.pool,
             start_step=start_step,
             marks=marks,
+            steps=steps,
         )
         if pending is None:
             return  # counted by the slot pool
@@ -192,3 +275,67 @@ class Outbox:
             elif seconds is not None:  # (not the evaluation record of close())
                 self.sampled += 1
             self.sent_steps.append(step)  # its loss is there for the worker's non-finite verdict
+
+    def _ship_steps(self, device: dict[str, torch.Tensor]) -> list[tuple[int, float, dict[str, float]]]:
+        """The logged steps as a record's ``steps``: each one's host values, its device values into
+        ``device`` (``STEP_VALUE``-named: one copy with the record's)."""
+        wall, perf = time.time(), time.perf_counter()
+        shipped = []
+        for i, (step, at, seconds, loss, batch_size, lrs, values) in enumerate(self.steps.take()):
+            self.times.add(seconds, batch_size)
+            host: dict[str, float] = {"step_seconds": seconds}
+            if batch_size is not None:
+                host["batch_size"] = float(batch_size)
+                if seconds > 0:
+                    host["samples_per_second"] = batch_size / seconds
+            prefix = f"{STEP_VALUE}{i}/"
+            if loss is not None:
+                _put_value("loss", loss, host, device, prefix)
+            if lrs is not None:
+                for group, lr in enumerate(lrs):
+                    if lr is not None:
+                        _put_value(
+                            _LR_NAMES[group] if group < len(_LR_NAMES) else f"lr/{group}",
+                            lr,
+                            host,
+                            device,
+                            prefix,
+                        )
+            if values:
+                _put_values(values, "log/", host, device, prefix)
+            shipped.append((step, wall - (perf - at), host))
+        return shipped
+
+    def ship_rest(self, start_step: int, timeout: float | None) -> None:
+        """At close: the steps still in the log go out, the last as a record of its own (so the run
+        file's last step is the last step trained) carrying the others."""
+        entries = self.steps.entries
+        if not entries:
+            return
+        step, at, seconds, loss, batch_size, lrs, values = entries.pop()  # (send ships those before it)
+        checked = StepArgs(loss, None, batch_size)
+        self.send(step, start_step, seconds, checked, {}, False, at, timeout, values, lrs)
+
+
+def _put_value(
+    name: str, value: object, host: dict[str, float], device: dict[str, torch.Tensor], prefix: str = ""
+) -> None:
+    """One value into the record: a number or a CPU tensor on the host, a device tensor for the copy."""
+    if isinstance(value, torch.Tensor):
+        if value.is_cpu:
+            host[name] = float(value.detach().reshape(()).to(torch.float32))
+        else:
+            device[f"{prefix}{name}"] = value.detach().reshape(()).to(torch.float32)
+    else:
+        host[name] = float(value)  # type: ignore[arg-type]
+
+
+def _put_values(
+    values: Mapping[str, object],
+    into: str,
+    host: dict[str, float],
+    device: dict[str, torch.Tensor],
+    prefix: str = "",
+) -> None:
+    for name, value in values.items():
+        _put_value(f"{into}{name}", value, host, device, prefix)

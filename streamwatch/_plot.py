@@ -7,7 +7,8 @@ The figure is a ``matplotlib.figure.Figure`` drawn by the Agg canvas, so no pypl
 
 Panels:
 
-(a) ``loss`` and train ``accuracy`` (twin y axes) over steps, and ``eval/accuracy`` where recorded;
+(a) ``loss`` and train ``accuracy`` (twin y axes) over steps, ``eval/accuracy`` where recorded, and the
+    values given to ``watch.log`` (on the loss axis, up to ``top`` names, dots where they are sparse);
 (b) per-layer gradient norm: the L2 norm of each layer's ``param_grad`` ``weight`` row, as a heatmap
     (layers on y, steps on x, log10 colour scale);
 (c) per-layer update/weight ratio ``√(Σ update² / Σ param²)`` over the layer's parameters (the
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
-from streamwatch._families import ALL_LAYERS, stepped_weight_sumsq
+from streamwatch._families import ALL_LAYERS, LOGGED, stepped_weight_sumsq
 from streamwatch._validate import check_int
 from streamwatch._version import extra
 
@@ -44,6 +45,7 @@ class Series(TypedDict):
     loss: list[float]
     accuracy: list[float]
     eval_accuracy: list[float]
+    logged: dict[str, list[float]]
     grad_l2: dict[str, list[float]]
     update_ratio: dict[str, list[float]]
     dead: dict[str, list[float]]
@@ -58,6 +60,7 @@ def series(run: RunData) -> Series:
 
     * ``loss``, ``accuracy``, ``eval_accuracy``: the record's scalars ``loss``, ``accuracy`` and
       ``eval/accuracy``;
+    * ``logged``: per name, the values given to ``watch.log`` (the scalars ``log/<name>``);
     * ``grad_l2``: per layer, the ``l2`` of its ``param_grad`` row named ``weight``;
     * ``update_ratio``: per layer, ``√(Σ sumsq(update) / Σ sumsq(param))`` over the layer's parameters
       that have both rows in the record;
@@ -88,11 +91,15 @@ def series(run: RunData) -> Series:
         loss=[float(r.scalars.get("loss", math.nan)) for r in records],
         accuracy=[float(r.scalars.get("accuracy", math.nan)) for r in records],
         eval_accuracy=[float(r.scalars.get("eval/accuracy", math.nan)) for r in records],
+        logged={},
         grad_l2={},
         update_ratio={},
         dead={},
     )
     for j, record in enumerate(records):
+        for name, value in record.scalars.items():
+            if name.startswith(LOGGED):
+                out["logged"].setdefault(name[len(LOGGED) :], [math.nan] * n)[j] = float(value)
         if not len(record.keys):
             continue
         sumsq = record.column("sumsq")
@@ -156,12 +163,15 @@ def _no_data(ax: Any, why: str) -> None:
     ax.set_yticks([])
 
 
-def _edges(steps: np.ndarray) -> np.ndarray:
-    """Cell edges around each step (midpoints between steps; half a step beyond the ends)."""
-    if len(steps) == 1:
-        return np.array([steps[0] - 0.5, steps[0] + 0.5])
-    mid = (steps[1:] + steps[:-1]) / 2
-    return np.concatenate(([steps[0] - (mid[0] - steps[0])], mid, [steps[-1] + (steps[-1] - mid[-1])]))
+def _edges(steps: np.ndarray, last: float) -> np.ndarray:
+    """Cell edges of sampled steps: each cell from its step to the next sampled one (what a heatmap knows
+    until the next sample), the last one to ``last``, the run's last step, plus one.
+
+    Example:
+        >>> _edges(np.array([0.0, 10.0, 40.0]), 99.0).tolist()
+        [0.0, 10.0, 40.0, 100.0]
+    """
+    return np.append(steps, max(last, steps[-1]) + 1.0)
 
 
 def plot(run: RunData, out: str | Path, *, top: int = 12, rank: int | None = None) -> Path:
@@ -212,15 +222,24 @@ def plot(run: RunData, out: str | Path, *, top: int = 12, rank: int | None = Non
     fig = Figure(figsize=(14, 9), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     (ax_loss, ax_grad), (ax_ratio, ax_dead) = fig.subplots(2, 2)
-    fig.suptitle(f"{title} ({len(steps)} records)")
+    rows = sum(1 for record in run.records if record.keys)
+    fig.suptitle(f"{title} ({len(steps)} steps, {rows} with layer statistics)")
+    span = None  # every panel's x axis: the run's steps (a little room for a point at either end)
+    if len(steps):
+        pad = 0.01 * (float(steps.max()) - float(steps.min()) + 1.0)
+        span = (float(steps.min()) - pad, float(steps.max()) + 1.0 + pad)
 
     # (a) loss and accuracy
     ax_loss.set_title("(a) loss and accuracy", fontsize=10)
     loss = np.asarray(data["loss"], dtype=np.float64)
     acc = np.asarray(data["accuracy"], dtype=np.float64)
     eval_acc = np.asarray(data["eval_accuracy"], dtype=np.float64)
+    logged = {name: np.asarray(values, dtype=np.float64) for name, values in data["logged"].items()}
     if not len(steps) or not (
-        np.isfinite(loss).any() or np.isfinite(acc).any() or np.isfinite(eval_acc).any()
+        np.isfinite(loss).any()
+        or np.isfinite(acc).any()
+        or np.isfinite(eval_acc).any()
+        or any(np.isfinite(values).any() for values in logged.values())
     ):
         _no_data(ax_loss, "no loss or accuracy recorded")
     else:
@@ -228,6 +247,11 @@ def plot(run: RunData, out: str | Path, *, top: int = 12, rank: int | None = Non
         if np.isfinite(loss).any():
             ok = np.isfinite(loss)
             handles += ax_loss.plot(steps[ok], loss[ok], color="tab:red", label="loss (train)")
+        for name in list(logged)[:top]:  # your own values (watch.log), on the loss axis
+            ok = np.isfinite(logged[name])
+            if ok.any():
+                style = ".-" if ok.mean() > 0.5 else "o--"  # (sparse: a validation loss every N steps)
+                handles += ax_loss.plot(steps[ok], logged[name][ok], style, markersize=3, label=name)
         ax_loss.set_xlabel("step")
         ax_loss.set_ylabel("loss")
         ax_acc = ax_loss.twinx()
@@ -245,6 +269,8 @@ def plot(run: RunData, out: str | Path, *, top: int = 12, rank: int | None = Non
     _title(ax_grad, "(b) gradient norm per layer (param_grad weight, L2)", left, len(grads))
     matrix = np.array([grads[layer] for layer in layers], dtype=np.float64).reshape(len(layers), len(steps))
     matrix[~(matrix > 0)] = np.nan  # log scale: zeros and non-finite values are left blank
+    sampled = np.isfinite(matrix).any(axis=0)  # the steps with gradient rows: a column each
+    matrix = matrix[:, sampled]
     if not layers or not np.isfinite(matrix).any():
         _no_data(ax_grad, "no param_grad weight rows")
     else:
@@ -253,7 +279,7 @@ def plot(run: RunData, out: str | Path, *, top: int = 12, rank: int | None = Non
         if vmax <= vmin:
             vmin, vmax = vmin / 2, vmax * 2
         mesh = ax_grad.pcolormesh(
-            _edges(steps),
+            _edges(steps[sampled], float(steps.max())),
             np.arange(len(layers) + 1) - 0.5,
             np.ma.masked_invalid(matrix),
             norm=LogNorm(vmin=vmin, vmax=vmax),
@@ -304,5 +330,8 @@ def plot(run: RunData, out: str | Path, *, top: int = 12, rank: int | None = Non
     else:
         _no_data(ax_dead, "no activation rows with units")
 
+    if span is not None:
+        for ax in (ax_loss, ax_grad, ax_ratio, ax_dead):
+            ax.set_xlim(*span)  # one step axis: a panel with a few samples is read against the run
     fig.savefig(out, format="png")
     return out

@@ -15,8 +15,9 @@ A table's columns are declared once, in ``_schema.py``; records read them by nam
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -32,11 +33,13 @@ __all__ = [
     "NO_DEVICE_DATA",
     "NO_EDGES",
     "SKIPPED_UPDATE",
+    "STEP_VALUE",
     "Layout",
     "PendingRecord",
     "Sample",
     "SeriesKey",
     "StepRecord",
+    "StepScalars",
     "layout_of",
     "step_parts",
 ]
@@ -113,6 +116,27 @@ def _without_updates(
     )
 
 
+class StepScalars(NamedTuple):
+    """One step's step-level values, for a step that sent no record of its own (``StepRecord.steps``).
+
+    Attributes:
+        step: the step index.
+        time: wall-clock seconds (``time.time()``) at its end.
+        scalars: its values, named as a record's (``loss``, ``lr/0``, ``step_seconds``, ``batch_size``,
+            ``samples_per_second``, ``log/<name>`` for ``watch.log``).
+    """
+
+    step: int
+    time: float
+    scalars: Mapping[str, float]
+
+
+STEP_VALUE = "_step/"
+"""The prefix of the step scalars a record's device copy carries for its unrecorded steps' device values
+(the loss of ``StepScalars`` number ``i`` is ``f"{STEP_VALUE}{i}/loss"``): :meth:`PendingRecord.resolve`
+moves them where they belong; never in a record."""
+
+
 @dataclass(frozen=True, slots=True)
 class StepRecord:
     """One sampled step, as the worker's pipelines see it. Immutable, host-only (no autograd graph).
@@ -141,6 +165,10 @@ class StepRecord:
             by hand, run files written before it existed). Read it through :meth:`execution_order`.
         start_step: the first step of the run that sent it (``observe(start_step=)``: 0, or the step a
             resumed run went on from). A record at that step has nothing unrecorded before it.
+        steps: the steps since the previous record that sent none of their own (unsampled steps), each
+            with its step-level values (:class:`StepScalars`: loss, learning rates, step time,
+            throughput, values given to ``watch.log``), oldest first: with the records, every step of
+            the run is there once (:meth:`every_step`).
 
     Example:
         >>> from streamwatch.testing import table
@@ -160,6 +188,36 @@ class StepRecord:
     edges: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     order: tuple[int, ...] = ()
     start_step: int = 0
+    steps: tuple[StepScalars, ...] = ()
+
+    def every_step(self) -> Iterator[StepRecord]:
+        """The steps this record carries, one record each, oldest first: those of :attr:`steps` (no rows)
+        and then this record itself (without its ``steps``). What a sink that keeps every step writes
+        (the run file).
+
+        Example:
+            >>> from streamwatch.testing import table
+            >>> past = (StepScalars(8, 1.5, {"loss": 0.7}),)
+            >>> r = StepRecord(9, 2.0, 0, (), table(0), {"loss": 0.5}, steps=past)
+            >>> [(s.step, s.scalars["loss"], len(s.steps)) for s in r.every_step()]
+            [(8, 0.7, 0), (9, 0.5, 0)]
+        """
+        if not self.steps:
+            yield self
+            return
+        empty = self.table[:0]
+        for past in self.steps:
+            yield StepRecord(
+                past.step,
+                past.time,
+                self.rank,
+                (),
+                empty,
+                past.scalars,
+                edges=self.edges,
+                start_step=self.start_step,
+            )
+        yield dataclasses.replace(self, steps=())
 
     def execution_order(self) -> np.ndarray:
         """Each row's position in the step's execution (:attr:`order`, or the row order without one).
@@ -272,6 +330,7 @@ class PendingRecord(NamedTuple):
     order: Sequence[int] = ()  # each row's position in the step's execution
     start_step: int = 0  # StepRecord.start_step
     marks: Sequence[float] = ()  # a sampled step's clock marks (step_parts), its parts made here
+    steps: Sequence[tuple[int, float, dict[str, float]]] = ()  # the steps since the last record (STEP_VALUE)
 
     def resolve(self) -> StepRecord:
         """Wait for the copy (on the calling thread — the worker's), then merge and derive."""
@@ -321,6 +380,15 @@ class PendingRecord(NamedTuple):
             start += length
         if scalars.pop(SKIPPED_UPDATE, 0.0):  # the step did not happen: its Δ = 0 is no update
             keys, table, order, extras = _without_updates(keys, table, order, extras)
+        steps: tuple[StepScalars, ...] = ()
+        if self.steps:
+            values = [dict(host) for _, _, host in self.steps]
+            for name in [name for name in scalars if name.startswith(STEP_VALUE)]:
+                index, _, value_name = name[len(STEP_VALUE) :].partition("/")
+                values[int(index)][value_name] = scalars.pop(name)
+            steps = tuple(
+                StepScalars(step, wall, v) for (step, wall, _), v in zip(self.steps, values, strict=True)
+            )
         return StepRecord(
             self.step,
             self.time,
@@ -332,6 +400,7 @@ class PendingRecord(NamedTuple):
             self.edges,
             order,
             self.start_step,
+            steps,
         )
 
     def _finalize(self, flat: np.ndarray, layout: Layout) -> tuple[tuple[Hashable, ...], np.ndarray, int]:

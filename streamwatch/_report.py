@@ -1,6 +1,7 @@
 """``streamwatch report``: a plain-text summary of a run file read back with
-:func:`streamwatch.sinks.read_run` (steps, last loss and accuracy, the worst layers, the first non-finite
-value). Presentation: it reads a :class:`streamwatch.sinks.RunData` and nothing in the library imports it.
+:func:`streamwatch.sinks.read_run` (steps, last loss and accuracy and the last of each value given to
+``watch.log``, the worst layers, the first non-finite value). Presentation: it reads a
+:class:`streamwatch.sinks.RunData` and nothing in the library imports it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from streamwatch._families import LOGGED
 from streamwatch._nonfinite import NonFiniteTracker
 from streamwatch._record import StepRecord
 from streamwatch._summary import derive
@@ -73,9 +75,11 @@ def report(run: RunData, *, top: int = 5) -> str:
     if records:
         ranks = sorted({r.rank for r in records})
         steps = [r.step for r in records]  # (a run resumed from an older checkpoint repeats steps)
+        with_rows = sum(1 for r in records if len(r.keys))
         lines.append(
             f"steps recorded: {len(records)} (steps {min(steps)}..{max(steps)}, "
-            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}; "
+            f"{with_rows} with layer statistics)"
         )
     else:
         lines.append("steps recorded: 0")
@@ -85,9 +89,11 @@ def report(run: RunData, *, top: int = 5) -> str:
             "truncated: yes " + ("(no complete step)" if last is None else f"(read up to step {last})")
         )
     lines.extend(f"problem: {problem}" for problem in run.problems)
-    for name in ("loss", "accuracy"):
+    logged = sorted({name for r in records for name in r.scalars if name.startswith(LOGGED)})
+    for name in ("loss", "accuracy", *logged):  # (then the values given to watch.log, by name)
         found = next(((r.step, r.scalars[name]) for r in reversed(records) if name in r.scalars), None)
-        lines.append(f"last {name}: " + (f"{_fmt(found[1])} (step {found[0]})" if found else "n/a"))
+        shown = name.removeprefix(LOGGED)
+        lines.append(f"last {shown}: " + (f"{_fmt(found[1])} (step {found[0]})" if found else "n/a"))
 
     grads = _last_with(records, "param_grad")
     lines.append("")

@@ -55,7 +55,7 @@ from streamwatch._record import Sample, SeriesKey, StepRecord
 from streamwatch._summary import COLUMNS, derive
 from streamwatch.metrics._derived import DEFAULT_METRICS, DERIVED
 
-__all__ = ["SeriesSource", "SeriesStore", "StatisticsSource", "WatchStatistics"]
+__all__ = ["SeriesSource", "SeriesStore", "Served", "StatisticsSource", "WatchStatistics"]
 
 _PENDING_LAYOUTS = 8
 """Layouts whose latest record the store holds unapplied at most; one more applies them all (a run whose
@@ -112,6 +112,12 @@ class WatchStatistics:
             sampled or not.
         escalations: times a sentinel trip escalated sampling to every step (``observe(escalate=...)``).
         escalated_until: while escalated, the first step after the escalation; else None.
+        step_seconds_total: every step's wall time, summed (``watch.step()`` to ``watch.step()``; the first
+            from ``observe()``).
+        step_buckets: the steps per bucket of ``streamwatch._steptimes.STEP_BUCKETS`` (not cumulative;
+            empty in a replay): the ``streamwatch_step_duration_seconds`` histogram.
+        samples_total: the samples of every step that gave ``batch_size``; None before the first.
+        log_refused: ``watch.log()`` values refused: new names past the 64 kept.
         sentinel: what the per-step sentinel checks: ``("loss",)``, ``("loss", "grad_norm")`` or ``()``
             (under ``overhead=`` with the default, ``grad_norm`` once its trial found it affordable).
 
@@ -149,6 +155,10 @@ class WatchStatistics:
     escalated_until: int | None = None
     sentinel: tuple[str, ...] = ()
     scalar_records: int = 0
+    step_seconds_total: float = 0.0
+    step_buckets: tuple[int, ...] = ()
+    samples_total: int | None = None
+    log_refused: int = 0
 
     @classmethod
     def replayed(cls, records: int, first_nonfinite: FirstNonFinite | None = None) -> WatchStatistics:
@@ -435,6 +445,8 @@ class SeriesStore(Sink):
         later: list[Sample] = []  # the record scalars, each unless a later put value is its series
         for name, value in scalars.items():
             sample = scalar_sample(name, value)
+            if sample is None:  # (a watch.log() name that cannot be served: refused when logged)
+                continue
             series = (sample.name, tuple(sorted(sample.labels.items())))
             if series in put_at:
                 if put_at[series] > scalar_at.get(name, 0):
@@ -450,3 +462,19 @@ class SeriesStore(Sink):
     def __repr__(self) -> str:
         self.apply()
         return f"<SeriesStore step={self._step} series={len(self._rows)} metrics={list(self.metrics)}>"
+
+
+class Served(Sink):
+    """The sink :meth:`Watch.serve` returns: its items become the store's latest values."""
+
+    def __init__(self, store: SeriesStore, name: str, labels: dict[str, str]) -> None:
+        self.store, self.name, self.labels = store, name, labels
+
+    def send(self, item: Any) -> None:
+        if isinstance(item, Mapping):
+            samples = [
+                Sample(self.name, {**self.labels, "series": str(k)}, float(v)) for k, v in item.items()
+            ]
+        else:
+            samples = [Sample(self.name, self.labels, float(item))]
+        self.store.put(samples)

@@ -36,17 +36,18 @@ from __future__ import annotations
 import math
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from streamwatch._channel import Receiver
+from streamwatch._channel import Receiver, Sender
 from streamwatch._exceptions import PipelineError
 from streamwatch._pipeline import Pipeline, describe
 from streamwatch._validate import check_int, check_seconds
 
-__all__ = ["Worker", "WorkerStatistics"]
+__all__ = ["Worker", "WorkerStatistics", "give_up"]
 
 
 def seconds_or_forever(value: object, name: str) -> float | None:
@@ -324,3 +325,28 @@ def _note(exc: BaseException, note: str) -> None:
     """Add ``note`` to ``exc`` (shown with its traceback; Python >= 3.11)."""
     if hasattr(exc, "add_note"):
         exc.add_note(note)
+
+
+def give_up(
+    worker: Worker, sender: Sender[Any], waited: float, evaluation_sent: bool
+) -> tuple[tuple[str, ...], int, list[tuple[str, BaseException]]]:
+    """close() waited ``waited`` seconds for the worker in vain: warn, leave it behind. Returns the
+    pipelines stuck, the records not flushed to every sink, and the failures the worker had before."""
+    stats = worker.statistics()
+    stuck = (stats.current,) if stats.current else ()
+    unflushed = stats.in_flight + sender.statistics().len + (not evaluation_sent)
+    errors: list[tuple[str, BaseException]] = []
+    try:
+        worker.check()  # failures before it got stuck are reported as usual
+    except PipelineError as err:
+        errors.extend(err.errors)
+    what = f"{stats.current} did not return" if stats.current else "the worker thread did not finish"
+    warnings.warn(
+        f"streamwatch: close() gave up after {waited:g} s: {what}; {unflushed} records were not "
+        "flushed to every sink. The worker thread is left running (a daemon thread: it does not keep "
+        "the process alive) and finishes by itself if that call returns. Wait longer with "
+        "observe(..., close_timeout=...) or close(timeout=...) (math.inf waits forever).",
+        RuntimeWarning,
+        stacklevel=4,  # the user's close() call
+    )
+    return stuck, unflushed, errors

@@ -75,7 +75,8 @@ def test_without_an_optimizer_gradient_hooks_are_in_only_on_sampled_steps() -> N
     # three modules with a forward hook each, four parameters with a post-accumulate hook
     assert seen == [(3, 4), (0, 0), (0, 0), (3, 4), (0, 0), (0, 0)]
     assert (module_hooks(model), param_hooks(model)) == (0, 0)
-    assert [len(r.rows("param_grad")) for r in records.items] == [4, 4]
+    # the sampled steps 0 and 3, then close()'s final record of step 5 (its scalars, no rows)
+    assert [(r.step, len(r.rows("param_grad"))) for r in records.items] == [(0, 4), (3, 4), (5, 0)]
 
 
 def test_an_unsampled_step_keeps_only_the_root_module_seen() -> None:
@@ -101,8 +102,8 @@ def test_an_unsampled_step_keeps_only_the_root_module_seen() -> None:
     assert seen == [(1, 0, 1, 1, 1), (1, 0, 0, 0, 0), (1, 0, 0, 0, 0)] * 2  # (seen through its call slot)
     assert (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks)) == (0, 0)
     # the sampled steps still time every part of the step
-    assert [r.step for r in records.items] == [0, 3]
-    for record in records.items:
+    assert [r.step for r in records.items] == [0, 3, 5]  # (5: close()'s final record, its scalars only)
+    for record in records.items[:2]:
         parts = {name for name in record.scalars if name.startswith("part/")}
         assert parts == {"part/data_wait", "part/forward", "part/backward", "part/optimizer"} - (
             {"part/data_wait"} if record.step == 0 else set()

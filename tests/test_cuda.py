@@ -352,3 +352,30 @@ def test_a_sampled_step_keeps_the_launch_budget_on_the_gpu(case: str) -> None:
     plain, observed, _ = COUNT_OPS.count_case(case, device="cuda")
     assert observed.total - plain.total <= BUDGET[case] + 8, sorted((observed.ops - plain.ops).items())
     assert observed.mixed == 0
+
+
+def test_unsampled_steps_keep_their_device_loss_and_logged_values_without_a_sync() -> None:
+    """An unsampled step's device loss and a device value given to ``watch.log`` wait in the step log as
+    0-d views (no sync) and are read with the next record's one copy: every step's loss comes back."""
+    model, opt = make()
+    x = torch.randn(32, 64, device="cuda")
+    y = torch.randint(0, 10, (32,), device="cuda")
+    records = sw.sinks.collect()
+    watch = sw.observe(model, opt, sinks=[records], every=4)
+    losses = [train_step(model, opt, watch, x, y).detach().clone()]  # warm-up (step 0, sampled)
+    with no_host_sync():
+        for _ in range(9):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            watch.log(double=loss.detach() * 2)
+            watch.step(loss=loss)
+            losses.append(loss.detach().clone())
+    watch.close()
+    steps = [s for r in records.items for s in r.every_step()]
+    assert [s.step for s in steps] == list(range(10))
+    for s, loss in zip(steps, losses, strict=True):
+        assert s.scalars["loss"] == pytest.approx(loss.item(), rel=1e-6)
+        if s.step:
+            assert s.scalars["log/double"] == pytest.approx(2 * loss.item(), rel=1e-6)

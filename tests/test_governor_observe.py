@@ -88,8 +88,8 @@ def test_the_watch_samples_exactly_the_steps_its_governor_chooses(fake_clock: Fa
             reference.tick()
         assert watch.flush()
         stats = watch.statistics()
-    # records arrive for the sampled steps only, and for every one of them
-    assert [r.step for r in records.items] == chosen
+    # records arrive for the sampled steps only, and for every one of them (then close()'s final record)
+    assert [r.step for r in records.items] == [*chosen, steps - 1]
     assert stats.steps == steps
     assert stats.sampled == len(chosen) == stats.records_received
     assert chosen[:3] == [0, 3, 6]  # the first step, then the calibration interval of 3
@@ -100,7 +100,8 @@ def test_the_watch_samples_exactly_the_steps_its_governor_chooses(fake_clock: Fa
     assert stats.overhead_budget == BUDGET
     assert len(chosen) >= 30
     # the cadence counts sampled steps: weights and updates on every 10th sampled step, the rest on each
-    for k, record in enumerate(records.items):
+    assert not records.items[-1].keys  # close()'s final record: the last step's scalars
+    for k, record in enumerate(records.items[:-1]):
         heavy = k % 10 == 0
         assert _kinds(record) == {"activation", "output_grad", "param_grad"} | (
             {"param", "update"} if heavy else set()
@@ -129,7 +130,8 @@ def test_a_custom_cadence_and_opt_in_metrics_count_sampled_steps(fake_clock: Fak
             fake_clock.advance(PLAIN * (1 + COST) if sampled else PLAIN)
             watch.step(loss=loss)
     assert len(records.items) >= 15
-    for k, record in enumerate(records.items):
+    assert not records.items[-1].keys  # close()'s final record: the last step's scalars
+    for k, record in enumerate(records.items[:-1]):
         kinds = _kinds(record)
         assert ("param" in kinds) == (k % 2 == 0), k
         assert ("output_grad" in kinds) == (k % 4 == 0), k

@@ -21,11 +21,14 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import streamwatch as sw
 from streamwatch import _boundary, _kernel, _observe
 from streamwatch._boundary import StepBoundary
 from streamwatch._governor import DARK_PAIRS, Governor
+from streamwatch._nonfinite import Sentinel
+from streamwatch._step_args import dark_ready
 from streamwatch.testing import FakeClock
 from tests.test_governor_observe import _batches
 from tests.test_governor_observe import _train_step as _train
@@ -83,7 +86,7 @@ def test_quiet_steps_sample_exactly_what_a_ticking_governor_samples(
         watch.flush()
         stats = watch.statistics()
     assert quiet_calls[True] > 500  # most steps after the dark pairs' measurement were quiet
-    assert [r.step for r in records.items] == chosen
+    assert [r.step for r in records.items] == [*chosen, 1499]  # (and close()'s final record)
     assert stats.steps == 1500
     assert stats.dark_steps == reference.statistics().dark_steps > 0
     assert stats.sampling_interval == reference.interval
@@ -155,7 +158,7 @@ def test_a_bad_layout_on_a_quiet_step_is_refused_at_the_next_full_boundary(
     assert quiet_calls[True] == 5
     assert refused == [7, 8]
     assert all("[12, 3]" in message for message in messages)
-    assert [r.step for r in records.items] == [0, 4]
+    assert [r.step for r in records.items] == [0, 4, 9]  # (9: close()'s final record, quiet step 9's)
     assert stats.failed_steps == 2
 
 
@@ -174,7 +177,7 @@ def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     """With the compiled module's finiteness checks, and with STREAMWATCH_KERNEL=torch (item() only)."""
     if request.param == "torch":
         monkeypatch.setenv("STREAMWATCH_KERNEL", "torch")
-    elif not _kernel.finite_checks():
+    elif _kernel.scalar_reader() is None:
         pytest.skip("the compiled module is not built")
     return str(request.param)
 
@@ -186,7 +189,7 @@ def test_a_non_finite_loss_on_a_quiet_step_raises_on_that_step(bad: float, form:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     make = LOSS_FORMS[form]
     with sw.observe(model, opt, every=50, on_nonfinite="raise") as watch:
-        assert bool(watch._boundary._finite_at) is (kernel == "fused")
+        assert (watch._boundary._read_f32 is not None) is (kernel == "fused")
         for x, y in _batches(20):
             loss, _ = _train(model, opt, x, y)
             watch.step(loss=make(loss.item()))
@@ -240,7 +243,7 @@ def test_an_evaluation_pass_in_a_quiet_stretch_is_recorded_with_its_step(
             watch.step(loss=loss)
         watch.flush()
     assert quiet_calls[True] > 20
-    assert [r.step for r in records.items] == [0, 17]
+    assert [r.step for r in records.items] == [0, 17, 29]  # (29: close()'s final record)
     eval_record = records.items[1]
     assert {key.phase for key in eval_record.keys} == {"eval"}
     key = next(k for k in eval_record.keys if k.layer == "2" and k.kind == "activation")
@@ -311,7 +314,10 @@ def test_dark_pairs_run_without_any_streamwatch_hook_and_end_with_both_boundarie
     assert stats.failed_steps == 0
     assert not root_seen(model)  # (closed: every hook out)
     assert governor.unseen_ratio == 0.0  # (the fake clock gave dark steps the lit steps' time)
-    assert all(r.keys for r in records.items if r.step > 0)  # sampled records only (no scalar: < 1 s)
+    # sampled records only (no scalar record: < 1 s), and close()'s final record of the last step
+    assert all(r.keys for r in records.items[:-1] if r.step > 0)
+    assert records.items[-1].step == 1499
+    assert not records.items[-1].keys
 
 
 def test_a_bad_argument_in_a_dark_step_is_raised_one_boundary_later(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -541,3 +547,79 @@ def test_a_dark_pair_counts_only_streamwatch_time_as_its_own(monkeypatch: pytest
         watch.step(loss=1.0)
         spent = watch.statistics().overhead_seconds_total - before
     assert 0 < spent < 0.025
+
+
+# -- a device loss ------------------------------------------------------------------------------------------
+
+
+class _ProbesKept(Sentinel):
+    """A sentinel whose device batches are kept, not launched: the quiet path's device-loss handling
+    observed on the CPU with ``meta`` tensors (a loss that is not on the CPU, with no data to read)."""
+
+    def __init__(self) -> None:
+        super().__init__(grad_norm=False, batch=4, batch_seconds=math.inf)
+        self.batches: list[list[int]] = []
+        self._pinned, self._events = self._allocate()  # (allocated once, at the first probe: here first)
+
+    def _allocate(self) -> tuple[torch.Tensor, list[object]]:
+        return torch.zeros((self.slots, self.batch + 1), dtype=torch.bool), []
+
+    def _queue(self) -> None:
+        batch, self._probes = self._probes, []
+        assert all(probe.device.type == "meta" and probe.ndim == 0 for _, probe in batch)
+        self.batches.append([step for step, _ in batch])
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_device_loss_ends_a_quiet_step_with_a_view_for_the_sentinel_and_the_step_log(
+    quiet_calls: collections.Counter[bool],
+) -> None:
+    """A 0-d loss on a device no longer makes every step's end a full boundary: the quiet step hands
+    a view of it (``aten.detach``: no kernel, no copy, no read) to the sentinel, which checks it with its
+    batch, and to the step log, which ships it with the next record's one copy."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    watch = sw.observe(model, opt, every=1000, sentinel=("loss",))
+    sentinel = _ProbesKept()
+    watch._boundary.guard.sentinel = sentinel
+    x, y = next(iter(_batches(1)))
+    loss, _ = _train(model, opt, x, y)
+    watch.step(loss=loss)  # step 0: sampled, a CPU loss (a meta one could not be copied to the host)
+    losses, counted = [], _Ops()
+    for _ in range(9):
+        _train(model, opt, x, y)
+        losses.append(torch.tensor(0.5, device="meta", requires_grad=True) * 1)  # (a graph's output)
+        with counted:
+            watch.step(loss=losses[-1])
+    assert quiet_calls[True] == 9
+    assert counted.ops == ["aten.detach"] * 9  # one view per step: nothing launched, nothing read
+    assert sentinel.batches == [[1, 2, 3, 4], [5, 6, 7, 8]]  # (step 9 waits for its batch)
+    entries = watch._boundary._outbox.steps.entries
+    assert [entry[0] for entry in entries] == list(range(1, 10))
+    for entry, loss_now in zip(entries, losses, strict=True):
+        kept = entry[3]
+        assert isinstance(kept, torch.Tensor)
+        assert kept.device.type == "meta"
+        assert not kept.requires_grad
+        assert kept is not loss_now  # (detached: the graph is not kept alive by the log)
+    assert watch.statistics().steps == 10
+    entries.clear()  # (meta values cannot be copied to the host: the record's copy is tested on CUDA)
+    sentinel._probes.clear()
+    watch.close()
+
+
+def test_a_dark_pair_may_follow_a_device_loss() -> None:
+    assert dark_ready(torch.tensor(0.5, device="meta"))
+    assert dark_ready(torch.tensor(0.5, device="meta", dtype=torch.bfloat16))
+    assert not dark_ready(torch.tensor([0.5], device="meta"))  # (shape [1]: read one call late)
+    assert not dark_ready(torch.tensor(1, device="meta"))  # (an integer loss: the full boundary's)
+    assert not dark_ready(torch.tensor(0.5, dtype=torch.float64))  # (a CPU float64: read by torch later)

@@ -908,7 +908,7 @@ def test_report(trained: tuple[Path, list[StepRecord]]) -> None:
     run = read_run(path)
     text = report(run, top=2)
     last = reference[-1]
-    assert f"steps recorded: {STEPS} (steps 0..{STEPS - 1}, rank 0)" in text
+    assert f"steps recorded: {STEPS} (steps 0..{STEPS - 1}, rank 0; {STEPS} with layer statistics)" in text
     assert f"last loss: {last.scalars['loss']:.6g} (step {last.step})" in text
     assert f"last accuracy: {last.scalars['accuracy']:.6g}" in text
     # first non-finite: the NaN input makes layer "0"'s activation the first non-finite row

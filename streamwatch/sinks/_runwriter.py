@@ -372,7 +372,8 @@ class RunFile(Sink):
         return i
 
     def send(self, item: Any) -> None:
-        """Append one step record (with a keys line first if it uses new series), flushed."""
+        """Append one line per step the record carries (its unrecorded steps' values, then the record
+        itself, with a keys line first if it uses new series), flushed."""
         if not isinstance(item, StepRecord):
             raise TypeError(f"RunFile expects StepRecord items, got {type(item).__name__}")
         if self._forked:
@@ -381,15 +382,17 @@ class RunFile(Sink):
                 "parent writes it; make a RunFile of this process's own (its own path)"
             )
         f = self._open(item.edges)
-        new: list[tuple[int, SeriesKey]] = []
-        ids = [self._id(SeriesKey(*key), new) for key in item.keys]
-        extra_ids = [self._id(SeriesKey(*key), new) for key, _stat in item.extras]
-        text = step_line(item, ids, extra_ids)
-        if new:
-            text = keys_line(new) + text
+        text = ""
         if item.edges and dict(item.edges) != dict(self._edges):
-            text = edges_line(item.edges) + text
+            text = edges_line(item.edges)
             self._edges = item.edges
+        for record in item.every_step():
+            new: list[tuple[int, SeriesKey]] = []
+            ids = [self._id(SeriesKey(*key), new) for key in record.keys]
+            extra_ids = [self._id(SeriesKey(*key), new) for key, _stat in record.extras]
+            if new:
+                text += keys_line(new)
+            text += step_line(record, ids, extra_ids)
         self._write(f, text)
 
     def close(self) -> None:

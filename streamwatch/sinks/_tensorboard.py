@@ -85,6 +85,9 @@ class TensorBoard(Sink):
             for key, value, bad in zip(item.keys, values.tolist(), written, strict=True):
                 if bad or not math.isnan(value):
                     writer.add_scalar(f"{_tag(key)}/{stat}", value, step, walltime=item.time)
+        for past in item.steps:  # the unsampled steps' values (loss, learning rates, ...): every step
+            for name, value in past.scalars.items():
+                writer.add_scalar(name, value, past.step, walltime=past.time)
         for name, value in item.scalars.items():  # (a NaN loss is the run's news: written)
             writer.add_scalar(name, value, step, walltime=item.time)
         for (key, stat), vector in item.extras.items():
