@@ -557,7 +557,8 @@ def _train_demo(args: argparse.Namespace) -> int:
                     if view is not None:
                         view.update(step + 1)
                     elif (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-                        print(log_line(watch.store, watch.statistics(), step + 1), flush=True)
+                        line = log_line(watch.store, watch.statistics(), step + 1, loss=loss.item())
+                        print(line, flush=True)
                 trained = True
                 _linger(args, view is not None, watch, exporter.url)
             except KeyboardInterrupt:
