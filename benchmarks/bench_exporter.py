@@ -7,7 +7,7 @@ Run::
         --benchmark-only
 
 The streamwatch side is the real thing: a Watch over a model with enough layers that its
-``streamwatch_tensor`` family has the wanted number of series (about 36 statistics per tapped tensor),
+``streamwatch_tensor_*`` families have the wanted number of series (about 36 statistics per tapped tensor),
 its worker's latest values, and the work a scrape does: ``Exporter.collector.render()`` behind
 ``watch.expose()``'s endpoint, and ``generate_latest`` when the collector sits in a caller's registry.
 The baseline registers one labelled ``Gauge`` with the same label sets and values, already set (what
@@ -37,6 +37,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import re
 import resource
 import socket
 import statistics
@@ -56,7 +57,7 @@ from torch import nn
 import streamwatch as sw
 from streamwatch.sinks._http import GZIP_LEVEL, _Cached
 
-STATS_PER_ROW = 36  # streamwatch_tensor series per tapped tensor (COLUMNS + derived + update_ratio)
+STATS_PER_ROW = 36  # streamwatch_tensor_* series per tapped tensor (COLUMNS + derived + update_ratio)
 
 
 def _watch(series: int) -> tuple[sw.Watch, Any]:
@@ -75,6 +76,11 @@ def _watch(series: int) -> tuple[sw.Watch, Any]:
     return watch, exporter
 
 
+def _tensor_series(body: bytes) -> int:
+    """Samples of the per-statistic families (``streamwatch_tensor_<statistic>``; the histogram aside)."""
+    return len(re.findall(rb"^streamwatch_tensor_(?!values_)\w+\{", body, re.MULTILINE))
+
+
 @pytest.mark.parametrize("path", ["expose", "registry"])
 @pytest.mark.parametrize("series", [1_000, 10_000])
 @pytest.mark.benchmark(group="/metrics render")
@@ -86,7 +92,7 @@ def test_streamwatch_collector(benchmark: Any, series: int, path: str, bench_rep
         exported = sum(1 for s in watch.snapshot() if s.name == "streamwatch_tensor")
         render = exporter.collector.render if path == "expose" else lambda: generate_latest(exporter.registry)
         body = benchmark(render)
-        assert body.count(b"streamwatch_tensor{") == exported
+        assert _tensor_series(body) == exported
         benchmark.extra_info["series"] = exported
         if not benchmark.disabled:
             bench_report.append(
@@ -124,9 +130,8 @@ def test_plain_gauges(benchmark: Any, series: int, bench_report: list[str]) -> N
 WIDE_BLOCKS = 1000  # (Linear(16, 16), ReLU) blocks, and a head: 2 001 leaf modules
 WIDE_STEPS = 22  # every step sampled: GradientSpike's warm-up (20) over, every detector family served
 WIDE_ROUNDS = 15
-PER_LAYER = (  # the samples of the families the budget bounds
-    "streamwatch_tensor{",
-    "streamwatch_tensor_values_bucket{",
+PER_LAYER = (  # the samples of the families the budget bounds (streamwatch_tensor_*: statistics and buckets)
+    "streamwatch_tensor_",
     "streamwatch_grad_norm_ratio{",
     "streamwatch_grad_norm_spikes_total{",
     "streamwatch_layer_update_ratio{",
@@ -286,7 +291,7 @@ def test_bytes_per_scrape(benchmark: Any, series: int, encoding: str, bench_repo
         head, _, body = response.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200 OK\r\n")
         plain = gzip.decompress(body) if encoding == "gzip" else body
-        exported = plain.count(b"streamwatch_tensor{")
+        exported = _tensor_series(plain)
         info = {
             "series": exported,
             "encoding": encoding,
@@ -321,7 +326,7 @@ def test_gzip_level(benchmark: Any, series: int, level: int, bench_report: list[
         watch.close()
     packed = benchmark(zlib.compress, body, level, wbits=31)
     assert gzip.decompress(packed) == body
-    exported = body.count(b"streamwatch_tensor{")
+    exported = _tensor_series(body)
     benchmark.extra_info.update(
         {
             "series": exported,

@@ -1,6 +1,7 @@
 """Generate streamwatch's Grafana dashboards with grafana-foundation-sdk (pinned to 0.0.21).
 
-``python dashboards/generate.py`` writes one JSON file per dashboard next to this script;
+``python dashboards/generate.py`` writes one JSON file per dashboard next to this script, and the
+Kubernetes bundle (``kubernetes/``: PodMonitor, PrometheusRule, dashboard ConfigMaps; ``k8s_bundle.py``);
 ``python dashboards/generate.py --check`` writes nothing and exits 1, naming every file whose committed
 content differs from what this script generates (a drift check for CI and for ``tests/test_dashboards.py``).
 
@@ -10,19 +11,26 @@ Conventions every panel follows (``tests/test_dashboards.py`` lints them):
 * every query selects ``job=~"$job"`` and ``run=~"$run"`` (and ``rank=~"$rank"`` where it is per rank);
 * every ``rate``/``increase`` window is ``$__rate_interval``;
 * the variables chain ``job`` → ``run`` → ``rank`` → ``layer``, all fed from ``streamwatch_info`` except
-  ``layer`` (from ``streamwatch_tensor``);
+  ``layer``: the ``$worst`` layers of the selected ranks (a top-k query, :data:`WORST_LAYERS`), so the
+  Layers dashboard opens on a few layers, never on every layer of a large model;
+* per-layer rows are collapsed (their queries run when opened), the overview lists the firing alerts,
+  and every dashboard annotates loss spikes, the first non-finite step and firing alerts;
 * fixed UIDs, so links and provisioning survive regeneration.
+
+Minimum Grafana version: :data:`MIN_GRAFANA` (the SDK's dashboard model, ``schemaVersion`` 42).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 with warnings.catch_warnings():
@@ -31,7 +39,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "Prefer using dashboardv2", DeprecationWarning)
     from grafana_foundation_sdk.builders import common as common_builder
     from grafana_foundation_sdk.builders import dashboard as dash
-    from grafana_foundation_sdk.builders import heatmap, prometheus, stat, timeseries
+    from grafana_foundation_sdk.builders import heatmap, prometheus, stat, table, timeseries
     from grafana_foundation_sdk.cog.encoder import JSONEncoder
     from grafana_foundation_sdk.models import common
     from grafana_foundation_sdk.models import dashboard as dash_model
@@ -47,19 +55,40 @@ RUN = 'job=~"$job",run=~"$run"'
 RANK = f'{RUN},rank=~"$rank"'
 RATE = "$__rate_interval"
 BY_RANK = "job, run, rank"
+MIN_GRAFANA = "12.0"
+"""The oldest Grafana the dashboards are written for (grafana-foundation-sdk 0.0.21's model,
+``schemaVersion`` 42); stated in dashboards/README.md, not run against a Grafana server here."""
+SUMSQ = "streamwatch_tensor_sum_of_squares"
+NONFINITE = "streamwatch_tensor_nonfinite_elements"
+WORST_LAYERS = (
+    f'topk($worst, (max by (layer) ({NONFINITE}{{{RANK},layer!="__all__"}}) > 0) + 1e15'
+    f' or max by (layer) (streamwatch_tensor_l2{{{RANK},kind="param_grad",layer!="__all__"}})'
+    f' or 0 * max by (layer) (streamwatch_tensor_elements{{{RANK},layer!="__all__"}}))'
+)
+"""The ``$worst`` worst layers of the selected ranks: layers holding non-finite values first, then the
+largest parameter-gradient norm, then the layers without parameters."""
 
 
-def per_rank_total(selector: str) -> str:
-    """The sum of ``streamwatch_tensor{<selector>}`` over each rank's layers: the rank's
-    ``layer="__all__"`` total where it serves one, else the sum of its layers. A rank without per-layer
-    detail serves only totals, and a scrape over the series budget serves them beside its worst layers,
-    which a plain sum would count twice."""
-    metric = f"streamwatch_tensor{{{selector}"
-    return f'sum by ({BY_RANK}) ({metric},layer="__all__"}}) or sum by ({BY_RANK}) ({metric}}})'
+def per_rank_total(metric: str, selector: str) -> str:
+    """The sum of ``metric{<selector>}`` over each rank's layers: the rank's ``layer="__all__"`` total
+    where it serves one, else the sum of its layers. A rank without per-layer detail serves only totals,
+    and a scrape over the series budget serves them beside its worst layers, which a plain sum would
+    count twice."""
+    series = f"{metric}{{{selector}"
+    return f'sum by ({BY_RANK}) ({series},layer="__all__"}}) or sum by ({BY_RANK}) ({series}}})'
 
 
-GRAD_SUMSQ = per_rank_total(f'{RANK},kind="param_grad",stat="sumsq"')
+GRAD_SUMSQ = per_rank_total(SUMSQ, f'{RANK},kind="param_grad"')
 """Σ sumsq of each rank's parameter gradients (see :func:`per_rank_total`)."""
+STEP_MEAN = (
+    f"rate(streamwatch_step_duration_seconds_sum{{{RANK}}}[{RATE}])"
+    f" / rate(streamwatch_step_duration_seconds_count{{{RANK}}}[{RATE}])"
+)
+"""Each rank's mean step time over the rate window (every step counted, not the last sampled one)."""
+STEP_P90 = (
+    f"histogram_quantile(0.9, sum by ({BY_RANK}, le) "
+    f"(rate(streamwatch_step_duration_seconds_bucket{{{RANK}}}[{RATE}])))"
+)
 
 
 def _rate(counter: str) -> str:
@@ -156,6 +185,20 @@ def single(
     )
 
 
+def alerts_table(title: str, query: Q, *, w: int = 24, h: int = 6, description: str = "") -> table.Panel:
+    """A table of the alerts of the selected runs (Prometheus' ``ALERTS`` series), one row each."""
+    target = _targets([query])[0].instant().format(PromQueryFormat.TABLE)
+    return (
+        table.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .unit("none")
+        .grid_pos(dash_model.GridPos(h=h, w=w))
+        .targets([target])
+    )
+
+
 def heat(
     title: str, unit: str, queries: Sequence[Q], *, w: int = 12, h: int = 9, description: str = ""
 ) -> heatmap.Panel:
@@ -188,7 +231,7 @@ def heat(
 
 
 def _variables() -> list[Any]:
-    """Datasource, then job → run → rank → layer, each fed from the previous ones."""
+    """Datasource, then job → run → rank → worst → layer, each fed from the previous ones."""
     ds_ref = DATASOURCE
 
     def query_var(name: str, label: str, query: str, *, include_all: bool = True) -> dash.QueryVariable:
@@ -204,21 +247,70 @@ def _variables() -> list[Any]:
             .include_all(include_all)
         )
 
+    worst_layers = f"query_result({WORST_LAYERS})"
     return [
         dash.DatasourceVariable("datasource").label("Prometheus").type("prometheus"),
         query_var("job", "job", "label_values(streamwatch_info, job)"),
         query_var("run", "run", 'label_values(streamwatch_info{job=~"$job"}, run)'),
         query_var("rank", "rank", 'label_values(streamwatch_info{job=~"$job",run=~"$run"}, rank)'),
-        query_var("layer", "layer", 'label_values(streamwatch_tensor{job=~"$job",run=~"$run"}, layer)'),
+        dash.CustomVariable("worst")
+        .label("worst layers")
+        .description("How many layers $layer offers: the worst of the selected ranks, by a top-k query")
+        .values("5,10,20,50,1000")
+        .current(dash_model.VariableOption(selected=True, text="5", value="5")),
+        # the worst layers, worst first (no sort): "All" is these $worst layers, never every layer
+        query_var("layer", "layer", worst_layers)
+        .regex('/layer="([^"]+)"/')
+        .sort(dash_model.VariableSort.DISABLED)
+        .current(dash_model.VariableOption(selected=True, text="All", value="$__all"))
+        .description(
+            "The $worst worst layers: non-finite values first, then the largest parameter-gradient norm"
+        ),
+    ]
+
+
+def _annotations() -> list[dash.AnnotationQuery]:
+    """Events on every time axis: loss spikes, the first non-finite step, firing alerts."""
+
+    def one(name: str, color: str, expr: str, title: str) -> dash.AnnotationQuery:
+        target = prometheus.Dataquery().expr(expr).legend_format(title).range().datasource(DATASOURCE)
+        return (
+            dash.AnnotationQuery()
+            .name(name)
+            .datasource(DATASOURCE)
+            .enable(True)
+            .icon_color(color)
+            .target(target)
+        )
+
+    return [
+        one(
+            "Loss spikes",
+            "orange",
+            f"increase(streamwatch_loss_spikes_total{{{RANK}}}[{RATE}]) > 0",
+            "loss spike, rank {{rank}}",
+        ),
+        one(
+            "First non-finite step",
+            "red",
+            f"streamwatch_first_nonfinite_step{{{RANK}}}",
+            "first NaN/Inf at step {{value}}, rank {{rank}}",
+        ),
+        one(
+            "Firing alerts",
+            "purple",
+            f'ALERTS{{alertstate="firing",{RUN}}}',
+            "{{alertname}} rank {{rank}}",
+        ),
     ]
 
 
 def _base(uid: str, title: str, description: str) -> dash.Dashboard:
-    """A dashboard with the shared settings, variables and links to its siblings."""
+    """A dashboard with the shared settings, variables, annotations and links to its siblings."""
     return (
         dash.Dashboard(title)
         .uid(uid)
-        .description(description)
+        .description(f"{description} Grafana {MIN_GRAFANA} or newer.")
         .tags([TAG])
         .editable()
         .refresh("10s")
@@ -226,6 +318,7 @@ def _base(uid: str, title: str, description: str) -> dash.Dashboard:
         .timezone("browser")
         .tooltip(dash_model.DashboardCursorSync.CROSSHAIR)
         .variables(_variables())
+        .annotations(_annotations())
         .link(
             dash.DashboardLink("streamwatch")
             .type(dash_model.DashboardLinkType.DASHBOARDS)
@@ -242,9 +335,10 @@ def _base(uid: str, title: str, description: str) -> dash.Dashboard:
 
 def overview() -> dash.Dashboard:
     """Training overview: loss, accuracy, throughput, step time, global grad norm, non-finite, drops."""
-    run_grads = per_rank_total(f'{RUN},kind="param_grad",stat="sumsq"')
+    run_grads = per_rank_total(SUMSQ, f'{RUN},kind="param_grad"')
     grad_norm = f"sqrt(sum by (job, run) ({run_grads}))"
-    nonfinite = f'sum by ({BY_RANK}) (streamwatch_tensor{{{RANK},stat="nonfinite"}} > bool 0)'
+    nonfinite = f"sum by ({BY_RANK}) ({NONFINITE}{{{RANK}}} > bool 0)"
+    throughput = f"rate(streamwatch_samples_total{{{RANK}}}[{RATE}])"
     return (
         _base(
             "streamwatch-overview",
@@ -267,7 +361,8 @@ def overview() -> dash.Dashboard:
             single(
                 "Throughput",
                 "suffix: samples/s",
-                [Q(f"streamwatch_samples_per_second{{{RANK}}}", "rank {{rank}}")],
+                [Q(throughput, "rank {{rank}}")],
+                description="Samples per second over the rate window (watch.step(batch_size=...)).",
             )
         )
         .with_panel(
@@ -302,17 +397,19 @@ def overview() -> dash.Dashboard:
             ts(
                 "Throughput",
                 "suffix: samples/s",
-                [Q(f"streamwatch_samples_per_second{{{RANK}}}", "rank {{rank}}")],
+                [Q(throughput, "rank {{rank}}")],
                 w=8,
+                description="rate(streamwatch_samples_total): every step's samples, not the last step's.",
             )
         )
         .with_panel(
             ts(
                 "Step time",
                 "s",
-                [Q(f"streamwatch_step_seconds{{{RANK}}}", "rank {{rank}}")],
+                [Q(STEP_MEAN, "mean rank {{rank}}"), Q(STEP_P90, "p90 rank {{rank}}")],
                 w=8,
-                description="Wall time of the last step",
+                description="Mean and 90th percentile of every step's wall time over the rate window "
+                "(streamwatch_step_duration_seconds).",
             )
         )
         .with_panel(
@@ -366,16 +463,26 @@ def overview() -> dash.Dashboard:
                 description="Step records lost to backpressure (0 when healthy); see the health dashboard.",
             )
         )
+        .with_row(dash.Row("Alerts"))
+        .with_panel(
+            alerts_table(
+                "Firing and pending alerts",
+                Q(f'ALERTS{{alertstate=~"firing|pending",{RUN}}}', "{{alertname}} rank {{rank}}"),
+                description="streamwatch's alerts (dashboards/rules) for the selected runs; each has a "
+                "runbook_url in docs/runbooks.md. Empty when healthy.",
+            )
+        )
     )
 
 
 def _kind_panel(
     title: str, unit: str, kind: str, stats: Sequence[str], legend: str, **kw: Any
 ) -> timeseries.Panel:
-    """A per-layer panel with one query per statistic of one kind of tensor."""
+    """A per-layer panel with one query per statistic (family ``streamwatch_tensor_<stat>``) of one kind
+    of tensor."""
     queries = [
         Q(
-            f'streamwatch_tensor{{{RANK},layer=~"$layer",kind="{kind}",stat="{s}"}}',
+            f'streamwatch_tensor_{s}{{{RANK},layer=~"$layer",kind="{kind}"}}',
             f"{s} {legend} rank {{{{rank}}}}",
         )
         for s in stats
@@ -385,16 +492,13 @@ def _kind_panel(
 
 def layers() -> dash.Dashboard:
     """Per-layer activations, gradients, weights and updates; a row per selected layer."""
-    grad_by_layer = (
-        f"sqrt(sum by ({BY_RANK}, layer) "
-        f'(streamwatch_tensor{{{RANK},layer=~"$layer",kind="param_grad",stat="sumsq"}}))'
-    )
+    grad_by_layer = f'sqrt(sum by ({BY_RANK}, layer) ({SUMSQ}{{{RANK},layer=~"$layer",kind="param_grad"}}))'
     per_layer = (
         dash.Row("Layer $layer")
         .repeat("layer")
         .with_panel(
             _kind_panel(
-                "Activations $layer", "none", "activation", ("rms", "std", "absmax"), "{{phase}}", w=8
+                "Activations $layer", "none", "activation", ("rms", "stddev", "absmax"), "{{phase}}", w=8
             )
         )
         .with_panel(
@@ -432,7 +536,7 @@ def layers() -> dash.Dashboard:
                 "Dead units $layer",
                 "percentunit",
                 "activation",
-                ("dead_fraction", "zero_fraction"),
+                ("dead_ratio", "zero_ratio"),
                 "{{phase}}",
                 w=12,
                 description="Share of units that never activated in the last sampled step's batch.",
@@ -440,18 +544,24 @@ def layers() -> dash.Dashboard:
         )
         .with_panel(
             _kind_panel(
-                "Activation rate $layer", "percentunit", "activation", ("activation_rate",), "{{phase}}", w=12
+                "Activation rate $layer",
+                "percentunit",
+                "activation",
+                ("activation_ratio",),
+                "{{phase}}",
+                w=12,
             )
         )
-        # Row.with_panel() marks the row collapsed (Grafana's format for nested panels); we want it open and
-        # _flatten_rows() moves its panels after it.
-        .collapsed(False)
+        # collapsed (Row.with_panel() nests the panels, Grafana's format for a collapsed row): a model of
+        # hundreds of layers opens at once, and a layer's eight queries run only when its row is opened
+        .collapsed(True)
     )
     return (
         _base(
             "streamwatch-layers",
             "streamwatch / Layers",
-            "Per-layer statistics of activations, gradients, weights and updates; a repeated row per layer.",
+            "Per-layer statistics of activations, gradients, weights and updates; a collapsed row per layer "
+            "of the $worst worst layers.",
         )
         .with_row(dash.Row("All layers"))
         .with_panel(
@@ -482,7 +592,7 @@ def layers() -> dash.Dashboard:
             ts(
                 "Mean over layers (rms)",
                 "none",
-                [Q(f'streamwatch_layer_mean{{{RANK},stat="rms"}}', "{{kind}} rank {{rank}}")],
+                [Q(f"streamwatch_layer_mean_rms{{{RANK}}}", "{{kind}} rank {{rank}}")],
                 w=8,
                 log=True,
             )
@@ -493,7 +603,7 @@ def layers() -> dash.Dashboard:
                 "percentunit",
                 [
                     Q(
-                        f'streamwatch_tensor{{{RANK},layer=~"$layer",kind="activation",stat="dead_fraction"}}',
+                        f'streamwatch_tensor_dead_ratio{{{RANK},layer=~"$layer",kind="activation"}}',
                         "{{layer}} rank {{rank}}",
                     )
                 ],
@@ -506,7 +616,7 @@ def layers() -> dash.Dashboard:
                 "none",
                 [
                     Q(
-                        f'topk(5, streamwatch_tensor{{{RANK},layer=~"$layer",stat="update_ratio"}})',
+                        f'topk(5, streamwatch_tensor_update_ratio{{{RANK},layer=~"$layer"}})',
                         "{{layer}}.{{param}} rank {{rank}}",
                     )
                 ],
@@ -520,7 +630,7 @@ def layers() -> dash.Dashboard:
 
 def cluster() -> dash.Dashboard:
     """Per-rank view of a distributed run: stragglers, ranks up, per-rank phase times and non-finite."""
-    step = f"streamwatch_step_seconds{{{RANK}}}"
+    step = f"({STEP_MEAN})"
     return (
         _base(
             "streamwatch-cluster",
@@ -581,13 +691,20 @@ def cluster() -> dash.Dashboard:
             )
         )
         .with_row(dash.Row("Step time"))
-        .with_panel(ts("Step time per rank", "s", [Q(step, "rank {{rank}}")]))
+        .with_panel(
+            ts(
+                "Step time per rank",
+                "s",
+                [Q(STEP_MEAN, "mean rank {{rank}}"), Q(STEP_P90, "p90 rank {{rank}}")],
+                description="Mean and 90th percentile of every step's wall time over the rate window.",
+            )
+        )
         .with_panel(
             ts(
                 "Slowest rank vs median",
                 "none",
                 [Q(f"max by (job, run) ({step}) / quantile by (job, run) (0.5, {step})", "{{run}}")],
-                description="max / median of the ranks' last step time.",
+                description="max / median of the ranks' mean step time over the rate window.",
             )
         )
         .with_panel(
@@ -609,7 +726,7 @@ def cluster() -> dash.Dashboard:
                 "none",
                 [
                     Q(
-                        f'sum by ({BY_RANK}) (streamwatch_tensor{{{RANK},stat="nonfinite"}} > bool 0)',
+                        f"sum by ({BY_RANK}) ({NONFINITE}{{{RANK}}} > bool 0)",
                         "rank {{rank}}",
                     )
                 ],
@@ -699,16 +816,17 @@ def health() -> dash.Dashboard:
         .with_row(dash.Row("Overhead"))
         .with_panel(
             ts(
-                "Overhead of the last step",
+                "Overhead per step",
                 "percentunit",
                 [
                     Q(
-                        f"streamwatch_overhead_last_step_seconds{{{RANK}}}"
-                        f" / streamwatch_step_seconds{{{RANK}}}",
+                        f"rate(streamwatch_overhead_seconds_total{{{RANK}}}[{RATE}])"
+                        f" / rate(streamwatch_step_seconds_total{{{RANK}}}[{RATE}])",
                         "rank {{rank}}",
                     )
                 ],
-                description="streamwatch's time on the training thread / the step's wall time.",
+                description="streamwatch's time on the training thread / the steps' wall time, every step "
+                "of the rate window.",
             )
         )
         .with_panel(
@@ -774,8 +892,9 @@ def health() -> dash.Dashboard:
                     Q(f"streamwatch_series_wanted{{{RANK}}}", "wanted rank {{rank}}"),
                 ],
                 w=8,
-                description="Per-layer series (streamwatch_tensor, histogram buckets, the detectors' per-layer "
-                "families) per process: served, and wanted before the series budget (expose(series_budget=...)).",
+                description="Per-layer series (streamwatch_tensor_*, histogram buckets, the detectors' "
+                "per-layer families) per process: served, and wanted before the series budget "
+                "(expose(series_budget=...)).",
             )
         )
     )
@@ -790,7 +909,8 @@ DASHBOARDS = {
 
 
 def _flatten_rows(model: dict[str, Any]) -> dict[str, Any]:
-    """Lay out expanded rows as Grafana stores them (panels after the row, ``row.panels`` empty); number ids.
+    """Lay out expanded rows as Grafana stores them (panels after the row, ``row.panels`` empty); collapsed
+    rows keep their panels nested (Grafana's format for them); number ids.
 
     The SDK nests a row's panels inside the row, which is Grafana's format for *collapsed* rows only: Grafana
     strips the nested panels of an expanded row. ``Row.with_panel`` therefore forces ``collapsed=True``; rows
@@ -802,8 +922,11 @@ def _flatten_rows(model: dict[str, Any]) -> dict[str, Any]:
         if panel.get("type") == "row" and not panel.get("collapsed", False):
             flat.extend(panel.get("panels", []))
             panel["panels"] = []
-    for i, panel in enumerate(flat, start=1):
-        panel["id"] = i
+    ids = iter(range(1, 10_000))
+    for panel in flat:
+        panel["id"] = next(ids)
+        for nested in panel.get("panels", []):  # a collapsed row's panels
+            nested["id"] = next(ids)
     model["panels"] = flat
     return model
 
@@ -814,12 +937,26 @@ def build(name: str) -> dict[str, Any]:
     return _flatten_rows(model)
 
 
+def _k8s_bundle() -> ModuleType:
+    """``dashboards/k8s_bundle.py`` (a sibling file, not a package)."""
+    spec = importlib.util.spec_from_file_location("streamwatch_k8s_bundle", HERE / "k8s_bundle.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def render() -> dict[str, str]:
-    """Every dashboard's file name → its JSON text, exactly as committed."""
-    return {
+    """Every generated file's path (relative to ``dashboards/``) → its text, exactly as committed: the
+    dashboards' JSON, and the Kubernetes bundle made from them and the rules (``k8s_bundle.py``)."""
+    out = {
         name: json.dumps(build(name), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
         for name in DASHBOARDS
     }
+    rules = (HERE / "rules" / "streamwatch.rules.yml").read_text(encoding="utf-8")
+    bundle: dict[str, str] = _k8s_bundle().bundle(dict(out), rules)
+    return {**out, **bundle}
 
 
 def check(directory: Path = HERE) -> list[str]:
@@ -848,6 +985,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         return 0
     for name, text in render().items():
+        (HERE / name).parent.mkdir(parents=True, exist_ok=True)
         (HERE / name).write_text(text, encoding="utf-8")
         print(f"wrote dashboards/{name}")
     return 0

@@ -40,7 +40,7 @@ from streamwatch._logbook import LogBook, Value
 from streamwatch._nonfinite import NonFiniteTracker
 from streamwatch._outbox import LR_OF, Outbox
 from streamwatch._record import PendingRecord
-from streamwatch._step_args import NO_ARGS, StepArgs, check_step, dark_ready
+from streamwatch._step_args import NO_ARGS, StepArgs, check_step, dark_ready, read_loss
 from streamwatch._store import SeriesStore
 from streamwatch._summary import release_scratch
 from streamwatch._taps import TapSet
@@ -132,6 +132,7 @@ class StepBoundary:
         self.failed_steps = 0
         self.overhead = 0.0  # streamwatch's own time on the training thread, last step
         self.overhead_total = 0.0
+        self.times = outbox.times  # every step's wall time and samples (the step counters, the histogram)
         self.closed = False
         self.scoring = TrainAccuracy()  # train accuracy's layouts, and where the classes are
         self._read_f32 = _kernel.scalar_reader()  # a float32 CPU loss's value in one C call
@@ -222,10 +223,17 @@ class StepBoundary:
         microseconds where the full boundary takes tens on a small model whose step evicts the
         interpreter's caches (docs/performance.md); ``tests/test_quiet.py`` holds it to the full
         boundary's results."""
-        value: float | None = None
-        if isinstance(loss, _Tensor):
-            if not loss.is_cpu:
-                return False  # (a device loss: the sentinel queues its flag; the full boundary does it)
+        value: float | torch.Tensor | None = None
+        probe = None  # (a device loss: its 0-d view for the sentinel, given once nothing can refuse)
+        if isinstance(loss, _Tensor) and not loss.is_cpu:
+            sentinel = self.guard.sentinel
+            if loss.ndim or not loss.is_floating_point() or type(loss) is not _Tensor:
+                return False  # (the full boundary checks and says what is wrong)
+            if sentinel is not None and not sentinel.takes_quiet_probes:
+                return False  # (a batch's flags in flight: the full boundary polls them)
+            value = loss.detach()  # (a view: no kernel, no sync; read with the next record's copy)
+            probe = value if sentinel is not None and self.guard.checks_loss else None
+        elif isinstance(loss, _Tensor):
             read = self._read_f32  # (inline, not _loss_value: a Python call costs µs on a cold step)
             try:
                 if read is not None and type(loss) is _Tensor and loss.dtype is _F32 and not loss.ndim:
@@ -262,6 +270,8 @@ class StepBoundary:
                 return False
             # own time in the step: the last boundary's rest, this one's so far (no hook ran in it)
             self._file((reading, self._tail + (reading - now) if self._gov_real else 0.0))  # type: ignore[misc]
+        if probe is not None:
+            self.guard.sentinel.probe(self.step, probe)  # type: ignore[union-attr]
         book = self.logbook
         logged = book.pending
         if logged is not None:
@@ -292,10 +302,13 @@ class StepBoundary:
         reading = float(self._gov_clock())
         if type(loss) is _Tensor and not self._stashed:  # the first end: its loss is read at once (one
             # C call; it may be a buffer the loop overwrites before the boundary runs at the next call)
-            value = self._loss_value(loss)
-            if value is None and loss.dtype is _F32 and loss.is_cpu and loss.numel() == 1:
-                value = loss.item()  # (no compiled reader, or a negated view)
-            loss = loss if value is None else value
+            if not loss.is_cpu:  # (a 0-d device loss, dark_ready: a copy, no sync)
+                loss = loss.detach().clone()
+            else:
+                value = read_loss(loss, self._read_f32)
+                if value is None and loss.dtype is _F32 and loss.numel() == 1:
+                    value = loss.item()  # (no compiled reader, or a negated view)
+                loss = loss if value is None else value
         if (
             not self._stashed
             and now - self._outbox.last_record >= SCALAR_SECONDS
@@ -333,20 +346,6 @@ class StepBoundary:
         if error is not None:
             raise error
 
-    def _loss_value(self, loss: object) -> float | None:
-        """A plain 0-d float32 CPU loss's value in one C call; None for any other loss."""
-        read = self._read_f32
-        if (
-            read is None
-            or type(loss) is not _Tensor
-            or loss.dtype is not _F32
-            or not loss.is_cpu
-            or loss.ndim
-            or loss.is_neg()  # (a lazily negated view, z.conj().imag: the memory holds -value)
-        ):
-            return None
-        return read(loss.data_ptr())
-
     def _unencumbered(self) -> bool:
         """Whether the step beginning now has nothing for the full boundary to do at its end, nor in
         it: no sampling, metrics, escalation, hooks or rows in, and a guard with nothing to do but look
@@ -357,7 +356,7 @@ class StepBoundary:
             self._sampling_now
             or self._metrics
             or state.step_metrics
-            or not self.guard.idle
+            or not self.guard.quiet_ready
             or taps.pending
             or taps.static
             or state.compiled
@@ -453,7 +452,7 @@ class StepBoundary:
         loss = checked.loss
         if isinstance(loss, torch.Tensor):
             if loss.is_cpu:
-                value = self._loss_value(loss)  # (one C call for a plain 0-d float32)
+                value = read_loss(loss, self._read_f32)  # (one C call for a plain 0-d float32)
                 loss = loss.item() if value is None else value
             else:
                 loss = loss.detach().reshape(())

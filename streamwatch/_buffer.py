@@ -30,6 +30,7 @@ import torch
 from streamwatch._kernel import NSTATS, FusedKernel
 from streamwatch._record import NO_DEVICE_DATA, NO_EDGES, PendingRecord
 from streamwatch._summary import Row
+from streamwatch._torchpath import device_values
 
 __all__ = ["SlotPool", "StepBuffer"]
 
@@ -157,7 +158,7 @@ class StepBuffer:
     counts: list[int]
     units: list[int]
     samples: list[int]
-    device_rows: dict[int, list[torch.Tensor]]  # row -> its device scalars, in row order
+    device_rows: dict[int, Row]  # row -> its device summary (torch path), in row order
     extras: dict[tuple[Hashable, str], torch.Tensor]  # opt-in metric values by (key, stat); last one wins
     # key -> (first row, its per-unit counts: a device tensor, or an offset into the fused rows' arena)
     unit_counts: dict[Hashable, tuple[int, torch.Tensor | int]]
@@ -199,12 +200,12 @@ class StepBuffer:
         merging."""
         index = self._append(key, count, replace)
         if index is not None:
-            self.device_rows[index] = row.scalars
+            self.device_rows[index] = row
             return
         index = len(self.keys) - 1
-        self.device_rows[index] = row.scalars
+        self.device_rows[index] = row
         if self.device is None:
-            self.device = row.scalars[0].device
+            self.device = row.gram.device
         counts = row.unit_counts
         if counts is None:
             return
@@ -339,7 +340,7 @@ class StepBuffer:
         else is handed over as is — numpy work happens on the worker.
         """
         if step_scalars or self.device_rows or self.device is not None or self.extras:
-            device = self._device_part(step_scalars, host_scalars, stream, pool)
+            device = self._device_part(step_scalars, host_scalars, stream, pool, nonfinite_counted)
             if device is None:
                 self.clear()
                 return None
@@ -397,11 +398,12 @@ class StepBuffer:
         host_scalars: dict[str, float],
         stream: Any,
         pool: SlotPool | None,
+        nonfinite_counted: bool,
     ) -> tuple[Any, ...] | None:
-        """:meth:`seal` of a step with device rows, device scalars or opt-in metric values: one stack
-        of them and its copy (on CUDA into a pinned slot, with an event). Returns the record's fields
-        ``(host_units, unit_rows, extra_layout, scalar_names, host_scalars, data, event, release)``;
-        None if no pinned slot was free."""
+        """:meth:`seal` of a step with device rows, device scalars or opt-in metric values: one flat
+        tensor of one dtype (:func:`_flat`) and its copy (on CUDA into a pinned slot, with an event).
+        Returns the record's fields ``(host_units, unit_rows, extra_layout, scalar_names, host_scalars,
+        data, event, release)``; None if no pinned slot was free."""
         extra: list[torch.Tensor] = []
         names: list[str] = []
         if step_scalars:
@@ -413,25 +415,17 @@ class StepBuffer:
                     extra.append(value.detach().reshape(()))
                     names.append(name)
         if self.device_rows or self.device is not None:
-            parts = [scalar for scalars in self.device_rows.values() for scalar in scalars] + extra
             vectors = [v for _, v in self.unit_counts.values() if isinstance(v, torch.Tensor)]
             host_units = [(first, v) for first, v in self.unit_counts.values() if isinstance(v, int)]
             unit_rows = [first for first, v in self.unit_counts.values() if isinstance(v, torch.Tensor)]
         else:  # every row from the fused kernel: unit counts are arena offsets
-            parts, vectors, unit_rows = extra, [], []
+            vectors, unit_rows = [], []
             host_units = list(self.unit_counts.values())  # type: ignore[arg-type]
         device = self.device if self.device is not None else (extra[0].device if extra else None)
         if device is None:
             device = next(iter(self.extras.values())).device if self.extras else _CPU
-        if parts:
-            # One stack for all device rows (it promotes float16/int64 scalars to float32/float64),
-            # one cat for the unit vectors.
-            try:
-                flat = torch.stack(parts)
-            except RuntimeError:  # parts on several devices (model parallel): gather them first
-                flat = torch.stack([p.to(device, non_blocking=True) for p in parts])
-            if vectors:  # convert the small vectors, never the sums (float64 models keep float64)
-                flat = torch.cat([flat, *(v if v.dtype == flat.dtype else v.to(flat.dtype) for v in vectors)])
+        if self.device_rows or extra:
+            flat = _flat(list(self.device_rows.values()), nonfinite_counted, extra, vectors, device)
         elif self.extras:
             flat = torch.empty(0, dtype=torch.float64, device=device)
         else:
@@ -477,3 +471,31 @@ class StepBuffer:
         if self._arena_used:
             self.arena[: self._arena_used] = 0
             self._arena_used = 0
+
+
+def _flat(
+    rows: list[Row],
+    counted: bool,
+    scalars: list[torch.Tensor],
+    vectors: list[torch.Tensor],
+    device: torch.device,
+) -> torch.Tensor:
+    """The device part of a step in one flat tensor of one dtype: the rows' device values
+    (``_torchpath.device_values``), then the device step scalars, then the unit-rows' per-unit counts.
+    Every piece is converted to that dtype before the one ``cat``: CUDA's ``cat`` copies inputs of
+    mixed dtypes one by one. Pieces on other devices (model parallel) are moved to ``device`` first."""
+    pieces = [device_values(rows, counted)] if rows else []
+    dtype = pieces[0].dtype if pieces else torch.float32
+    if scalars:
+        dtype = torch.float64 if any(s.dtype == torch.float64 for s in scalars) else dtype
+        if pieces and pieces[0].dtype != dtype:
+            pieces[0] = pieces[0].to(dtype)
+        same = [s if s.dtype == dtype else s.to(dtype) for s in scalars]
+        pieces.append(same[0].reshape(1) if len(same) == 1 else torch.stack(same))
+    pieces += [v if v.dtype == dtype else v.to(dtype) for v in vectors]
+    if len(pieces) == 1:
+        return pieces[0]
+    try:
+        return torch.cat(pieces)
+    except RuntimeError:  # pieces on several devices (model parallel): gather them first
+        return torch.cat([p.to(device, non_blocking=True) for p in pieces])

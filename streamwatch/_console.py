@@ -50,10 +50,12 @@ def in_notebook() -> bool:
     return type(shell).__name__ == "ZMQInteractiveShell"
 
 
-def log_line(store: SeriesSource, stats: WatchStatistics, step: int) -> str:
-    """One line of progress after ``step`` steps: the latest train loss and accuracy, records dropped,
-    the worker's lag, streamwatch's mean time per step, the sampling interval (and, under the overhead
-    governor, what it measured against its budget).
+def log_line(store: SeriesSource, stats: WatchStatistics, step: int, loss: float | None = None) -> str:
+    """One line of progress after ``step`` steps: the train loss (``loss``, the step's own, where the
+    caller has it; else the store's latest, which an unsampled step reaches with the next record, up to
+    a second later) and the latest accuracy, records dropped, the worker's lag, streamwatch's mean time
+    per step, the sampling interval (and, under the overhead governor, what it measured against its
+    budget).
 
     Example:
         >>> import torch, streamwatch as sw
@@ -65,7 +67,8 @@ def log_line(store: SeriesSource, stats: WatchStatistics, step: int) -> str:
         ['step', '1', 'loss', '0.2500', 'accuracy', 'nan']
     """
     latest = {(s.name, s.labels.get("phase")): s.value for s in store.samples(table_rows=False)}
-    loss = latest.get(("streamwatch_loss", "train"), math.nan)
+    if loss is None:
+        loss = latest.get(("streamwatch_loss", "train"), math.nan)
     accuracy = latest.get(("streamwatch_accuracy", "train"), math.nan)
     dropped = stats.dropped_oldest + stats.dropped_newest
     # streamwatch's own time per step, the mean over the run (as the live view shows it: the last step's

@@ -4,8 +4,10 @@ to fit the series budget, or replayed) is one of :data:`FAMILIES` or a family a 
 ``watch.serve()``, which :func:`check_served` keeps from clashing with them.
 
 Naming: namespace ``streamwatch_``, base units (seconds, ratios), counters end in ``_total`` (the
-``Family.name`` is the name without it, as OpenMetrics and prometheus_client's parser have it); every
-series carries the process identity :data:`IDENTITY`, added by the exporter.
+``Family.name`` is the name without it, as OpenMetrics and prometheus_client's parser have it); one
+family per statistic (:func:`tensor_family`: ``streamwatch_tensor_l2``, never a ``stat`` label on
+/metrics); every series carries ``run`` and ``rank`` (:data:`SERIES_IDENTITY`), and ``streamwatch_info``
+the whole identity :data:`IDENTITY` — both added by the exporter.
 
 Step-level values of a :class:`streamwatch.StepRecord` (its ``scalars``) become samples here, in
 :func:`scalar_sample`: the record's names (``loss``, ``part/forward``, ``lr/0``, ``eval/accuracy``,
@@ -20,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,27 +43,36 @@ __all__ = [
     "IDENTITY",
     "INFO",
     "LAYER_MEAN",
+    "LAYER_MEAN_FAMILIES",
+    "LAYER_MEAN_PREFIX",
     "LOGGED",
     "LOGGED_PREFIX",
     "LOGGED_REFUSED",
     "PER_LAYER_FAMILIES",
     "RESERVED_LABELS",
     "SELF_FAMILIES",
+    "SERIES_IDENTITY",
     "STEP",
     "STEPPED_WEIGHT_SUMSQ",
+    "STEP_DURATION",
     "TENSOR",
+    "TENSOR_FAMILIES",
+    "TENSOR_PREFIX",
     "TENSOR_VALUES",
     "TRAINER_LOGS",
     "Family",
     "check_served",
+    "exposed_sample",
     "logged_sample",
     "scalar_sample",
     "served_family",
     "stepped_weight_sumsq",
+    "tensor_family",
 ]
 
 IDENTITY = ("run", "rank", "local_rank", "world_size", "host")
-"""The process identity every series carries (Prometheus adds ``job`` and ``instance``)."""
+"""The process identity: all of it on ``streamwatch_info``, :data:`SERIES_IDENTITY` on every series
+(Prometheus adds ``job`` and ``instance``)."""
 
 RESERVED_LABELS = frozenset({*IDENTITY, "le", "quantile"})
 """Labels a served family may not use (besides any starting with ``__``): the identity, and the labels
@@ -138,22 +150,76 @@ def stepped_weight_sumsq(record: StepRecord, key: SeriesKey) -> float | None:
     return float(value[0])
 
 
-INFO = _gauge("info", "Process identity of a streamwatch exporter", "version")
+INFO = _gauge(
+    "info", "Process identity of a streamwatch exporter (host, local_rank, world_size live here)", "version"
+)
 TENSOR = _gauge(
     "tensor",
-    "Statistics of a tapped tensor (stat: count, sum, sumsq, min, max, l2, ...)",
+    "Statistics of a tapped tensor, by stat (snapshot() only; /metrics serves one family per statistic)",
     *_TENSOR_KEY,
     "stat",
 )
+"""The per-tensor statistics as ``watch.snapshot()`` holds them (a ``stat`` label); the exporter serves
+each statistic as a family of its own (:func:`tensor_family`), so ``sum()`` over a family's labels adds
+values of one unit."""
+
+_TENSOR_STATS: Mapping[str, tuple[str, str]] = {
+    # stat: (family suffix, help); base units: a family of the tensor's unit has no unit suffix (it has
+    # none of its own), element and unit counts say what they count, ratios end in _ratio
+    "count": ("elements", "Elements of the tensor"),
+    "sum": ("sum_of_values", "Sum of the elements (the tensor's unit)"),
+    "sumsq": ("sum_of_squares", "Sum of the squared elements (a norm is the square root of a sum of them)"),
+    "min": ("min", "Smallest element (NaN if any is NaN)"),
+    "max": ("max", "Largest element (NaN if any is NaN)"),
+    "zeros": ("zero_elements", "Elements equal to zero"),
+    "nonfinite": ("nonfinite_elements", "NaN and infinite elements (an exact count, or a 0/1 flag)"),
+    "units": ("units", "Units (neurons, channels) whose per-unit activity was taken"),
+    "dead": ("dead_units", "Units inactive for every sample of the batch"),
+    "samples": ("activity_samples", "Samples behind the per-unit activity (the batch)"),
+    "active": ("active_unit_samples", "(sample, unit) pairs in which the unit was active"),
+    "sumabs": ("sum_of_magnitudes", "Sum of the elements' magnitudes"),
+    "sumcube": ("sum_of_cubes", "Sum of the cubed elements"),
+    "sumfourth": ("sum_of_fourth_powers", "Sum of the elements' fourth powers"),
+    "mean": ("mean", "Mean of the elements"),
+    "var": ("variance", "Population variance of the elements (the tensor's unit squared)"),
+    "std": ("stddev", "Population standard deviation of the elements"),
+    "l2": ("l2", "L2 norm of the tensor"),
+    "rms": ("rms", "Root mean square of the elements"),
+    "absmax": ("absmax", "Largest magnitude of an element (the infinity norm)"),
+    "zero_fraction": ("zero_ratio", "Fraction of the elements equal to zero"),
+    "dead_fraction": ("dead_ratio", "Fraction of the units inactive for every sample"),
+    "activation_rate": ("activation_ratio", "Fraction of (sample, unit) pairs in which the unit was active"),
+    "mean_abs": ("mean_magnitude", "Mean magnitude of the elements"),
+    "skewness": ("skewness", "Skewness of the elements (population)"),
+    "kurtosis": ("kurtosis", "Pearson's kurtosis of the elements (population)"),
+    "excess_kurtosis": ("excess_kurtosis", "Kurtosis minus 3 (0 for a normal distribution)"),
+    # the opt-in metrics' values (streamwatch.metrics) and the reduced records' extra
+    "cosine": ("cosine_previous", "Cosine similarity to the same tensor at the previous sampled step"),
+    "spectral_norm": ("spectral_norm", "Largest singular value of the weight (power iteration)"),
+    "condition_number": ("condition_number", "Largest over smallest singular value of the weight"),
+    "cca_similarity": (
+        "cca_similarity",
+        "Mean CCA correlation of the activations with the probe's reference",
+    ),
+    "update_ratio": ("update_ratio", "Norm of the update over the norm of the weight"),
+    STEPPED_WEIGHT_SUMSQ: (
+        "stepped_weight_sum_of_squares",
+        "Sum of the squared weights that have an update (the update ratio's denominator)",
+    ),
+}
 TENSOR_VALUES = Family(
     "streamwatch_tensor_values",
     "histogram",
     "Values of a tapped tensor in fixed log-spaced buckets (non-finite values excluded: see "
-    'streamwatch_tensor{stat="nonfinite"})',
+    "streamwatch_tensor_nonfinite_elements)",
     _TENSOR_KEY,
 )
 LAYER_MEAN = _gauge(
-    "layer_mean", "Mean over layers of a per-layer statistic, per phase and kind", "phase", "kind", "stat"
+    "layer_mean",
+    "Mean over layers of a per-layer statistic, by stat (snapshot() only; /metrics: layer_mean_<stat>)",
+    "phase",
+    "kind",
+    "stat",
 )
 
 STEP = _gauge("step", "Index of the last step processed by the worker")
@@ -173,7 +239,7 @@ LOSS_ZSCORE = _gauge("loss_zscore", "Robust z-score of the loss against its EWM 
 LOSS_SPIKES = _counter("loss_spikes", "Sampled steps whose loss z-score exceeded the LossSpike threshold")
 GRAD_NORM_RATIO = _gauge(
     "grad_norm_ratio",
-    'Gradient norm over its EWM baseline per layer, layer="__all__" the global norm (GradientSpike)',
+    "Gradient norm over its EWM baseline per layer, layer __all__ the global norm (GradientSpike)",
     "layer",
 )
 GRAD_NORM_SPIKES = _counter(
@@ -251,8 +317,11 @@ DATA_FAMILIES: tuple[Family, ...] = (
     _gauge("correct", "Correct predictions in the last step", "phase"),
     _gauge("predictions", "Predictions in the last step (the denominator of the train accuracy)", "phase"),
     _gauge("learning_rate", "Learning rate of a parameter group", "group"),
-    _gauge("step_seconds", "Wall time of the last step (seconds)"),
-    _gauge("samples_per_second", "Training throughput of the last step (samples per second)"),
+    _gauge("last_step_seconds", "Wall time of the last step (seconds; rate() the step counters instead)"),
+    _gauge(
+        "last_step_samples_per_second",
+        "Training throughput of the last step (samples per second; rate() streamwatch_samples_total instead)",
+    ),
     _gauge("batch_size", "Samples in the last step"),
     _gauge("step_phase_seconds", "Host wall time of a part of the last sampled step (seconds)", "part"),
     _gauge("hessian_max_eig", "Largest-magnitude eigenvalue of the loss Hessian"),
@@ -266,9 +335,20 @@ DATA_FAMILIES: tuple[Family, ...] = (
 )
 """Families of the run's data, in exposition order: the same live and replayed."""
 
+STEP_DURATION = Family(
+    "streamwatch_step_duration_seconds",
+    "histogram",
+    "Wall time of every step (watch.step() to watch.step()), seconds",
+)
+"""Every step's wall time, counted on the training thread into the fixed buckets of
+:data:`streamwatch._steptimes.STEP_BUCKETS` (a 15 s scrape sees all of the steps, not the last one)."""
+
 SELF_FAMILIES: tuple[Family, ...] = (
     INFO,
     _counter("steps", "Steps seen (watch.step() calls)"),
+    _counter("step_seconds", "Wall time of every step seen, summed (seconds)"),
+    _counter("samples", "Samples trained on (watch.step(batch_size=...)), summed over every step"),
+    STEP_DURATION,
     _counter("steps_sampled", "Steps whose record with layer rows was sent to the worker"),
     _counter("records", "Records the worker turned into step records"),
     _counter("records_dropped", "Records dropped, by reason", "reason"),
@@ -280,7 +360,7 @@ SELF_FAMILIES: tuple[Family, ...] = (
     _counter("tensors_skipped", "Tensors not summarised, by reason", "reason"),
     _gauge(
         "series",
-        "Per-layer series exported (streamwatch_tensor, streamwatch_tensor_values buckets, the detectors' "
+        "Per-layer series exported (the streamwatch_tensor_* statistics and values buckets, the detectors' "
         "per-layer families), after the series budget",
     ),
     _gauge("series_wanted", "Per-layer series before the series budget (as streamwatch_series counts them)"),
@@ -305,8 +385,44 @@ SELF_FAMILIES: tuple[Family, ...] = (
 )
 """Families about the serving process: its identity and how its monitoring is doing."""
 
-FAMILIES: Mapping[str, Family] = {f.name: f for f in (*SELF_FAMILIES, *DATA_FAMILIES)}
-"""Every built-in family by name."""
+SERIES_IDENTITY = ("run", "rank")
+"""The identity labels every series carries; the rest of :data:`IDENTITY` (``host``, ``local_rank``,
+``world_size``) is on ``streamwatch_info`` alone, joined where a query needs it::
+
+    streamwatch_tensor_l2 * on (job, run, rank) group_left (host) streamwatch_info
+"""
+
+LAYER_MEAN_PREFIX = "streamwatch_layer_mean_"
+TENSOR_PREFIX = "streamwatch_tensor_"
+
+
+def _tensor_families() -> dict[str, Family]:
+    out: dict[str, Family] = {}
+    for stat, (suffix, help_text) in _TENSOR_STATS.items():
+        out[stat] = Family(f"{TENSOR_PREFIX}{suffix}", "gauge", help_text, _TENSOR_KEY)
+    return out
+
+
+TENSOR_FAMILIES: Mapping[str, Family] = _tensor_families()
+"""The family of each known per-tensor statistic (``stat`` of ``snapshot()``) on /metrics."""
+
+LAYER_MEAN_FAMILIES: Mapping[str, Family] = {
+    stat: Family(
+        f"{LAYER_MEAN_PREFIX}{TENSOR_FAMILIES[stat].name[len(TENSOR_PREFIX) :]}",
+        "gauge",
+        f"Mean over layers of the per-layer {TENSOR_FAMILIES[stat].name}, per phase and kind",
+        ("phase", "kind"),
+    )
+    for stat in ("mean", "l2", "rms")
+}
+"""The family of each statistic ``streamwatch_layer_mean`` averages over layers, on /metrics."""
+
+FAMILIES: Mapping[str, Family] = {
+    f.name: f
+    for f in (*SELF_FAMILIES, *DATA_FAMILIES, *TENSOR_FAMILIES.values(), *LAYER_MEAN_FAMILIES.values())
+}
+"""Every built-in family by name (the per-statistic families of opt-in metrics with a name of their
+own, such as ``norm_p1``, are made by :func:`tensor_family`)."""
 
 _TAKEN = frozenset(
     {HISTOGRAM_SAMPLE}
@@ -327,8 +443,8 @@ _SCALARS: Mapping[str, tuple[str, Mapping[str, str]]] = {
     "total": ("streamwatch_predictions", {"phase": "train"}),  # a gauge: "_total" is for counters
     "eval/loss": ("streamwatch_loss", {"phase": "eval"}),
     "eval/accuracy": ("streamwatch_accuracy", {"phase": "eval"}),
-    "step_seconds": ("streamwatch_step_seconds", {}),
-    "samples_per_second": ("streamwatch_samples_per_second", {}),
+    "step_seconds": ("streamwatch_last_step_seconds", {}),
+    "samples_per_second": ("streamwatch_last_step_samples_per_second", {}),
     "batch_size": ("streamwatch_batch_size", {}),
     "hessian_max_eig": ("streamwatch_hessian_max_eig", {}),
 }
@@ -387,6 +503,56 @@ def logged_sample(name: str, value: float) -> Sample | None:
     return Sample(full, {}, value)
 
 
+@functools.lru_cache(maxsize=1024)
+def tensor_family(stat: str) -> Family:
+    """The family ``/metrics`` serves the per-tensor statistic ``stat`` in (``snapshot()``'s
+    ``streamwatch_tensor{stat=...}``): :data:`TENSOR_FAMILIES`, else ``streamwatch_tensor_<stat>``
+    with every run of characters other than letters, digits and ``_`` made one ``_`` (an opt-in
+    metric's name, ``norm_p0.5`` → ``streamwatch_tensor_norm_p0_5``), ``_value`` appended where that
+    would end like a counter's or histogram's samples or be a built-in family's name.
+
+    Example:
+        >>> tensor_family("dead_fraction").name, tensor_family("sumsq").name
+        ('streamwatch_tensor_dead_ratio', 'streamwatch_tensor_sum_of_squares')
+        >>> tensor_family("norm_p0.5").name, tensor_family("values").name
+        ('streamwatch_tensor_norm_p0_5', 'streamwatch_tensor_values_value')
+    """
+    known = TENSOR_FAMILIES.get(stat)
+    if known is not None:
+        return known
+    body = re.sub(r"[^a-zA-Z0-9_]+", "_", stat).strip("_") or "unnamed"
+    name = f"{TENSOR_PREFIX}{body}"
+    if body.endswith(_SAMPLE_SUFFIXES) or name in _TAKEN:
+        name = f"{name}_value"
+    if body.startswith("norm_p"):
+        help_text = f"L{stat[6:]} norm of the tensor (metrics.Norm)"
+    else:
+        help_text = f"{stat} of the tensor (an opt-in metric)"
+    return Family(name, "gauge", help_text, _TENSOR_KEY)
+
+
+def exposed_sample(sample: Sample) -> Sample:
+    """``sample`` (of ``watch.snapshot()``) as ``/metrics`` serves it: a per-tensor statistic or a mean
+    over layers in the family of its ``stat`` (:func:`tensor_family`, :data:`LAYER_MEAN_FAMILIES`),
+    without the ``stat`` label; any other sample as it is.
+
+    Example:
+        >>> exposed_sample(Sample("streamwatch_tensor", {"layer": "fc", "stat": "l2"}, 2.0))
+        Sample(name='streamwatch_tensor_l2', labels={'layer': 'fc'}, value=2.0)
+        >>> exposed_sample(Sample("streamwatch_layer_mean", {"kind": "param", "stat": "rms"}, 1.0)).name
+        'streamwatch_layer_mean_rms'
+    """
+    if sample.name == TENSOR.name or sample.name == LAYER_MEAN.name:
+        labels = dict(sample.labels)
+        stat = labels.pop("stat")
+        if sample.name == TENSOR.name:
+            family = tensor_family(stat)
+        else:
+            family = LAYER_MEAN_FAMILIES.get(stat) or Family(f"{LAYER_MEAN_PREFIX}{stat}", "gauge", "")
+        return Sample(family.name, labels, sample.value)
+    return sample
+
+
 def served_family(name: str) -> Family:
     """The family of the sample ``name``: a built-in one, or a user's gauge (``watch.serve()``).
 
@@ -433,6 +599,11 @@ def check_served(name: object, labels: object) -> tuple[str, dict[str, str]]:
         raise ValueError(
             f"Expected `name` not to be a built-in family's, got {name!r}: {full} is served by streamwatch "
             "itself; pick another name"
+        )
+    if full.startswith((TENSOR_PREFIX, LAYER_MEAN_PREFIX)):
+        raise ValueError(
+            f"Expected `name` not to start with tensor_ or layer_mean_ (the per-statistic families of "
+            f"tapped tensors), got {name!r}; pick another name"
         )
     if labels is None:
         return full, {}

@@ -128,6 +128,18 @@ class NonFiniteGuard:
             and (sentinel is None or (sentinel.idle and self._trial is None))
         )
 
+    @property
+    def quiet_ready(self) -> bool:
+        """Whether a quiet step may end without the full boundary, a device loss's probe waiting for its
+        batch allowed: no escalation, no trial, a sentinel with no gradient-norm check and no copy in
+        flight (:attr:`Sentinel.takes_quiet_probes`)."""
+        sentinel = self.sentinel
+        return (
+            self.escalated_until is None
+            and self._trial is None
+            and (sentinel is None or sentinel.idle or sentinel.takes_quiet_probes)
+        )
+
     def needs(self, loss: object) -> bool:
         """Whether the sentinel has anything to check at a step that ended with ``loss`` (checked): not
         for a finite number it reads already, while idle and without a trip to report."""

@@ -1,7 +1,7 @@
 """The fused CPU summary kernel: built with the package, loaded with ctypes from the package directory.
 
-Eager torch needs eight to nine calls per tensor for the summary (``_summary.summarize``: sum, sum of
-squares, min/max, a sign mask and its count, Σ|x|, x² and two dots over it) plus ~10 µs of dispatch each.
+Eager torch needs four calls per tensor for the summary (``_torchpath.summarize``: ``pow``, ``sign``, one
+``mm`` for every sum, ``aminmax``), each with ~10 µs of dispatch on a CPU and a pass over the tensor.
 ``_fused.c`` does it in one pass — and counts
 non-finite elements exactly, for free — writing straight into the step's host table. The library is
 loaded with ``ctypes.PyDLL``, which keeps the GIL during the call: releasing it (``CDLL``) let the

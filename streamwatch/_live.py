@@ -234,7 +234,7 @@ class LiveView:
         """The whole view for ``step`` (steps completed), from the watch's latest values."""
         samples = self.watch.store.samples()
         stats = self.watch.statistics()
-        step_seconds = _scalar(samples, "streamwatch_step_seconds")
+        step_seconds = _scalar(samples, "streamwatch_last_step_seconds")
         return Group(
             self._header(),
             self._progress(step, step_seconds),

@@ -423,6 +423,18 @@ class Sentinel:
         gradient-norm check, no device probe waiting or in flight (an attribute, kept by :meth:`check`,
         :meth:`drain` and :meth:`set_grad_norm`: read on every step boundary)."""
 
+    @property
+    def takes_quiet_probes(self) -> bool:
+        """Whether a quiet step may hand this sentinel a device loss (:meth:`probe`) without the full
+        boundary: no gradient-norm check, and no copy of flags in flight (a full boundary polls those:
+        the step after a batch was queued takes it)."""
+        return not self.grad_norm and not self._pending
+
+    def probe(self, step: int, loss: torch.Tensor) -> None:
+        """A quiet step's device loss (a 0-d view: no kernel, no sync), checked with its batch."""
+        self._push(step, loss)
+        self.idle = False
+
     def set_grad_norm(self, on: bool) -> None:
         """Check the gradients from the next step on, or stop."""
         self.grad_norm = on

@@ -308,7 +308,7 @@ class Watch:
                 scrape, explicitly (``""`` is refused rather than binding every interface).
             registry: a ``prometheus_client.CollectorRegistry`` to register in (default: a new one).
             run: the ``run`` label (default ``$STREAMWATCH_RUN``, else the script's name).
-            series_budget: the most series of the per-layer families to export (``streamwatch_tensor``,
+            series_budget: the most series of the per-layer families to export (``streamwatch_tensor_*``,
                 the histogram buckets, the detectors' per-layer families); past it, core statistics per
                 layer, else per-(phase, kind) totals (``layer="__all__"``) and the worst layers in core
                 detail (docs/prometheus.md#series-budget).
@@ -329,7 +329,7 @@ class Watch:
             ...     _ = model(torch.ones(1, 2)); watch.step()
             ...     _ = watch.flush()
             ...     body = urllib.request.urlopen(exporter.url, timeout=10).read().decode()
-            >>> 'streamwatch_info{host=' in body and 'stat="l2"' in body and 'run="' in body
+            >>> 'streamwatch_info{host=' in body and 'streamwatch_tensor_l2{' in body and 'run="' in body
             True
         """
         if self._boundary.closed:
@@ -427,9 +427,9 @@ class Watch:
         """The latest value of every series (the data ``/metrics`` serves): ``watch.store.samples()``.
         Thread-safe.
 
-        Tensor statistics are one family, ``streamwatch_tensor``, labelled ``phase``, ``layer``, ``kind``,
-        ``param`` (parameter kinds), ``index`` (leaf of a tuple/dict output) and ``stat``. Series whose
-        value is unknown (e.g. dead units of a weight) are absent, never NaN.
+        Tensor statistics are ``streamwatch_tensor`` samples labelled ``phase``, ``layer``, ``kind``,
+        ``param`` (parameter kinds), ``index`` (leaf of a tuple/dict output) and ``stat`` (``/metrics``
+        serves each statistic as a family: ``streamwatch_tensor_l2``, ...). Unknown ones are absent.
         """
         return self._store.samples()
 
@@ -537,6 +537,7 @@ class Watch:
             sentinel=guard.checks(),
             escalations=guard.escalations,
             escalated_until=guard.escalated_until,
+            **boundary.times.statistics(),
         )
 
     def close(self, timeout: float | None = None) -> None:

@@ -28,7 +28,8 @@ from torch import nn
 
 from streamwatch._buffer import StepBuffer
 from streamwatch._record import SeriesKey
-from streamwatch._tapstate import TapState, guarded, summarize_into
+from streamwatch._tapstate import TapState, guarded, summarize_into, summarize_many
+from streamwatch._torchpath import GROUP_ELEMENTS, Packing, Packings, batches, summarize_packed
 
 __all__ = ["NO_HOOK", "ParamTaps", "place_in_backward"]
 
@@ -90,6 +91,8 @@ class ParamTaps:
         self.has_optimizer = optimizer is not None
         self.found_inf: torch.Tensor | None = None
         self._before: list[torch.Tensor] | None = None
+        self._packed: list[tuple[Packing, list[tuple[str, str, nn.Parameter]]]] = []  # packed snapshots
+        self._snapshots = Packings()  # their packs, by layout
         self._grads: list[tuple[SeriesKey, nn.Parameter]] = []  # the param_grad tap's keys and parameters
         self._grad_flags: list[bool] = []  # their requires_grad when their hooks went in (no optimizer)
         # With an optimizer: the parameters it steps (read at its hooks) and the others (at the step's
@@ -176,15 +179,15 @@ class ParamTaps:
                     else [t / scale.to(t.device) for t in tensors]
                 )
             present = [(key, grad) for (key, _), grad in zip(present, unscaled, strict=True)]
-        for key, grad in present:
-            state.call(summarize_into, state, key, grad, None, True)
+        summarize_many(state, present)
         place_in_backward(buffer, start)
 
     def summarize_params(self, params: list[tuple[str, str, nn.Parameter]] | None = None) -> None:
         """Weights and biases, each on its own row (``kind="param"``): every parameter's, or ``params``'."""
         self.params_taken = True
-        for layer, pname, param in self.params if params is None else params:
-            summarize_into(self.state, SeriesKey("train", layer, "param", pname), param, None, replace=True)
+        chosen = self.params if params is None else params
+        items = [(SeriesKey("train", layer, "param", p), param) for layer, p, param in chosen]
+        summarize_many(self.state, items)
 
     def summarize_rest(self) -> None:
         """At a sampled step's end, with an optimizer: what its hooks did not read. Every gradient and
@@ -238,9 +241,7 @@ class ParamTaps:
                 # with a closure the gradients come inside the step (judged after it, _summarize_updates).
                 self._closure = closure = _has_closure(args, kwargs)
                 stepped = params if closure else [t for t in params if t[2].grad is not None]
-                with torch.no_grad():
-                    self._before = [param.detach().clone() for _, _, param in stepped]
-                self._before_params = stepped
+                self._snapshot(stepped)
         for metric in state.step_metrics:
             state.call(metric.before_optimizer_step, state.buffer)
 
@@ -261,8 +262,55 @@ class ParamTaps:
         if state.on.get("param"):
             self.summarize_params(self._split(optimizer)[0])
 
+    def _snapshot(self, stepped: list[tuple[str, str, nn.Parameter]]) -> None:
+        """The weights before the step: with the fused kernel and CPU parameters (the first one's device
+        decides) cloned one by one (the kernel reads Δ from the two copies); otherwise (CUDA;
+        ``STREAMWATCH_KERNEL=torch``) copied into packs by one multi-tensor copy each
+        (``_torchpath.Packing``), where Δ is computed in place. Exact non-finite counts, opt-in metrics
+        of updates and compiled code clone, as :func:`~streamwatch._tapstate.summarize_many` decides."""
+        state = self.state
+        cloned, packed = stepped, []
+        if not (
+            (state.kernel is not None and stepped and stepped[0][2].device.type == "cpu")
+            or state.count_nonfinite
+            or state.kind_metrics.get("update")
+            or torch.compiler.is_compiling()
+        ):  # (a tensor larger than a pack is cloned and summarised alone)
+            cloned = [t for t in stepped if t[2].numel() > GROUP_ELEMENTS]
+            packed = [t for t in stepped if t[2].numel() <= GROUP_ELEMENTS] if cloned else stepped
+        with torch.no_grad():
+            self._before = [param.detach().clone() for _, _, param in cloned]
+            self._packed = []
+            by_device: dict[torch.device, list[tuple[str, str, nn.Parameter]]] = {}
+            for t in packed:
+                by_device.setdefault(t[2].device, []).append(t)
+            for members in by_device.values():
+                for run in batches([param.numel() for _, _, param in members]):
+                    batch = [members[i] for i in run]
+                    pack, _ = self._snapshots.get([param for _, _, param in batch], either_order=False)
+                    pack.fill([param for _, _, param in batch])
+                    self._packed.append((pack, batch))
+        self._before_params = cloned
+
+    def _summarize_packed_updates(self) -> None:
+        """Δ = after − before of the packed snapshots, in place (two multi-tensor ops per pack), then
+        summarised as a pack."""
+        packed, self._packed = self._packed, []
+        state = self.state
+        for pack, batch in packed:
+            with torch.no_grad():
+                torch._foreach_mul_(pack.views, -1.0)  # -before, then after + (-before): after - before
+                torch._foreach_add_(pack.views, [param for _, _, param in batch])  # (signed zeros too)
+                rows = summarize_packed(pack)
+            for (layer, pname, param), row, view in zip(batch, rows, pack.views, strict=True):
+                if self._closure and param.grad is None:
+                    continue  # not stepped (copied before a closure computed the gradients)
+                state.buffer.add(SeriesKey("train", layer, "update", pname), view.numel(), row, replace=True)
+
     def _summarize_updates(self) -> None:
         state = self.state
+        if self._packed:
+            state.call(self._summarize_packed_updates)
         before, self._before = self._before, None
         if before is None:
             return
@@ -279,20 +327,26 @@ class ParamTaps:
                 state.buffer.add_host(kernel, key, after, replace=True, minus=old)
             else:
                 rest.append((key, after, old))
-        if rest:
+        if rest:  # (half precision: Δ in float32, exact, as in the packs)
             with torch.no_grad():
-                deltas = torch._foreach_sub([after for _, after, _ in rest], [old for _, _, old in rest])
+                deltas = torch._foreach_sub([_wide(a) for _, a, _ in rest], [_wide(b) for _, _, b in rest])
             for (key, _, _), delta in zip(rest, deltas, strict=True):
                 summarize_into(state, key, delta, None, replace=True)
 
     def clear(self) -> None:
         """Forget every parameter and registration (``remove()``: a closed Watch keeps none alive)."""
         self._before = None
+        self._packed, self._snapshots = [], Packings()
         self._before_params = self._owned_params = self._other_params = []
         self._owned_grads = self._other_grads = []
         self.params = []
         self._grads = []
         self.grad_registrations, self.step_registrations = [], []
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x``, in float32 if it is in half precision (the difference of two such is exact in float32)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 def place_in_backward(buffer: StepBuffer, start: int) -> None:

@@ -188,6 +188,7 @@ class Replay:
             self._collector.version,
             timeout=DEFAULT_TIMEOUT,
             name="streamwatch-replay-metrics",
+            render_openmetrics=lambda: self._collector.render(openmetrics=True),
         )
 
     def _wait_until(self, deadline: float) -> bool:

@@ -23,7 +23,7 @@ import torch
 from streamwatch._accuracy import Score, TrainAccuracy
 from streamwatch._validate import check_int
 
-__all__ = ["StepArgs", "check_step", "dark_ready", "number_loss"]
+__all__ = ["StepArgs", "check_step", "dark_ready", "number_loss", "read_loss"]
 
 _Tensor = torch.Tensor
 _F32 = torch.float32
@@ -151,10 +151,11 @@ def _check_pair(outputs: object, targets: object) -> None:
 
 
 def dark_ready(loss: object) -> bool:
-    """Whether a dark pair may follow a step with this (checked) loss: its first step reads the loss
-    when it is called, and can only where the loss is none, a number or a plain 0-d float32 CPU tensor
-    (one C call); any other loss (float64, shape ``[1]``, on a device) would be read one call late, when
-    a loop that overwrites a loss buffer in place has changed it.
+    """Whether a dark pair may follow a step with this (checked) loss: its first step keeps the loss as
+    it is when called, which it can where the loss is none, a number, a plain 0-d float32 CPU tensor
+    (read by one C call) or a 0-d floating tensor on a device (a 0-d copy: one launch, no sync); any other
+    loss (float64 or shape ``[1]`` on the CPU) would be read one call late, when a loop that overwrites a
+    loss buffer in place has changed it.
 
     Example:
         >>> dark_ready(None), dark_ready(0.5), dark_ready(torch.tensor([0.5]))
@@ -162,4 +163,30 @@ def dark_ready(loss: object) -> bool:
     """
     if loss is None or type(loss) is float:
         return True
-    return type(loss) is _Tensor and loss.dtype is _F32 and loss.is_cpu and not loss.ndim
+    if type(loss) is not _Tensor or loss.ndim:
+        return False
+    return loss.dtype is _F32 if loss.is_cpu else loss.is_floating_point()
+
+
+def read_loss(loss: object, read: Callable[[int], float] | None) -> float | None:
+    """A plain 0-d float32 CPU loss's value by ``read`` (the compiled module's one C call,
+    :func:`streamwatch._kernel.scalar_reader`); None for any other loss, or without ``read``.
+
+    Example:
+        >>> from streamwatch import _kernel
+        >>> read = _kernel.scalar_reader()
+        >>> read_loss(torch.tensor(0.5), read) in ((0.5 if read else None),)
+        True
+        >>> read_loss(torch.tensor([0.5]), read) is None  # (shape [1]: item() reads it)
+        True
+    """
+    if (
+        read is None
+        or type(loss) is not _Tensor
+        or loss.dtype is not _F32
+        or not loss.is_cpu
+        or loss.ndim
+        or loss.is_neg()  # (a lazily negated view, z.conj().imag: the memory holds -value)
+    ):
+        return None
+    return read(loss.data_ptr())

@@ -112,6 +112,11 @@ class WatchStatistics:
             sampled or not.
         escalations: times a sentinel trip escalated sampling to every step (``observe(escalate=...)``).
         escalated_until: while escalated, the first step after the escalation; else None.
+        step_seconds_total: every step's wall time, summed (``watch.step()`` to ``watch.step()``; the first
+            from ``observe()``).
+        step_buckets: the steps per bucket of ``streamwatch._steptimes.STEP_BUCKETS`` (not cumulative;
+            empty in a replay): the ``streamwatch_step_duration_seconds`` histogram.
+        samples_total: the samples of every step that gave ``batch_size``; None before the first.
         log_refused: ``watch.log()`` values refused: new names past the 64 kept.
         sentinel: what the per-step sentinel checks: ``("loss",)``, ``("loss", "grad_norm")`` or ``()``
             (under ``overhead=`` with the default, ``grad_norm`` once its trial found it affordable).
@@ -150,6 +155,9 @@ class WatchStatistics:
     escalated_until: int | None = None
     sentinel: tuple[str, ...] = ()
     scalar_records: int = 0
+    step_seconds_total: float = 0.0
+    step_buckets: tuple[int, ...] = ()
+    samples_total: int | None = None
     log_refused: int = 0
 
     @classmethod

@@ -2,15 +2,15 @@
 
 Pure functions only — no hooks, no threads. Two halves:
 
-* :func:`summarize` runs on the training thread, where the tensor lives. It never calls ``.item()``,
-  ``.cpu()`` or ``float()``: it returns 0-d device tensors, stacked once per step at the step boundary.
-  Kernels per tensor (measured on a 2-core CPU for a 1024×1024 float32 tensor): ``sum`` ~42 µs, a
-  BLAS ``dot`` for the sum of squares ~68 µs (``vector_norm`` is ~175 µs), ``aminmax`` ~118 µs, a sign
-  mask written into a reused scratch buffer and counted with ``dot`` (``count_nonzero`` is 5-10x
-  slower), per-unit activity from the same mask, Σ|x| as the mask's ``dot`` with x, Σx³ and Σx⁴ as two
-  ``dot`` over x² in another scratch buffer. The non-finite *flag* is free (``aminmax`` propagates
-  NaN, ±inf shows in min/max); an exact non-finite *count* costs two more passes and is opt-in.
-  Counts accumulate in float32 (float64 for float64 tensors): exact below 2**24 elements.
+* :func:`summarize` runs on the training thread, where the tensor lives (``_torchpath.py``: the torch
+  path, which CUDA, half-precision and subclass tensors take; CPU float32/float64 tensors take the fused C
+  kernel, ``_kernel.py``). It never calls ``.item()``, ``.cpu()`` or ``float()``: every sum of the schema
+  is an entry of one 4×4 Gram matrix of ``[1, x, x², sign x]``, so a tensor is four dispatched ops
+  (``pow``, ``sign``, ``mm``, ``aminmax``), per-unit activity one or two more, and the step boundary
+  turns all rows into one flat tensor of one dtype with a fixed number of ops. The non-finite *flag* is
+  free (``aminmax`` propagates NaN, ±inf shows in min/max); an exact non-finite *count* costs three more
+  ops and is opt-in. Sums accumulate in float32 (float64 for float64 tensors, and where float32 matrix
+  products are not exact): counts are exact below 2**24 elements.
 * :func:`finalize` runs on the worker, vectorised over all rows of a step with numpy: it merges rows of
   the same key (a module called twice, gradient accumulation) and :func:`derive` computes mean, std,
   RMS, abs-max, zero and dead fractions from the columns.
@@ -24,7 +24,7 @@ Example:
     >>> x = torch.tensor([[0.0, 2.0], [0.0, -1.0]])
     >>> row = summarize(x, unit_dim=1)
     >>> raw = Raw(keys=("a",), counts=np.array([4.0]), units=np.array([2.0]),
-    ...           values=torch.stack(row.scalars).reshape(1, -1).numpy(), dead=np.array([1.0]),
+    ...           values=row.values().reshape(1, -1).numpy(), dead=np.array([1.0]),
     ...           nonfinite_counted=False, samples=np.array([2.0]), active=np.array([2.0]))
     >>> keys, table = finalize(raw)
     >>> dict(zip(COLUMNS, table[0].tolist()))["zeros"], dict(zip(COLUMNS, table[0].tolist()))["dead"]
@@ -33,7 +33,6 @@ Example:
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -43,6 +42,7 @@ from numpy.typing import ArrayLike
 
 from streamwatch import _schema
 from streamwatch._schema import COLUMN, DEVICE_INDEX
+from streamwatch._torchpath import Row, release_scratch, summarize
 
 __all__ = [
     "COLUMNS",
@@ -52,6 +52,7 @@ __all__ = [
     "Row",
     "derive",
     "finalize",
+    "release_scratch",
     "saturation_bounds",
     "summarize",
     "table",
@@ -84,7 +85,7 @@ _MERGE = {
 }
 _NONFINITE, _MIN, _MAX = COLUMN["nonfinite"], COLUMN["min"], COLUMN["max"]
 
-_RTOL, _ATOL = 1e-5, 1e-8  # torch.isclose's defaults: "at a saturation bound" means isclose to it
+
 _INF = float("inf")
 _BOUNDS: dict[type[torch.nn.Module], tuple[float, float]] = {
     torch.nn.Sigmoid: (0.0, 1.0),
@@ -122,60 +123,6 @@ def saturation_bounds(module: torch.nn.Module) -> tuple[float, float] | None:
     return None
 
 
-def _inside(x: torch.Tensor, bounds: tuple[float, float]) -> torch.Tensor:
-    """1 where ``x`` is not at (isclose to) either saturation bound, else 0 — in ``x``'s dtype."""
-    mask: torch.Tensor | None = None
-    for bound in bounds:
-        if bound in (_INF, -_INF):
-            continue
-        far = (x - bound).abs_() > (_ATOL + _RTOL * abs(bound))
-        mask = far if mask is None else mask & far
-    if mask is None:
-        return torch.ones_like(x)
-    return mask.to(x.dtype)
-
-
-_DEVICE_ORDER = (DEVICE_STATS[:-1], DEVICE_STATS)
-"""The order of :attr:`Row.scalars`, without and with the non-finite count (the last device value)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    """The device scalars of one summarized tensor (see :data:`DEVICE_STATS`), plus per-unit activity."""
-
-    scalars: list[torch.Tensor]
-    unit_counts: torch.Tensor | None = None  # 1-D float32: per unit, the samples in which it was active
-    samples: int = 0  # the batch size behind unit_counts
-
-
-class _Scratch(threading.local):
-    """Per-thread reusable buffers, two per (device, dtype) (hooks run on the training thread, and on
-    CUDA also on autograd's device threads). Kernels on one stream run in order, so a buffer may be
-    rewritten as soon as the reductions reading it are enqueued."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
-
-
-_SCRATCH = _Scratch()
-
-
-def _scratch(x: torch.Tensor, slot: int = 0) -> torch.Tensor:
-    """A scratch tensor shaped like ``x`` (contiguous), reused across calls on this thread."""
-    key = (x.device, x.dtype, slot)
-    buffer = _SCRATCH.buffers.get(key)
-    n = x.numel()
-    if buffer is None or buffer.numel() < n:
-        buffer = torch.empty(n, dtype=x.dtype, device=x.device)
-        _SCRATCH.buffers[key] = buffer
-    return buffer[:n].view(x.shape)
-
-
-def release_scratch() -> None:
-    """Free this thread's scratch buffers (``Watch.close`` calls it)."""
-    _SCRATCH.buffers.clear()
-
-
 def unit_dim_for(x: torch.Tensor, channel_last: bool) -> int | None:
     """The dimension that indexes units (neurons/channels) of a batched tensor, or None (no units).
 
@@ -185,84 +132,6 @@ def unit_dim_for(x: torch.Tensor, channel_last: bool) -> int | None:
     if x.dim() < 2:
         return None
     return x.dim() - 1 if channel_last else 1
-
-
-def summarize(
-    x: torch.Tensor,
-    *,
-    unit_dim: int | None = None,
-    count_nonfinite: bool = False,
-    bounds: tuple[float, float] | None = None,
-) -> Row:
-    """Device scalars of a real floating tensor (:data:`DEVICE_STATS`: sum, sum of squares, min, max, the
-    nonzero count, Σ|x|, Σx³, Σx⁴ and the non-finite count).
-
-    No host synchronisation: every result stays on ``x``'s device. ``x`` must be a dense, non-empty,
-    real floating tensor (callers convert or skip the rest and count them). Accumulation is float32
-    (float64 for float64 inputs) so half-precision sums of squares cannot overflow.
-
-    Args:
-        x: the tensor; it is only read.
-        unit_dim: if given, also return per-unit activity along this dimension (dead units, activation
-            rate); dimension 0 is the batch.
-        bounds: the module's saturation bounds (:func:`saturation_bounds`): activity is "not at a
-            bound" instead of "nonzero".
-        count_nonfinite: also count NaN/Inf elements exactly (one more pass); otherwise there are five
-            scalars and :func:`finalize` reports a 0/1 presence flag derived for free from min/max/sum.
-
-    Example:
-        >>> import torch
-        >>> row = summarize(torch.tensor([1.0, -2.0, 0.0]))
-        >>> values = {name: float(s) for name, s in zip(DEVICE_STATS, row.scalars)}
-        >>> values["sum"], values["sumsq"], values["min"], values["max"], values["nonzero"]
-        (-1.0, 5.0, -2.0, 1.0, 2.0)
-    """
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    # BLAS dot is 2.5-3x faster than vector_norm for a sum of squares (and more accurate); half
-    # precision goes through vector_norm, which accumulates in float32 and cannot overflow.
-    blas = x.dtype in (torch.float32, torch.float64) and x.is_contiguous()
-    total = x.sum(dtype=acc)
-    if blas:
-        flat = x.view(-1)
-        sumsq = torch.dot(flat, flat)
-    else:
-        sumsq = torch.linalg.vector_norm(x, dtype=acc).square()
-    low, high = torch.aminmax(x)
-    # The sign mask (±1 where nonzero, 0 where zero; sign(NaN) is 0) is written into a reused scratch
-    # buffer: a fresh full-size temporary per tensor costs page faults that dwarf the pass itself.
-    active = _scratch(x)
-    torch.sign(x, out=active)
-    # Σ|x| = sign(x)·x, one dot over the mask already there (half precision: a norm, float32 inside)
-    sumabs = torch.dot(active.view(-1), flat) if blas else torch.linalg.vector_norm(x, 1, dtype=acc)
-    sumcube, sumfourth = _power_sums(x, acc, blas)
-    if blas and unit_dim is None:
-        mask = active.view(-1)
-        nonzero = torch.dot(mask, mask)  # sign² is the nonzero indicator: no abs pass needed
-    else:
-        active.abs_()
-        nonzero = active.sum(dtype=acc)
-    values = {"sum": total, "sumsq": sumsq, "min": low, "max": high, "nonzero": nonzero, "sumabs": sumabs}
-    values |= {"sumcube": sumcube, "sumfourth": sumfourth}
-    if count_nonfinite:  # x - x is 0 where finite and NaN at NaN/±inf: count those, in the scratch too
-        values["nonfinite"] = torch.sub(x, x, out=_scratch(x, 1)).nan_to_num_(nan=1.0).sum(dtype=acc)
-    scalars = [values[name] for name in _DEVICE_ORDER[count_nonfinite]]
-    if unit_dim is None:
-        return Row(scalars)
-    if bounds is not None:
-        active = _inside(x, bounds)
-    if x.dim() > 2:  # a (sample, unit) pair is active if the unit is active anywhere in its positions
-        positions = [d for d in range(1, x.dim()) if d != unit_dim]
-        active = active.amax(dim=positions)
-    return Row(scalars, active.sum(0, dtype=torch.float32), x.shape[0])
-
-
-def _power_sums(x: torch.Tensor, acc: torch.dtype, blas: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σx³ and Σx⁴: x² into a scratch buffer, then two dots (x², x) and (x², x²). Half precision and
-    strided views are read through one contiguous copy in the accumulation dtype (x² of a float16 would
-    overflow past 256)."""
-    flat = x.view(-1) if blas else x.reshape(-1).to(acc)  # (reshape copies a strided view)
-    square = torch.mul(flat, flat, out=_scratch(flat, 2))
-    return torch.dot(square, flat), torch.dot(square, square)
 
 
 @dataclass(frozen=True, slots=True)

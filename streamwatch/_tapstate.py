@@ -19,7 +19,7 @@ Example:
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
@@ -30,8 +30,19 @@ from streamwatch._buffer import StepBuffer
 from streamwatch._kernel import FusedKernel
 from streamwatch._record import SeriesKey
 from streamwatch._summary import summarize, unit_dim_for
+from streamwatch._torchpath import GROUP_ELEMENTS, Packings, batches, summarize_packed
 
-__all__ = ["Hook", "StepTimes", "TapState", "guarded", "inert", "local", "prepare", "summarize_into"]
+__all__ = [
+    "Hook",
+    "StepTimes",
+    "TapState",
+    "guarded",
+    "inert",
+    "local",
+    "prepare",
+    "summarize_into",
+    "summarize_many",
+]
 
 
 @dataclass(slots=True)
@@ -95,6 +106,7 @@ class TapState:
     # how many coming step ends may take the Watch's quiet path; anything that records (an evaluation
     # pass arming its hooks) or fails on the training thread sets it to 0
     quiet: int = 0
+    packings: Packings = field(default_factory=Packings)  # summarize_many's, by layout
 
     def skip(self, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
@@ -124,8 +136,9 @@ def local(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def prepare(x: torch.Tensor, state: TapState) -> torch.Tensor | None:
-    """A dense real floating view of ``x`` to summarise, or None (skipped and counted)."""
+def prepare(x: torch.Tensor, state: TapState, detach: bool = True) -> torch.Tensor | None:
+    """A dense real floating view of ``x`` to summarise, or None (skipped and counted); detached if it
+    requires a gradient, unless ``detach`` is False (the caller reads it under ``torch.no_grad()``)."""
     x = local(x)
     if x.is_nested:  # (strided or jagged: no single shape to take units or a flat pass from)
         state.skip("nested")
@@ -142,7 +155,8 @@ def prepare(x: torch.Tensor, state: TapState) -> torch.Tensor | None:
     if x.numel() == 0:
         state.skip("empty")
         return None
-    x = x.detach()
+    if detach and x.requires_grad:  # (a gradient needs no detach: one dispatched op less per tensor)
+        x = x.detach()
     if not x.is_floating_point():
         x = x.to(torch.float32)  # bool masks, integer ids: summarised as numbers
     return x
@@ -181,6 +195,47 @@ def summarize_into(
     if state.kind_metrics:  # opt-in tensor metrics (histograms, p-norms) on this step's tensors
         for metric in state.kind_metrics.get(key.kind, ()):
             state.call(metric, state.buffer, key, prepared)
+
+
+def summarize_many(state: TapState, items: Sequence[tuple[SeriesKey, torch.Tensor]]) -> None:  # one kind
+    """Summarise several tensors of the parameter kinds into the step (each replacing an earlier row of
+    its key): with the fused kernel and CPU tensors (the first one's device decides) one by one as
+    :func:`summarize_into` does; otherwise (CUDA; ``STREAMWATCH_KERNEL=torch``) in packs of a device,
+    copied in by one multi-tensor op and summarised by a fixed number of ops each
+    (``_torchpath.summarize_packed``). Exact non-finite counts, opt-in tensor metrics and compiled code
+    take the one-by-one path. One failing tensor (or pack) stops only itself."""
+    if not items:
+        return
+    kind = items[0][0].kind
+    if (
+        (state.kernel is not None and items[0][1].device.type == "cpu")
+        or state.count_nonfinite
+        or state.kind_metrics.get(kind)
+        or torch.compiler.is_compiling()
+    ):
+        for key, x in items:
+            state.call(summarize_into, state, key, x, None, True)
+        return
+    packed: dict[torch.device, list[tuple[SeriesKey, torch.Tensor]]] = {}
+    for key, x in items:
+        prepared = prepare(x, state, detach=False)  # (read under no_grad)
+        if prepared is not None and prepared.numel() > GROUP_ELEMENTS:  # alone: a pack would copy it
+            state.call(summarize_into, state, key, prepared, None, True)
+        elif prepared is not None:
+            packed.setdefault(prepared.device, []).append((key, prepared))
+    for members in packed.values():
+        for run in batches([x.numel() for _, x in members]):
+            state.call(_summarize_pack, state, [members[i] for i in run])
+
+
+def _summarize_pack(state: TapState, members: list[tuple[SeriesKey, torch.Tensor]]) -> None:
+    tensors = [x for _, x in members]
+    pack, flipped = state.packings.get(tensors)
+    with torch.no_grad():
+        pack.fill(tensors[::-1] if flipped else tensors)
+        rows = summarize_packed(pack, reverse=flipped)
+    for (key, x), row in zip(members, rows, strict=True):
+        state.buffer.add(key, x.numel(), row, replace=True)
 
 
 def inert(*args: Any, **kwargs: Any) -> None:

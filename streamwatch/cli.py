@@ -1,6 +1,7 @@
 """The ``streamwatch`` command: ``demo`` (a real training run, observed, served and recorded, with a live
 console view), ``report`` (a summary of a recorded run), ``replay`` (a recorded run served on /metrics
-again) and ``plot`` (a recorded run as a PNG).
+again), ``plot`` (a recorded run as a PNG) and ``stack`` (a real Prometheus scraping this machine's ranks,
+with the alert rules: :mod:`streamwatch._stack`).
 
 Every bad input — an option value out of range, a missing or corrupt run file, a port in use, an output
 path that cannot be written — is one line on stderr, ``streamwatch <command>: error: ...``, and exit
@@ -28,6 +29,8 @@ import errno
 import itertools
 import math
 import os
+import re
+import signal
 import sys
 import time
 import warnings
@@ -111,7 +114,7 @@ def _non_negative(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line: ``demo``, ``report``, ``replay`` and ``plot``.
+    """The command line: ``demo``, ``report``, ``replay``, ``plot`` and ``stack``.
 
     Every numeric option is checked here (a positive int, a port in [0, 65535], a finite number >= 0):
     a bad value is argparse's error, on one line, with exit status 2.
@@ -187,14 +190,48 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the rank to draw, of a run file with several (default: the first)",
     )
+    stack = commands.add_parser(
+        "stack", help="start a real Prometheus scraping this machine's ranks, with the alert rules"
+    )
+    stack.add_argument(
+        "--port",
+        type=_port,
+        default=DEFAULT_PORT,
+        help=f"the ranks' base /metrics port (default {DEFAULT_PORT})",
+    )
+    stack.add_argument("--ranks", type=_positive_int, default=1, help="local ranks to scrape (default 1)")
+    stack.add_argument(
+        "--web-port",
+        type=_port,
+        default=9090,
+        help="Prometheus' port on 127.0.0.1 (default 9090; 0: any free)",
+    )
+    stack.add_argument(
+        "--scrape-interval", type=_duration, default="5s", help="scrape and rule interval (default 5s)"
+    )
+    stack.add_argument("--rules", type=Path, default=None, help="the rules file (default: the checkout's)")
+    stack.add_argument(
+        "--data-dir", type=Path, default=None, help="keep Prometheus' data here (default: a temporary dir)"
+    )
+    stack.add_argument("--prometheus", default=None, help="the prometheus binary (default: the one on PATH)")
     return parser
+
+
+def _duration(text: str) -> str:
+    """An argparse type: a Prometheus duration of whole units (``500ms``, ``5s``, ``1m``), at least 1 s."""
+    match = re.fullmatch(r"(\d+)(ms|s|m)", text)
+    seconds = 0.0 if match is None else int(match[1]) * {"ms": 0.001, "s": 1.0, "m": 60.0}[match[2]]
+    if seconds < 1:
+        raise argparse.ArgumentTypeError(f"expected a duration of at least 1s such as 5s or 1m, got {text!r}")
+    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (2: bad input, reported on one line of stderr)."""
     args = build_parser().parse_args(argv)
     try:
-        return {"demo": _demo, "report": _report, "replay": _replay, "plot": _plot}[args.command](args)
+        commands = {"demo": _demo, "report": _report, "replay": _replay, "plot": _plot, "stack": _stack}
+        return commands[args.command](args)
     except BrokenPipeError as err:
         from streamwatch._exceptions import ChannelClosed
 
@@ -239,6 +276,51 @@ def _describe(err: BaseException) -> str:
         where = ": ".join(str(name) for name in (err.filename, err.filename2) if name is not None)
         return f"{where}: {err.strerror}" if where else err.strerror
     return str(err) or type(err).__name__
+
+
+def _stack(args: argparse.Namespace) -> int:
+    """Start Prometheus (streamwatch._stack), print its URL, and stop it on Ctrl-C or SIGTERM."""
+    from streamwatch._stack import Stack
+
+    stack = Stack(
+        base_port=args.port,
+        ranks=args.ranks,
+        web_port=args.web_port,
+        scrape_interval=args.scrape_interval,
+        rules=args.rules,
+        data_dir=args.data_dir,
+        binary=args.prometheus,
+    )
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        try:
+            stack.start()
+        except RuntimeError as err:
+            print(f"streamwatch stack: error: {_one_line(str(err))}", file=sys.stderr)
+            return 2
+        rules = "no rules (pass --rules)" if stack.rules is None else f"rules {stack.rules}"
+        print(f"Prometheus: {stack.url}", flush=True)
+        kept = "kept" if args.data_dir is not None else "removed at exit"
+        print(
+            f"scraping {', '.join(stack.targets)} every {args.scrape_interval} as job streamwatch; {rules}; "
+            f"data in {stack.workdir} ({kept}); Ctrl-C stops it",
+            flush=True,
+        )
+        while stack.running():
+            time.sleep(0.2)
+        print(f"streamwatch stack: error: prometheus exited: {_one_line(stack.log_tail())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    finally:
+        status = stack.stop()
+        signal.signal(signal.SIGTERM, previous)
+    print(f"streamwatch stack: Prometheus stopped (exit status {status})", flush=True)
+    return 0
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -475,7 +557,8 @@ def _train_demo(args: argparse.Namespace) -> int:
                     if view is not None:
                         view.update(step + 1)
                     elif (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-                        print(log_line(watch.store, watch.statistics(), step + 1), flush=True)
+                        line = log_line(watch.store, watch.statistics(), step + 1, loss=loss.item())
+                        print(line, flush=True)
                 trained = True
                 _linger(args, view is not None, watch, exporter.url)
             except KeyboardInterrupt:

@@ -81,7 +81,8 @@ class PrometheusServer:
 
     ``targets`` are ``host:port`` strings scraped under the job ``job``; ``rule_files`` are loaded with
     the given ``evaluation_interval``; ``extra_scrape_configs`` is YAML for more ``scrape_configs`` list
-    items (``- job_name: ...``), appended verbatim after dedenting.
+    items (``- job_name: ...``), appended verbatim after dedenting; ``remote_write`` URLs receive every
+    sample (scraped and recorded) within about a second.
     """
 
     def __init__(
@@ -94,6 +95,7 @@ class PrometheusServer:
         rule_files: Sequence[Path] = (),
         job: str = "streamwatch",
         extra_scrape_configs: str = "",
+        remote_write: Sequence[str] = (),
     ) -> None:
         self.workdir = Path(workdir)
         self.targets_list = [str(t) for t in targets]
@@ -102,6 +104,7 @@ class PrometheusServer:
         self.rule_files = [Path(p).resolve() for p in rule_files]
         self.job = job
         self.extra_scrape_configs = extra_scrape_configs
+        self.remote_write = [str(url) for url in remote_write]
         self.config_path = self.workdir / "prometheus.yml"
         self.data_dir = self.workdir / "data"
         self.log_path = self.workdir / "prometheus.log"
@@ -123,6 +126,11 @@ class PrometheusServer:
             "    static_configs:",
             f"      - targets: {_yaml_list(self.targets_list)}",
         ]
+        if self.remote_write:  # sent within a second, so a test sees the written data soon
+            lines.insert(4, "remote_write:")
+            for i, url in enumerate(self.remote_write):
+                entry = [f"  - url: {json.dumps(url)}", "    queue_config: {batch_send_deadline: 1s}"]
+                lines[5 + 2 * i : 5 + 2 * i] = entry
         text = "\n".join(lines) + "\n"
         extra = textwrap.dedent(self.extra_scrape_configs).strip("\n")
         if extra:
@@ -339,3 +347,83 @@ class PrometheusServer:
             with err:
                 detail = err.read().decode("utf-8", errors="replace")
             raise AssertionError(f"POST /-/reload: HTTP {err.code}: {detail.strip()}") from None
+
+
+# -- VictoriaMetrics ----------------------------------------------------------------------------------------
+
+VM_MISSING_MESSAGE = (
+    "needs the Debian package victoria-metrics (apt-get install -y --no-install-recommends victoria-metrics)"
+)
+
+
+def require_victoria_metrics() -> str:
+    """Return the ``victoria-metrics`` binary; skip without one, or fail if CI requires the servers."""
+    binary = shutil.which("victoria-metrics")
+    if binary is None:
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(VM_MISSING_MESSAGE)
+        pytest.skip(VM_MISSING_MESSAGE)
+    return binary
+
+
+class VictoriaMetricsServer(PrometheusServer):
+    """A VictoriaMetrics single node started by a test on 127.0.0.1, its data under ``<workdir>/data``,
+    stopped by PID: a remote-write target (``write_url``) with Prometheus' query API (``query``,
+    ``label_values``, ``series`` of :class:`PrometheusServer`, which it inherits).
+
+    Flags: no latency offset and no rollup cache, so an instant query sees every sample written up to its
+    time (VictoriaMetrics hides the last 30 s by default, as possibly incomplete).
+    """
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(workdir)
+
+    @property
+    def write_url(self) -> str:
+        """Prometheus' ``remote_write`` URL of this server."""
+        return f"{self.url}/api/v1/write"
+
+    def start(self, timeout: float = 30.0) -> VictoriaMetricsServer:
+        """Launch ``victoria-metrics`` on a free port and wait until ``/health`` answers ``OK``."""
+        if self.proc is not None:
+            raise RuntimeError(f"VictoriaMetrics already started at {self.url}")
+        binary = require_victoria_metrics()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        deadline = time.monotonic() + timeout
+        for attempt in range(_PORT_ATTEMPTS):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            with self.log_path.open("ab") as log:
+                self.proc = subprocess.Popen(
+                    [
+                        binary,
+                        f"-storageDataPath={self.data_dir}",
+                        f"-httpListenAddr=127.0.0.1:{self.port}",
+                        "-search.latencyOffset=0s",
+                        "-search.disableCache",
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=self.workdir,
+                )
+            while self.proc.poll() is None:
+                try:
+                    with urllib.request.urlopen(f"{self.url}/health", timeout=1.0) as resp:
+                        if resp.read().strip() == b"OK":
+                            return self
+                except (urllib.error.URLError, OSError):
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"VictoriaMetrics not ready in time; log tail:\n{self.log_tail()}")
+                time.sleep(0.05)
+            self.stop()
+            if "address already in use" not in self.log_tail() or attempt == _PORT_ATTEMPTS - 1:
+                raise RuntimeError(f"VictoriaMetrics exited before it was ready; log:\n{self.log_tail()}")
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def __enter__(self) -> VictoriaMetricsServer:
+        if self.proc is None:
+            self.start()
+        return self

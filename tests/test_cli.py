@@ -100,6 +100,10 @@ def test_demo_serves_metrics_while_it_trains_and_writes_a_run_file(tmp_path: Pat
     # every step, each with its loss, the unsampled ones carried by the next record
     assert [r.step for r in run.records] == list(range(120))
     assert all(math.isfinite(r.scalars["loss"]) for r in run.records)
+    # each log line shows its own step's loss (not the last record's, up to a second old)
+    shown = {int(s): v for s, v in re.findall(r"step +(\d+) +loss +(\S+)", text)}
+    assert sorted(shown) == [50, 100, 120]
+    assert shown == {s: f"{run.records[s - 1].scalars['loss']:.4f}" for s in shown}
     sampled = [r.step for r in run.records if r.keys]
     assert sampled[0] == 0
     assert 1 < len(sampled) <= int(done.group(1)) < 120
@@ -220,7 +224,7 @@ def test_live_view_replay_and_plot_from_the_command_line(tmp_path: Path) -> None
             assert line
         body = urllib.request.urlopen(url, timeout=10).read().decode()
         assert re.search(r"streamwatch_step\{[^}]*\} 39\.0", body)
-        assert "streamwatch_tensor{" in body
+        assert "streamwatch_tensor_l2{" in body
     finally:
         replay.send_signal(signal.SIGINT)
         _, err = replay.communicate(timeout=60)

@@ -342,6 +342,18 @@ def test_every_tap_kind_on_convolutions_norms_and_attention_makes_no_host_sync(
     assert all(np.isfinite([r.column(c) for c in FIRST_SIX]).all() for r in items)
 
 
+@pytest.mark.parametrize("case", ["mlp", "transformer bf16"])
+def test_a_sampled_step_keeps_the_launch_budget_on_the_gpu(case: str) -> None:
+    """The launch counts of docs/performance.md#launch-counts, counted on the GPU itself: within the CPU
+    budget plus the pinned copy's few ops, and no ``stack``/``cat`` of mixed dtypes (host syncs: the
+    tests above)."""
+    from tests.test_launches import BUDGET, COUNT_OPS
+
+    plain, observed, _ = COUNT_OPS.count_case(case, device="cuda")
+    assert observed.total - plain.total <= BUDGET[case] + 8, sorted((observed.ops - plain.ops).items())
+    assert observed.mixed == 0
+
+
 def test_unsampled_steps_keep_their_device_loss_and_logged_values_without_a_sync() -> None:
     """An unsampled step's device loss and a device value given to ``watch.log`` wait in the step log as
     0-d views (no sync) and are read with the next record's one copy: every step's loss comes back."""

@@ -48,7 +48,7 @@ ACROSS_RANKS = {
     ("streamwatch-layers.json", "Parameter-gradient values (histogram)"),  # one heatmap row per le bucket
 }
 
-VARIABLE_CHAIN = ["datasource", "job", "run", "rank", "layer"]
+VARIABLE_CHAIN = ["datasource", "job", "run", "rank", "worst", "layer"]
 
 
 def load_generator() -> ModuleType:
@@ -97,7 +97,10 @@ def test_the_committed_json_is_what_the_generator_produces() -> None:
     assert sorted(generator.DASHBOARDS) == DASHBOARD_NAMES
     assert generator.check() == [], "run `make dashboards` and commit the result"
     rendered = generator.render()
-    assert {p.name for p in DASHBOARDS_DIR.glob("*.json")} == set(rendered)
+    assert {p.name for p in DASHBOARDS_DIR.glob("*.json")} == {n for n in rendered if n.endswith(".json")}
+    assert {f"kubernetes/{p.name}" for p in (DASHBOARDS_DIR / "kubernetes").iterdir()} == {
+        n for n in rendered if n.startswith("kubernetes/")
+    }
 
 
 def test_the_drift_check_cli_passes_and_names_a_drifted_file(tmp_path: Path) -> None:
@@ -107,12 +110,18 @@ def test_the_drift_check_cli_passes_and_names_a_drifted_file(tmp_path: Path) -> 
     assert result.returncode == 0, result.stderr
     generator = load_generator()
     for name, text in generator.render().items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text, encoding="utf-8")
     assert generator.check(tmp_path) == []
     drifted = tmp_path / "streamwatch-health.json"
     drifted.write_text(drifted.read_text(encoding="utf-8").replace("Queue length", "Queue"), encoding="utf-8")
     (tmp_path / "streamwatch-layers.json").unlink()
-    assert generator.check(tmp_path) == ["streamwatch-layers.json", "streamwatch-health.json"]
+    (tmp_path / "kubernetes" / "podmonitor.yaml").unlink()
+    assert generator.check(tmp_path) == [
+        "streamwatch-layers.json",
+        "streamwatch-health.json",
+        "kubernetes/podmonitor.yaml",
+    ]
 
 
 @pytest.mark.parametrize("name", DASHBOARD_NAMES)
@@ -221,7 +230,8 @@ def test_every_query_looks_like_promql_and_selects_job_and_run(name: str) -> Non
             if metric != "up":  # Prometheus' own series has no run label: joined with streamwatch_info
                 assert 'run=~"$run"' in labels, (title, expr)
         assert target["refId"]
-        assert target["range"] is True
+        # time series, except the alerts table (the alerts firing now)
+        assert target["range"] is True or (target["instant"] and target["format"] == "table"), title
 
 
 def test_the_variables_chain_job_run_rank_layer() -> None:
@@ -234,24 +244,61 @@ def test_the_variables_chain_job_run_rank_layer() -> None:
         assert by_name["job"]["query"] == "label_values(streamwatch_info, job)"
         assert by_name["run"]["query"] == 'label_values(streamwatch_info{job=~"$job"}, run)'
         assert by_name["rank"]["query"] == 'label_values(streamwatch_info{job=~"$job",run=~"$run"}, rank)'
-        assert by_name["layer"]["query"] == 'label_values(streamwatch_tensor{job=~"$job",run=~"$run"}, layer)'
-        for var in VARIABLE_CHAIN[1:]:
+        # $layer: the $worst worst layers of the selected ranks, worst first, "All" of them by default
+        layer = by_name["layer"]
+        assert layer["query"].startswith("query_result(topk($worst, "), layer["query"]
+        assert 'rank=~"$rank"' in layer["query"]
+        assert layer["regex"] == '/layer="([^"]+)"/'
+        assert layer["sort"] == 0, "no sort: the worst layer first"
+        assert layer["current"] == {"selected": True, "text": "All", "value": "$__all"}
+        worst = by_name["worst"]
+        assert worst["type"] == "custom"
+        assert worst["query"].split(",")[0] == worst["current"]["value"] == "5"
+        for var in ("job", "run", "rank", "layer"):
             v = by_name[var]
             assert (v["type"], v["multi"], v["includeAll"]) == ("query", True, True), (name, var)
             assert v["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
             assert v["refresh"] == 2, "refresh on time-range change, so new runs and ranks appear"
 
 
-def test_the_layers_dashboard_repeats_a_row_per_layer() -> None:
+def test_the_layers_dashboard_repeats_a_collapsed_row_per_layer() -> None:
+    """A collapsed row per selected layer: a layer's queries run only when its row is opened."""
     layers = committed()["streamwatch-layers.json"]
     repeated = [p for p in layers["panels"] if p.get("repeat") == "layer"]
     assert len(repeated) == 1
-    assert repeated[0]["type"] == "row"
-    after = layers["panels"][layers["panels"].index(repeated[0]) + 1 :]
-    assert len(after) >= 6
-    for panel in after:
+    row = repeated[0]
+    assert (row["type"], row["collapsed"]) == ("row", True)
+    assert layers["panels"][-1] is row  # nothing after it: its panels are nested, as Grafana stores them
+    assert len(row["panels"]) >= 6
+    for panel in row["panels"]:
         assert any('layer=~"$layer"' in t["expr"] for t in panel["targets"]), panel["title"]
     assert {p["type"] for p in query_panels(layers)} >= {"heatmap", "timeseries"}
+    open_rows = [p for p in layers["panels"] if p["type"] == "row" and not p["collapsed"]]
+    assert all(not p["panels"] for p in open_rows)
+
+
+def test_the_overview_lists_alerts_and_every_dashboard_annotates_events() -> None:
+    models = committed()
+    tables = [p for p in query_panels(models["streamwatch-overview.json"]) if p["type"] == "table"]
+    assert len(tables) == 1
+    (target,) = tables[0]["targets"]
+    assert target["expr"].startswith("ALERTS{")
+    assert 'run=~"$run"' in target["expr"]
+    for name, model in models.items():
+        annotations = {a["name"]: a for a in model["annotations"]["list"]}
+        assert {"Loss spikes", "First non-finite step", "Firing alerts"} <= set(annotations), name
+        for annotation in annotations.values():
+            if annotation["name"] in ("Annotations & Alerts",):  # Grafana's built-in one, if any
+                continue
+            assert 'job=~"$job"' in annotation["target"]["expr"], (name, annotation["name"])
+
+
+def test_the_minimum_grafana_version_is_stated() -> None:
+    generator = load_generator()
+    readme = (DASHBOARDS_DIR / "README.md").read_text(encoding="utf-8")
+    assert f"Grafana {generator.MIN_GRAFANA} or newer" in readme
+    for model in committed().values():
+        assert model["description"].endswith(f"Grafana {generator.MIN_GRAFANA} or newer.")
 
 
 def _substituted(expr: str) -> str:
@@ -281,9 +328,6 @@ def test_the_scrape_config_example_is_valid(tmp_path: Path) -> None:
     targets = json.loads((DASHBOARDS_DIR / "scrape/file_sd.json").read_text(encoding="utf-8"))
     assert targets
     assert all(group["targets"] for group in targets)
-    assert "monitoring.coreos.com/v1" in (DASHBOARDS_DIR / "scrape/podmonitor.yaml").read_text(
-        encoding="utf-8"
-    )
     provisioning = DASHBOARDS_DIR / "provisioning"
     assert "apiVersion: 1" in (provisioning / "dashboards.yaml").read_text(encoding="utf-8")
     assert "type: prometheus" in (provisioning / "datasources.yaml").read_text(encoding="utf-8")

@@ -250,7 +250,7 @@ def test_the_totals_are_torch_over_every_layer() -> None:
     )
     names = {s.name for s in watch.snapshot()}
     assert "streamwatch_layer_mean" not in names  # a mean over layers needs layers
-    assert {"streamwatch_loss", "streamwatch_step_seconds", "streamwatch_step_phase_seconds"} <= names
+    assert {"streamwatch_loss", "streamwatch_last_step_seconds", "streamwatch_step_phase_seconds"} <= names
 
 
 def test_without_detail_the_update_ratio_is_over_the_stepped_weights_only(tmp_path: Path) -> None:
@@ -538,8 +538,8 @@ def _render(watch: sw.Watch, budget: int) -> dict[str, int]:
 _STEP_VALUES = (
     "streamwatch_loss",
     "streamwatch_learning_rate",
-    "streamwatch_step_seconds",
-    "streamwatch_samples_per_second",
+    "streamwatch_last_step_seconds",
+    "streamwatch_last_step_samples_per_second",
     "streamwatch_batch_size",
     "streamwatch_step_phase_seconds",
     "streamwatch_step",
@@ -551,7 +551,13 @@ _DETECTOR_VALUES = tuple(family.exposed for family in DETECTOR_FAMILIES)
 
 def _groups(counts: dict[str, int]) -> dict[str, int]:
     """The doc's rows: tensor, layer means, step values, detectors, identity and self metrics, total."""
-    tensor, means = counts.get("streamwatch_tensor", 0), counts.get("streamwatch_layer_mean", 0)
+    # one family per statistic: streamwatch_tensor_<stat> (the histogram's streamwatch_tensor_values aside)
+    tensor = sum(
+        n
+        for name, n in counts.items()
+        if name.startswith("streamwatch_tensor_") and not name.startswith("streamwatch_tensor_values_")
+    )
+    means = sum(n for name, n in counts.items() if name.startswith("streamwatch_layer_mean_"))
     step = sum(counts.get(name, 0) for name in _STEP_VALUES)
     detectors = sum(counts.get(name, 0) for name in _DETECTOR_VALUES)
     total = sum(counts.values())
@@ -599,8 +605,8 @@ def test_docs_scale_numbers_are_what_a_7b_shaped_model_serves(caplog: pytest.Log
     assert other_budgeted == other  # the totals are far under any budget
     per_rank = _table(doc, "| series per rank |")
     rows = {
-        "`streamwatch_tensor`": "tensor",
-        "`streamwatch_layer_mean`": "layer_mean",
+        "`streamwatch_tensor_*` (one family per statistic)": "tensor",
+        "`streamwatch_layer_mean_*`": "layer_mean",
         "step values (loss, learning rate, step time, throughput, batch size, 4 step parts, step)": "step",
         "the detectors (`streamwatch.detectors.DEFAULT_DETECTORS`)": "detectors",
         "`streamwatch_info` and streamwatch's own metrics": "self",
@@ -617,7 +623,7 @@ def test_docs_scale_numbers_are_what_a_7b_shaped_model_serves(caplog: pytest.Log
     _, keys = watch.store.table()
     kinds = [key.kind for key in keys]
     breakdown = re.search(
-        r"is (\d+) activation and output-gradient rows × (\d+) statistics \(([\d ]+)\), (\d+) weight, "
+        r"hold (\d+) activation and output-gradient rows × (\d+) statistics \(([\d ]+)\), (\d+) weight, "
         r"gradient and update rows × (\d+) statistics \(([\d ]+)\) less the (\d+) that are unknown and "
         r"absent here \(skewness, kurtosis and excess kurtosis of the (\d+) RMSNorm weights, all ones at "
         r"this step: no spread\) and (\d+) `update_ratio` values",
@@ -654,13 +660,15 @@ def test_docs_scale_numbers_are_what_a_7b_shaped_model_serves(caplog: pytest.Log
     assert int(worst[2]) == leaves
 
     # bytes per series: Robust Perception's constants with our label count, and 15 s scrapes for 3 hours
-    labels = (
-        11 + 2
-    )  # streamwatch_tensor's: the identity, phase, layer, kind, param, index, stat; job, instance
-    per_series = 2 * (732 + 32 * labels + 2 * len("streamwatch_tensor")) + (3 * 3600 // 15) * 2 * 1.5 * 2
+    # a per-statistic family's: run, rank, phase, layer, kind, param, index; job, instance (host,
+    # local_rank and world_size only on streamwatch_info; no stat label); its name as long as the
+    # sums of squares'
+    labels = 7 + 2
+    name = "streamwatch_tensor_sum_of_squares"
+    per_series = 2 * (732 + 32 * labels + 2 * len(name)) + (3 * 3600 // 15) * 2 * 1.5 * 2
     stated = re.search(r"Memory per active series: ([\d,]+) bytes", doc)
     assert stated
-    assert _number(stated[1]) == per_series == 6688
+    assert _number(stated[1]) == per_series == 6492
 
     at_scale = _table(doc, "| mode | ranks with detail |")
     world, per_node = 1024, 8
@@ -672,7 +680,7 @@ def test_docs_scale_numbers_are_what_a_7b_shaped_model_serves(caplog: pytest.Log
         '`"none"`': ("none", _groups(detail)["total"]),
     }
     assert set(at_scale) == set(modes)
-    assert _groups(budgeted)["total"] == 5045  # the budget's 4 998 per-layer series and 47 others
+    assert _groups(budgeted)["total"] == 5065  # the budget's 4 998 per-layer series and 67 others
     for title, (mode, per_detail) in modes.items():
         ranks, per_detail_cell, per_other_cell, active_cell, memory_cell = at_scale[title]
         chosen = sum(

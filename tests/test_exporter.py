@@ -18,17 +18,36 @@ import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 import streamwatch as sw
 from streamwatch import SeriesKey
-from streamwatch._families import PER_LAYER_FAMILIES
+from streamwatch._families import PER_LAYER_FAMILIES, exposed_sample
 from streamwatch._schema import COLUMN
-from tests.promtool import check_metrics
+from streamwatch._steptimes import STEP_BUCKETS
+from streamwatch.sinks._http import OPENMETRICS_CONTENT_TYPE
+from tests.promtool import check_metrics, lint_problems
 from tests.training import train
 
 IDENTITY = ("run", "rank", "local_rank", "world_size", "host")
+OPENMETRICS_ACCEPT = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+SERIES_IDENTITY = ("run", "rank")  # on every series; the rest of the identity on streamwatch_info alone
+
+
+# the families of the core statistics a scrape over the series budget keeps (docs/prometheus.md)
+_CORE_FAMILIES = (
+    "elements",
+    "sum_of_squares",
+    "l2",
+    "mean",
+    "min",
+    "max",
+    "nonfinite_elements",
+    "dead_ratio",
+)
 
 
 def _train(watch: sw.Watch, model: nn.Module, opt: torch.optim.Optimizer, steps: int = 3) -> None:
@@ -58,19 +77,23 @@ def test_metrics_served_equal_the_snapshot_and_statistics() -> None:
         snapshot = watch.snapshot()
         stats = watch.statistics()
     ident = {"run": "unit", "rank": "0", "local_rank": "0", "world_size": "1", "host": socket.gethostname()}
-    want = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for s in snapshot
-        if s.name != "streamwatch_tensor_histogram"
-    }
+    # /metrics serves one family per statistic (streamwatch_tensor{stat="l2"} -> streamwatch_tensor_l2)
+    exposed = [exposed_sample(s) for s in snapshot if s.name != "streamwatch_tensor_histogram"]
+    want = {(s.name, tuple(sorted(s.labels.items()))): s.value for s in exposed}
+    assert len(want) == len(exposed) > 100
     got: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
     for name in {n for n, _ in want}:
         for sample in families[name]:
             labels = dict(sample.labels)
-            assert {k: labels.pop(k) for k in IDENTITY} == ident  # every series carries the identity
+            # every series carries run and rank, and nothing else of the identity
+            assert {k: labels.pop(k) for k in SERIES_IDENTITY} == {"run": "unit", "rank": "0"}
+            assert not set(labels) & set(IDENTITY)
             # counters (the detectors' spike counts) are named without _total in the snapshot
             got[(sample.name.removesuffix("_total"), tuple(sorted(labels.items())))] = sample.value
     assert got == want
+    served = [s for family in families.values() for s in family]
+    assert not [s for s in served if "stat" in s.labels]  # no stat label anywhere on /metrics
+    assert not [s for s in served if s.name != "streamwatch_info" and "host" in s.labels]
     info = families["streamwatch_info"]
     assert info[0].name == "streamwatch_info"
     assert info[0].value == 1.0
@@ -110,9 +133,7 @@ def test_global_norm_from_exported_sums_of_squares_is_exact() -> None:
         _train(watch, model, opt, steps=1)
         families = _scrape(exporter.url)
     sumsq = [
-        s.value
-        for s in families["streamwatch_tensor"]
-        if s.labels["kind"] == "param_grad" and s.labels["stat"] == "sumsq"
+        s.value for s in families["streamwatch_tensor_sum_of_squares"] if s.labels["kind"] == "param_grad"
     ]
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     assert math.sqrt(sum(sumsq)) == pytest.approx(float(grads.norm()), rel=1e-5)
@@ -133,7 +154,13 @@ def _labels_served_one_port_up() -> dict[str, str]:
         assert exporter.port == base + 1
         _train(watch, model, opt, steps=1)
         families = _scrape(exporter.url)
-    return dict(families["streamwatch_loss"][0].labels)
+    (info,) = families["streamwatch_info"]
+    assert dict(families["streamwatch_loss"][0].labels) == {
+        "phase": "train",
+        "run": info.labels["run"],
+        "rank": info.labels["rank"],
+    }
+    return dict(info.labels)
 
 
 def test_each_local_rank_serves_on_its_own_port_with_torchrun_identity(
@@ -180,7 +207,7 @@ def test_an_empty_or_bad_rank_variable_is_read_as_unset_or_refused_by_name(
         model(torch.randn(2, 6)).sum().backward()
         watch.step(loss=1.0)
         assert watch.flush()  # (the scrape reads what the worker has handled)
-        labels = _scrape(exporter.url)["streamwatch_loss"][0].labels
+        labels = _scrape(exporter.url)["streamwatch_info"][0].labels
     assert (labels["rank"], labels["local_rank"], labels["world_size"]) == ("0", "0", "1")
     monkeypatch.setenv(name, "two")
     with pytest.raises(ValueError, match=rf"\${name} to be an integer.*'two'"):
@@ -230,7 +257,7 @@ def test_a_module_name_that_is_no_utf8_does_not_fail_the_scrape() -> None:
         exporter = watch.expose(port=0)
         _train(watch, model, opt, steps=1)
         families = _scrape(exporter.url)
-    layers = {sample.labels.get("layer") for sample in families["streamwatch_tensor"]}
+    layers = {sample.labels.get("layer") for sample in families["streamwatch_tensor_l2"]}
     assert "bad?" in layers
     assert families["streamwatch_loss"]
 
@@ -241,11 +268,11 @@ def test_a_caller_supplied_registry_and_no_values_before_the_first_step() -> Non
     with sw.observe(model, opt, every=1) as watch:
         watch.expose(port=0, registry=registry)
         before = generate_latest(registry).decode()
-        assert "streamwatch_tensor{" not in before  # absent before the first step, never a placeholder
+        assert "\nstreamwatch_tensor_l2{" not in before  # absent before the first step, never a placeholder
         assert "streamwatch_steps_total" in before
         _train(watch, model, opt, steps=1)
         after = generate_latest(registry).decode()
-    assert "streamwatch_tensor{" in after
+    assert "streamwatch_tensor_l2{" in after
     assert "streamwatch_info{" in after
     assert "streamwatch_tensor" not in generate_latest(registry).decode()  # close() unregistered it
 
@@ -270,28 +297,25 @@ def test_the_series_budget_reduces_to_core_statistics_then_to_aggregates(
             tight_text = generate_latest(tight.registry).decode()
             generate_latest(tight.registry)
         table, keys = watch.store.table()
-    core_stats = {
-        s.labels["stat"]
-        for f in text_string_to_metric_families(core_text)
-        if f.name == "streamwatch_tensor"
-        for s in f.samples
+    core_names = {
+        f.name for f in text_string_to_metric_families(core_text) if f.name.startswith("streamwatch_tensor_")
     }
-    assert core_stats <= set(sw.sinks._prometheus.CORE_STATS)
-    assert len(core_stats) >= 6
+    assert core_names <= {f"streamwatch_tensor_{name}" for name in _CORE_FAMILIES}
+    assert len(core_names) >= 6
     tight_samples = [
         s
         for f in text_string_to_metric_families(tight_text)
-        if f.name == "streamwatch_tensor"
+        if f.name.startswith("streamwatch_tensor_")
         for s in f.samples
     ]
     assert {s.labels["layer"] for s in tight_samples} == {"__all__"}
     # the aggregate of param_grad: sum of the rows' sums of squares, max of maxima
     grads = [i for i, k in enumerate(keys) if k.kind == "param_grad"]
-    got = {s.labels["stat"]: s.value for s in tight_samples if s.labels["kind"] == "param_grad"}
+    got = {s.name: s.value for s in tight_samples if s.labels["kind"] == "param_grad"}
     sumsq, high = table[grads, COLUMN["sumsq"]], table[grads, COLUMN["max"]]
-    assert got["sumsq"] == pytest.approx(float(sumsq.sum()), rel=1e-12)
-    assert got["max"] == float(high.max())
-    assert got["l2"] == pytest.approx(math.sqrt(float(sumsq.sum())), rel=1e-12)
+    assert got["streamwatch_tensor_sum_of_squares"] == pytest.approx(float(sumsq.sum()), rel=1e-12)
+    assert got["streamwatch_tensor_max"] == float(high.max())
+    assert got["streamwatch_tensor_l2"] == pytest.approx(math.sqrt(float(sumsq.sum())), rel=1e-12)
     reduced = [
         f
         for f in text_string_to_metric_families(generate_latest(tight.registry).decode())
@@ -383,8 +407,9 @@ def test_the_fast_formatter_serves_exactly_what_prometheus_client_would() -> Non
 
     fast_samples, reference_samples = samples(fast_body), samples(reference_body)
     assert fast_samples == reference_samples
-    assert sum(1 for name, _ in fast_samples if name == "streamwatch_tensor") > 100
-    assert fast_body.count("# TYPE streamwatch_tensor gauge") == 1  # one contiguous family
+    assert sum(1 for name, _ in fast_samples if name.startswith("streamwatch_tensor_")) > 100
+    assert fast_body.count("# TYPE streamwatch_tensor_l2 gauge") == 1  # one contiguous family
+    assert fast_body.count("# TYPE streamwatch_tensor_cosine_previous gauge") == 1
 
 
 @pytest.mark.parametrize(
@@ -398,6 +423,9 @@ def test_the_fast_formatter_serves_exactly_what_prometheus_client_would() -> Non
         ("tensor_histogram", r"got 'tensor_histogram': streamwatch_tensor_histogram is served"),
         ("loss", r"got 'loss': streamwatch_loss is served"),
         ("layer_mean", r"got 'layer_mean': streamwatch_layer_mean is served"),
+        ("tensor_l2", r"got 'tensor_l2': streamwatch_tensor_l2 is served"),
+        ("layer_mean_rms", r"got 'layer_mean_rms': streamwatch_layer_mean_rms is served"),
+        ("tensor_mine", r"^Expected `name` not to start with tensor_ or layer_mean_ .*got 'tensor_mine'"),
         ("hits_total", r"^Expected `name` not to end in _total, _count, _sum, _bucket .*got 'hits_total'$"),
         ("latency_count", r"not to end in .*got 'latency_count'$"),
         ("latency_sum", r"not to end in .*got 'latency_sum'$"),
@@ -441,8 +469,9 @@ def test_serve_refuses_reserved_and_malformed_labels(
         watch.serve("tenfold", labels)
 
 
-def _served_run(**expose: Any) -> tuple[str, sw.Watch]:
-    """A run with a histogram and a served family, scraped through ``expose(**expose)``."""
+def _served_run(**expose: Any) -> tuple[str, sw.Watch, str]:
+    """A run with a histogram and a served family, scraped through ``expose(**expose)``: the text body,
+    the watch, and the OpenMetrics body of the same route."""
     model, opt = _model()
     registry = expose.pop("registry", None)
     metrics = [*sw.DEFAULT_METRICS, sw.metrics.Histogram(kinds=("param_grad",))]
@@ -453,14 +482,19 @@ def _served_run(**expose: Any) -> tuple[str, sw.Watch]:
             exporter = watch.expose(port=0, **expose)
             _train(watch, model, opt)
             body = urllib.request.urlopen(exporter.url, timeout=10).read().decode()
+            asked = urllib.request.Request(exporter.url, headers={"Accept": OPENMETRICS_ACCEPT})
+            with urllib.request.urlopen(asked, timeout=10) as resp:
+                assert resp.headers["Content-Type"] == OPENMETRICS_CONTENT_TYPE
+                om = resp.read().decode()
         else:
             exporter = sw.sinks.Exporter(
                 watch.store, watch.statistics, serve=False, registry=registry, **expose
             )
             _train(watch, model, opt)
             body = generate_latest(exporter.registry).decode()
+            om = generate_openmetrics(exporter.registry).decode()
             exporter.close()
-    return body, watch
+    return body, watch, om
 
 
 @pytest.mark.parametrize(
@@ -481,7 +515,7 @@ def _served_run(**expose: Any) -> tuple[str, sw.Watch]:
     ],
 )
 def test_promtool_accepts_every_route(route: dict[str, Any]) -> None:
-    body, _ = _served_run(**route)
+    body, _, _ = _served_run(**route)
     families = {f.name: f for f in text_string_to_metric_families(body)}
     served = families["streamwatch_custom_ratio"]
     assert served.type == "gauge"
@@ -489,4 +523,92 @@ def test_promtool_accepts_every_route(route: dict[str, Any]) -> None:
     assert families["streamwatch_tensor_values"].type == "histogram"
     assert families["streamwatch_steps"].type == "counter"
     assert body.count("# HELP ") == len(families)  # one HELP per family, never a second one
+    check_metrics(body)
+
+
+def test_every_step_is_counted_in_the_step_counters_and_the_duration_histogram(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Steps of known lengths (a fake perf_counter) land in the right buckets of
+    streamwatch_step_duration_seconds; the counters add every step, sampled or not."""
+    from streamwatch import _boundary
+
+    clock = [1000.0]
+    monkeypatch.setattr(_boundary.time, "perf_counter", lambda: clock[0])
+    model, opt = _model()
+    lengths = [0.003, 0.003, 0.2, 7.0, 0.04, 0.04, 0.04, 100.0]
+    with sw.observe(model, opt, every=4) as watch:
+        exporter = watch.expose(port=0)
+        for i, seconds in enumerate(lengths):
+            clock[0] += seconds
+            watch.step(batch_size=8 if i % 2 else None)
+        assert watch.flush()
+        families = _scrape(exporter.url)
+    hist = {s.name: s for s in families["streamwatch_step_duration_seconds"] if "le" not in s.labels}
+    buckets = [s for s in families["streamwatch_step_duration_seconds"] if "le" in s.labels]
+    # the reference: counting each step by hand against the bounds
+    expected = [sum(1 for x in lengths if x <= bound) for bound in STEP_BUCKETS]
+    assert [float(s.labels["le"]) for s in buckets] == list(STEP_BUCKETS)
+    assert [s.value for s in buckets] == expected
+    assert hist["streamwatch_step_duration_seconds_count"].value == len(lengths)
+    assert hist["streamwatch_step_duration_seconds_sum"].value == pytest.approx(sum(lengths), abs=1e-9)
+    (seconds,) = families["streamwatch_step_seconds"]
+    (samples,) = families["streamwatch_samples"]
+    (steps,) = [s for s in families["streamwatch_steps"] if s.name == "streamwatch_steps_total"]
+    assert (seconds.name, samples.name) == ("streamwatch_step_seconds_total", "streamwatch_samples_total")
+    assert seconds.value == pytest.approx(sum(lengths), abs=1e-9)
+    assert samples.value == 8 * 4  # the four steps that gave a batch size
+    assert steps.value == len(lengths)
+
+
+def test_no_samples_counter_until_a_step_gives_its_batch_size() -> None:
+    model, opt = _model()
+    with sw.observe(model, opt, every=1) as watch:
+        exporter = watch.expose(port=0)
+        for _ in range(2):
+            model(torch.randn(4, 6)).sum().backward()
+            watch.step(loss=1.0)
+        assert watch.flush()
+        families = _scrape(exporter.url)
+    assert "streamwatch_samples" not in families
+    assert families["streamwatch_step_duration_seconds"]
+
+
+@pytest.mark.parametrize(
+    "route",
+    [{}, {"registry": CollectorRegistry()}, {"series_budget": 200}],
+    ids=["expose", "caller registry", "budget: totals and the worst layer"],
+)
+def test_openmetrics_serves_the_same_samples_and_ends_with_eof(route: dict[str, Any]) -> None:
+    """A scrape that asks for OpenMetrics gets it: the same samples as the text format, counters' families
+    named without _total (their samples keep it), # EOF last; prometheus_client's strict OpenMetrics
+    parser reads it. promtool has no OpenMetrics parser (prometheus/prometheus#8932): it reads the body
+    as the 0.0.4 text format and its only complaint is that each counter's _total samples have no HELP
+    of their own (the HELP is the family's, as OpenMetrics has it); nothing else."""
+    body, _, om = _served_run(**route)
+    assert om.endswith("\n# EOF\n")
+    assert om.count("# EOF") == 1
+
+    def samples(families: Any) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in families
+            for s in family.samples
+            # time-varying, and the count of scrapes that reduced (one more for the second scrape)
+            if not s.name.startswith(
+                ("streamwatch_overhead", "streamwatch_worker_lag", "streamwatch_series_red")
+            )
+        }
+
+    om_families = list(parse_openmetrics(om))
+    assert samples(om_families) == samples(text_string_to_metric_families(body))
+    counters = {f.name for f in om_families if f.type == "counter" and f.samples}
+    assert {"streamwatch_steps", "streamwatch_step_seconds", "streamwatch_samples"} <= counters
+    for name in counters:
+        assert f"# TYPE {name} counter\n" in om
+        assert f"\n{name}_total{{" in om
+    assert {f.name: f.type for f in om_families}["streamwatch_step_duration_seconds"] == "histogram"
+    problems = lint_problems(om)
+    assert problems == sorted(f"{name}_total no help text" for name in counters)
+    assert len(problems) >= 10
     check_metrics(body)

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 import streamwatch as sw
-from streamwatch._families import ALL_LAYERS
+from streamwatch._families import ALL_LAYERS, TENSOR_FAMILIES
 from streamwatch._summary import COLUMNS
 from streamwatch.sinks._prometheus import CORE_STATS
 from tests.promtool import check_metrics
@@ -56,12 +56,21 @@ def _scrape(store_of: sw.Watch, budget: int, *, collect: bool = False) -> tuple[
     return body, _series(body)
 
 
+_STAT_OF = {family.name: stat for stat, family in TENSOR_FAMILIES.items()}
+"""/metrics family -> the ``stat`` of ``snapshot()``'s streamwatch_tensor (one family per statistic)."""
+
+
 def _series(body: str) -> Series:
+    """The series of ``body``, the per-statistic families read back as streamwatch_tensor{stat=...}."""
     out: Series = {}
     for family in text_string_to_metric_families(body):
+        stat = _STAT_OF.get(family.name)
+        name = family.name if stat is None else "streamwatch_tensor"
         for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in IDENTITY))
-            out[(family.name, labels)] = s.value
+            labels = {k: v for k, v in s.labels.items() if k not in IDENTITY}
+            if stat is not None:
+                labels["stat"] = stat
+            out[(name, tuple(sorted(labels.items())))] = s.value
     return out
 
 
@@ -312,6 +321,6 @@ def test_the_dead_units_rank_threshold_is_the_alerts() -> None:
     from streamwatch.sinks._budget import DEAD_FRACTION_HIGH
 
     assert {family.name for family in PER_LAYER_FAMILIES} == PER_LAYER
-    rule = re.search(r'stat="dead_fraction"\} > ([\d.]+)', RULES.read_text(encoding="utf-8"))
+    rule = re.search(r"streamwatch_tensor_dead_ratio\{[^}]*\} > ([\d.]+)", RULES.read_text(encoding="utf-8"))
     assert rule
     assert float(rule[1]) == DEAD_FRACTION_HIGH

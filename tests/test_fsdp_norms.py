@@ -88,7 +88,7 @@ def _by(prom: PrometheusServer, promql: str, *labels: str) -> dict[tuple[str, ..
 
 
 def _sumsq(run: str, kind: str, extra: str = "") -> str:
-    return f'streamwatch_tensor{{run="{run}", phase="train", kind="{kind}", stat="sumsq"{extra}}}'
+    return f'streamwatch_tensor_sum_of_squares{{run="{run}", phase="train", kind="{kind}"{extra}}}'
 
 
 def _close(got: float, want: float, rel: float = REL) -> bool:
@@ -134,7 +134,7 @@ def test_fsdp2_shards_sum_to_the_unsharded_norms(tmp_path: Path, ranks: int) -> 
                     assert _close(per_rank[(str(r), layer, name)], want, 1e-6), (kind, r, layer, name)
             counts = _by(
                 prom,
-                f'sum by (layer, param) (streamwatch_tensor{{run="{run}", kind="{kind}", stat="count"}})',
+                f'sum by (layer, param) (streamwatch_tensor_elements{{run="{run}", kind="{kind}"}})',
                 "layer",
                 "param",
             )
@@ -153,11 +153,18 @@ def _assert_shape_of_unsharded(prom: PrometheusServer, run: str, kind: str, full
     sums = {
         stat: _by(
             prom,
-            f'sum by (layer, param) (streamwatch_tensor{{run="{run}", kind="{kind}", stat="{stat}"}})',
+            f'sum by (layer, param) ({family}{{run="{run}", kind="{kind}"}})',
             "layer",
             "param",
         )
-        for stat in ("count", "sum", "sumsq", "sumabs", "sumcube", "sumfourth")
+        for stat, family in (
+            ("count", "streamwatch_tensor_elements"),
+            ("sum", "streamwatch_tensor_sum_of_values"),
+            ("sumsq", "streamwatch_tensor_sum_of_squares"),
+            ("sumabs", "streamwatch_tensor_sum_of_magnitudes"),
+            ("sumcube", "streamwatch_tensor_sum_of_cubes"),
+            ("sumfourth", "streamwatch_tensor_sum_of_fourth_powers"),
+        )
     }
     for layer, name in PARAMS:
         want = full[f"{layer}.{name}"][f"{kind}_sums"]
@@ -195,8 +202,10 @@ def test_ddp_replicated_norms_mixed_detail_dashboard_and_straggler(tmp_path: Pat
     ):
         full = refs[0]["full"]
         # per-layer series only on the detail ranks (0 and 2: rank % 2 == 0), totals only on the others
-        layered = _by(prom, f'count by (rank) (streamwatch_tensor{{run="{run}", layer!="__all__"}})', "rank")
-        totals = _by(prom, f'count by (rank) (streamwatch_tensor{{run="{run}", layer="__all__"}})', "rank")
+        layered = _by(
+            prom, f'count by (rank) (streamwatch_tensor_l2{{run="{run}", layer!="__all__"}})', "rank"
+        )
+        totals = _by(prom, f'count by (rank) (streamwatch_tensor_l2{{run="{run}", layer="__all__"}})', "rank")
         assert sorted(layered) == [("0",), ("2",)]
         assert sorted(totals) == [("1",), ("3",)]
         for kind in KINDS:  # replicated: every detail rank serves the same value (gradients: averaged)

@@ -288,3 +288,87 @@ def test_a_real_prometheus_scrapes_the_gzip_body(tmp_path: Path, server: Metrics
         (target,) = prom.targets()
         assert (target["health"], target["lastError"]) == ("up", "")
     assert server.compressions >= 1  # Prometheus asked for gzip, and read what it got
+
+
+# -- OpenMetrics, when the server is given a renderer for it ---------------------------------------------
+
+_OM_BODY = (
+    b"# HELP sw_test_version The version of the values.\n# TYPE sw_test_version gauge\n"
+    b"sw_test_version 0\n# EOF\n"
+)
+
+
+@pytest.fixture
+def om_server(source: _Source) -> Iterator[tuple[MetricsServer, list[int]]]:
+    """A server that renders both formats; the list counts the OpenMetrics renders."""
+    om_renders = [0]
+
+    def render_om() -> bytes:
+        om_renders[0] += 1
+        return _OM_BODY
+
+    server = MetricsServer(
+        listen("127.0.0.1", 0, 64), source.render, source.current, timeout=5.0, render_openmetrics=render_om
+    )
+    server.min_interval = 0.0
+    try:
+        yield server, om_renders
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    ("accept", "expected"),
+    [
+        (PROMETHEUS_ACCEPT, "openmetrics"),  # what Prometheus asks: OpenMetrics first
+        ("application/openmetrics-text;version=1.0.0", "openmetrics"),
+        ("application/openmetrics-text; version=1.0.0, application/json;q=0.5", "openmetrics"),
+        ("application/openmetrics-text;version=1.0.0, text/plain;q=0.1", "openmetrics"),
+        ("text/plain;q=0, */*", "openmetrics"),  # the text format refused by name
+        ("application/*, text/plain;q=0.9", "openmetrics"),
+        (None, "text"),
+        ("*/*", "text"),  # a tie: the text format
+        ("text/plain", "text"),
+        ("text/plain, application/openmetrics-text;q=0.5", "text"),
+        ("application/openmetrics-text;q=0, */*", "text"),
+        ("", "text"),
+    ],
+)
+def test_openmetrics_is_served_when_the_client_prefers_it(
+    om_server: tuple[MetricsServer, list[int]], accept: str | None, expected: str
+) -> None:
+    server, _ = om_server
+    headers = {} if accept is None else {"Accept": accept}
+    status, got, body = _request(_port(server), headers={**headers, "Accept-Encoding": "gzip"})
+    assert status == 200
+    assert "accept" in _vary(got)
+    if expected == "openmetrics":
+        assert got["content-type"] == "application/openmetrics-text; version=1.0.0; charset=utf-8"
+        assert gzip.decompress(body) == _OM_BODY
+    else:
+        assert got["content-type"] == CONTENT_TYPE
+        assert gzip.decompress(body) == _body()
+
+
+def test_each_format_is_rendered_once_per_version(
+    om_server: tuple[MetricsServer, list[int]], source: _Source
+) -> None:
+    server, om_renders = om_server
+    port = _port(server)
+    for _ in range(3):
+        assert _request(port, headers={"Accept": PROMETHEUS_ACCEPT})[0] == 200
+        assert _request(port)[0] == 200
+    assert (source.renders, om_renders[0], server.renders) == (1, 1, 2)
+    source.version += 1
+    assert _request(port, headers={"Accept": PROMETHEUS_ACCEPT})[2] == _OM_BODY
+    assert (source.renders, om_renders[0]) == (1, 2)  # the text format was not asked for: not rendered
+
+
+@pytest.mark.parametrize("accept", ["application/json", "text/plain;q=0, application/openmetrics-text;q=0"])
+def test_406_names_both_formats_when_neither_is_acceptable(
+    om_server: tuple[MetricsServer, list[int]], accept: str
+) -> None:
+    status, _, body = _request(_port(om_server[0]), headers={"Accept": accept})
+    assert status == 406
+    assert CONTENT_TYPE.encode() in body
+    assert b"application/openmetrics-text; version=1.0.0" in body

@@ -203,7 +203,7 @@ def test_lightning_serves_metrics_while_fit_runs_with_what_the_module_logs(pl: A
     assert _value(body, "streamwatch_steps_total") == 4
     assert _value(body, "streamwatch_loss", phase="train") > 0
     assert _value(body, "streamwatch_batch_size") == 8
-    assert _value(body, "streamwatch_samples_per_second") > 0
+    assert _value(body, "streamwatch_last_step_samples_per_second") > 0
     assert 0 <= _value(body, "streamwatch_logged_train_acc") <= 1  # self.log("train/acc", ...)
     assert 'kind="param_grad"' in body
     assert "streamwatch_logged_val_loss" not in body  # the sanity check's is not a validation's
@@ -343,7 +343,7 @@ def test_transformers_serves_metrics_while_train_runs_with_what_the_trainer_logs
     assert _value(body, "streamwatch_learning_rate", group="0") == records[2].scalars["lr/0"]
     assert _value(body, "streamwatch_loss", phase="train") == logged[3]["loss"]
     assert _value(body, "streamwatch_batch_size") == 4  # step 3: the epoch's last, one micro-batch
-    assert _value(body, "streamwatch_samples_per_second") > 0
+    assert _value(body, "streamwatch_last_step_samples_per_second") > 0
     assert _value(body, "streamwatch_logged_epoch") == logged[3]["epoch"]
     assert body.count('streamwatch_learning_rate{group="0",') == 1  # logged and the optimizer's: one series
 

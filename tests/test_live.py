@@ -99,7 +99,7 @@ def test_render_every_section(trained: sw.Watch) -> None:
     assert URL in lines[0]
     # 2. progress
     assert "5/10" in text
-    assert f"{1.0 / scalar(watch, 'streamwatch_step_seconds'):.1f} steps/s" in text
+    assert f"{1.0 / scalar(watch, 'streamwatch_last_step_seconds'):.1f} steps/s" in text
     # 3. loss and accuracy, formatted as the view does, equal to the snapshot's
     loss = scalar(watch, "streamwatch_loss")
     assert f"loss {format_value(loss)}" in text
@@ -126,7 +126,7 @@ def test_render_every_section(trained: sw.Watch) -> None:
     assert f"queue {stats.queue_len} (max {stats.queue_high_water})" in text
     mean = stats.overhead_seconds_total / stats.steps  # over the run: sampled and unsampled steps
     overhead = f"overhead {1000 * mean:.2f} ms/step"
-    share = mean / scalar(watch, "streamwatch_step_seconds")
+    share = mean / scalar(watch, "streamwatch_last_step_seconds")
     assert f"{overhead} ({format_percent(share)} of a step)" in text
     assert "hook errors 0" in text
 

@@ -243,7 +243,10 @@ def assert_param_rows(run: Run) -> None:
             if grad is not None:  # (the optimizer steps only parameters with a gradient)
                 expected |= {keys["param_grad"], keys["update"]}
                 assert_row(record, keys["param_grad"], grad, counted=run.counted)
-                assert_row(record, keys["update"], after[qualified] - before[qualified], counted=run.counted)
+                # Δ exactly (half-precision weights: their difference in float32, as streamwatch takes it)
+                wide = torch.promote_types(after[qualified].dtype, torch.float32)
+                delta = after[qualified].to(wide) - before[qualified].to(wide)
+                assert_row(record, keys["update"], delta, counted=run.counted)
         got = {key for key in record.keys if key.kind in ("param", "param_grad", "update")}
         assert got == expected
 

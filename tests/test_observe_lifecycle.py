@@ -452,11 +452,12 @@ def test_failing_pipeline_warns_at_the_next_step_and_raises_at_close(train: Trai
 
 
 class Poisoned(torch.Tensor):
-    """A tensor that breaks summarisation (aminmax raises) but works for everything training does."""
+    """A tensor that breaks summarisation (the torch path's ops that read it raise: ``pow`` or a copy into
+    the scratch rows, ``aminmax``) but works for everything training does."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.aminmax:
+        if func in (torch.aminmax, torch.pow, torch.Tensor.copy_):
             raise Boom("cannot summarise this tensor")
         return super().__torch_function__(func, types, args, kwargs or {})
 

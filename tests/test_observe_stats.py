@@ -1004,8 +1004,8 @@ def test_snapshot_equals_the_last_record_and_never_holds_nan(train: Train) -> No
         ("streamwatch_accuracy", train): last.scalars["accuracy"],
         ("streamwatch_learning_rate", (("group", "0"),)): 0.1,
         ("streamwatch_batch_size", ()): 8.0,
-        ("streamwatch_step_seconds", ()): last.scalars["step_seconds"],
-        ("streamwatch_samples_per_second", ()): last.scalars["samples_per_second"],
+        ("streamwatch_last_step_seconds", ()): last.scalars["step_seconds"],
+        ("streamwatch_last_step_samples_per_second", ()): last.scalars["samples_per_second"],
         ("streamwatch_step", ()): 2.0,
         **{
             ("streamwatch_step_phase_seconds", (("part", part),)): last.scalars[f"part/{part}"]

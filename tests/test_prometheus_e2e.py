@@ -10,6 +10,7 @@ Skipped when the ``prometheus`` binary is missing, except under ``STREAMWATCH_RE
 from __future__ import annotations
 
 import math
+import socket
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import streamwatch as sw
+from streamwatch._families import exposed_sample
 from tests.promserver import PrometheusServer, require_prometheus
 
 
@@ -45,41 +47,53 @@ def test_a_real_prometheus_scrapes_a_real_training_run(tmp_path: Path) -> None:
             prom.wait_for(f'streamwatch_step{{run="e2e"}} == {last}', bool)
             # one more scrape after the last step was served, so every series holds its final value
             prom.wait_for('timestamp(streamwatch_step{run="e2e"}) > time() - 1', bool)
+            # /metrics: one family per statistic (streamwatch_tensor{stat="l2"} -> streamwatch_tensor_l2)
             snapshot = {  # (Prometheus drops empty labels: param="" on activations, index="" on params)
-                (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if v))): s.value
-                for s in watch.snapshot()
-                if s.name in ("streamwatch_tensor", "streamwatch_loss", "streamwatch_accuracy")
+                (e.name, tuple(sorted((k, v) for k, v in e.labels.items() if v))): e.value
+                for e in map(exposed_sample, watch.snapshot())
+                if e.name.startswith("streamwatch_tensor_")
+                or e.name in ("streamwatch_loss", "streamwatch_accuracy")
             }
             served: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-            for name in ("streamwatch_tensor", "streamwatch_loss", "streamwatch_accuracy"):
-                for series in prom.query(f'{name}{{run="e2e"}}'):
-                    labels = {
-                        k: v
-                        for k, v in series["metric"].items()
-                        if k
-                        not in (
-                            "__name__",
-                            "job",
-                            "instance",
-                            "run",
-                            "rank",
-                            "local_rank",
-                            "world_size",
-                            "host",
-                        )
-                    }
-                    served[(name, tuple(sorted(labels.items())))] = float(series["value"][1])
+            selector = '{__name__=~"streamwatch_tensor_.+|streamwatch_loss|streamwatch_accuracy", run="e2e"}'
+            for series in prom.query(selector):
+                labels = dict(series["metric"])
+                name = labels.pop("__name__")
+                assert not {"stat", "host", "local_rank", "world_size"} & set(labels), labels
+                labels = {k: v for k, v in labels.items() if k not in ("job", "instance", "run", "rank")}
+                served[(name, tuple(sorted(labels.items())))] = float(series["value"][1])
+            assert len(snapshot) > 100
             assert served.keys() == snapshot.keys()
             for key, value in snapshot.items():
                 assert served[key] == value, key  # the text format carries floats exactly
             norm = prom.query(
-                'sqrt(sum by (run) (streamwatch_tensor{run="e2e", kind="param_grad", stat="sumsq"}))'
+                'sqrt(sum by (run) (streamwatch_tensor_sum_of_squares{run="e2e", kind="param_grad"}))'
             )
             grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
             assert float(norm[0]["value"][1]) == pytest.approx(float(grads.norm()), rel=1e-5)
+            # Prometheus asks for OpenMetrics first, and got it: every scrape of this run parsed as such
+            assert exporter._server is not None
+            assert exporter._server.openmetrics_responses > 0
             identity = prom.query('streamwatch_info{run="e2e"}')
             assert identity[0]["metric"]["rank"] == "0"
             assert identity[0]["metric"]["world_size"] == "1"
+            # the identity joined where a query needs it (docs/prometheus.md): the host on a tensor series
+            joined = prom.query(
+                'streamwatch_tensor_l2{run="e2e", kind="param_grad"}'
+                " * on (job, instance) group_left (host, world_size) streamwatch_info"
+            )
+            assert joined
+            assert all(j["metric"]["host"] == socket.gethostname() for j in joined)
+            # every step counted: the histogram's count and the counters agree with the run
+            steps = watch.statistics().steps
+            count = prom.query('streamwatch_step_duration_seconds_count{run="e2e"}')
+            assert float(count[0]["value"][1]) == steps == 20
+            samples = prom.query('streamwatch_samples_total{run="e2e"}')
+            assert float(samples[0]["value"][1]) == 32 * steps
+            p50 = prom.query(
+                'histogram_quantile(0.5, sum by (le) (streamwatch_step_duration_seconds_bucket{run="e2e"}))'
+            )
+            assert 0 < float(p50[0]["value"][1]) < 60
             assert not math.isnan(
                 float(prom.query('streamwatch_overhead_seconds_total{run="e2e"}')[0]["value"][1])
             )

@@ -21,11 +21,14 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import streamwatch as sw
 from streamwatch import _boundary, _kernel, _observe
 from streamwatch._boundary import StepBoundary
 from streamwatch._governor import DARK_PAIRS, Governor
+from streamwatch._nonfinite import Sentinel
+from streamwatch._step_args import dark_ready
 from streamwatch.testing import FakeClock
 from tests.test_governor_observe import _batches
 from tests.test_governor_observe import _train_step as _train
@@ -560,3 +563,79 @@ def test_a_dark_pairs_logged_values_stay_with_their_steps(monkeypatch: pytest.Mo
     logged = {s.step: dict(s.scalars) for r in records.items for s in r.every_step() if s.step >= steps}
     assert [logged[steps + k].get("log/mark") for k in range(3)] == [steps, steps + 1, steps + 2]
     assert [("log/only_first" in logged[steps + k]) for k in range(3)] == [True, False, False]
+
+
+# -- a device loss ------------------------------------------------------------------------------------------
+
+
+class _ProbesKept(Sentinel):
+    """A sentinel whose device batches are kept, not launched: the quiet path's device-loss handling
+    observed on the CPU with ``meta`` tensors (a loss that is not on the CPU, with no data to read)."""
+
+    def __init__(self) -> None:
+        super().__init__(grad_norm=False, batch=4, batch_seconds=math.inf)
+        self.batches: list[list[int]] = []
+        self._pinned, self._events = self._allocate()  # (allocated once, at the first probe: here first)
+
+    def _allocate(self) -> tuple[torch.Tensor, list[object]]:
+        return torch.zeros((self.slots, self.batch + 1), dtype=torch.bool), []
+
+    def _queue(self) -> None:
+        batch, self._probes = self._probes, []
+        assert all(probe.device.type == "meta" and probe.ndim == 0 for _, probe in batch)
+        self.batches.append([step for step, _ in batch])
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_device_loss_ends_a_quiet_step_with_a_view_for_the_sentinel_and_the_step_log(
+    quiet_calls: collections.Counter[bool],
+) -> None:
+    """A 0-d loss on a device no longer makes every step's end a full boundary: the quiet step hands
+    a view of it (``aten.detach``: no kernel, no copy, no read) to the sentinel, which checks it with its
+    batch, and to the step log, which ships it with the next record's one copy."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    watch = sw.observe(model, opt, every=1000, sentinel=("loss",))
+    sentinel = _ProbesKept()
+    watch._boundary.guard.sentinel = sentinel
+    x, y = next(iter(_batches(1)))
+    loss, _ = _train(model, opt, x, y)
+    watch.step(loss=loss)  # step 0: sampled, a CPU loss (a meta one could not be copied to the host)
+    losses, counted = [], _Ops()
+    for _ in range(9):
+        _train(model, opt, x, y)
+        losses.append(torch.tensor(0.5, device="meta", requires_grad=True) * 1)  # (a graph's output)
+        with counted:
+            watch.step(loss=losses[-1])
+    assert quiet_calls[True] == 9
+    assert counted.ops == ["aten.detach"] * 9  # one view per step: nothing launched, nothing read
+    assert sentinel.batches == [[1, 2, 3, 4], [5, 6, 7, 8]]  # (step 9 waits for its batch)
+    entries = watch._boundary._outbox.steps.entries
+    assert [entry[0] for entry in entries] == list(range(1, 10))
+    for entry, loss_now in zip(entries, losses, strict=True):
+        kept = entry[3]
+        assert isinstance(kept, torch.Tensor)
+        assert kept.device.type == "meta"
+        assert not kept.requires_grad
+        assert kept is not loss_now  # (detached: the graph is not kept alive by the log)
+    assert watch.statistics().steps == 10
+    entries.clear()  # (meta values cannot be copied to the host: the record's copy is tested on CUDA)
+    sentinel._probes.clear()
+    watch.close()
+
+
+def test_a_dark_pair_may_follow_a_device_loss() -> None:
+    assert dark_ready(torch.tensor(0.5, device="meta"))
+    assert dark_ready(torch.tensor(0.5, device="meta", dtype=torch.bfloat16))
+    assert not dark_ready(torch.tensor([0.5], device="meta"))  # (shape [1]: read one call late)
+    assert not dark_ready(torch.tensor(1, device="meta"))  # (an integer loss: the full boundary's)
+    assert not dark_ready(torch.tensor(0.5, dtype=torch.float64))  # (a CPU float64: read by torch later)

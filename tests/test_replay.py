@@ -53,18 +53,27 @@ def test_speed_zero_serves_the_last_record(run: RunData) -> None:
     assert _value(samples, "streamwatch_step") == last.step
     assert _value(samples, "streamwatch_loss", phase="train") == last.scalars["loss"]
     assert _value(samples, "streamwatch_accuracy", phase="train") == last.scalars["accuracy"]
-    ident = {"run": "myrun0", "rank": str(last.rank), "local_rank": "0", "world_size": "1"}
-    assert _value(samples, "streamwatch_info", **ident) == 1
+    ident = {"run": "myrun0", "rank": str(last.rank)}  # on every series; the rest on streamwatch_info
+    assert _value(samples, "streamwatch_info", **ident, local_rank="0", world_size="1") == 1
     checked = 0
-    for stat in ("count", "sumsq", "min", "max", "l2", "mean", "dead_fraction"):
+    families = {  # one family per statistic, by the names docs/prometheus.md lists
+        "count": "streamwatch_tensor_elements",
+        "sumsq": "streamwatch_tensor_sum_of_squares",
+        "min": "streamwatch_tensor_min",
+        "max": "streamwatch_tensor_max",
+        "l2": "streamwatch_tensor_l2",
+        "mean": "streamwatch_tensor_mean",
+        "dead_fraction": "streamwatch_tensor_dead_ratio",
+    }
+    for stat, family in families.items():
         values = last.stat(stat)
         for i, key in enumerate(last.keys):
             if values[i] != values[i]:  # NaN: absent, as the live exporter does
-                wanted = {**key.labels(), "stat": stat}.items()
-                tensors = [set(ls) for (n, ls) in samples if n == "streamwatch_tensor"]
+                wanted = key.labels().items()
+                tensors = [set(ls) for (n, ls) in samples if n == family]
                 assert not [ls for ls in tensors if wanted <= ls]
                 continue
-            got = _value(samples, "streamwatch_tensor", **ident, **key.labels(), stat=stat)
+            got = _value(samples, family, **ident, **key.labels())
             assert got == float(values[i]), (key, stat)
             checked += 1
     assert checked > 50

@@ -140,13 +140,16 @@ def test_an_inconsistent_schema_is_refused_naming_the_rule(
         _run_schema(source.replace(old, new), tmp_path)
 
 
-def test_every_statistic_is_named_in_the_prometheus_stat_list() -> None:
-    """docs/prometheus.md lists every ``stat`` a tensor series can have: the schema's columns and derived
-    statistics all appear there."""
+def test_every_statistic_has_its_family_in_the_prometheus_migration_table() -> None:
+    """docs/prometheus.md's migration table names every statistic's family: each column and derived
+    statistic of the schema, old ``streamwatch_tensor{stat=...}`` → the family /metrics serves it in."""
+    from streamwatch._families import tensor_family
+
     text = (ROOT / "docs" / "prometheus.md").read_text()
-    (row,) = [line for line in text.splitlines() if line.startswith("| `streamwatch_tensor` |")]
+    rows = dict(re.findall(r'^\| `streamwatch_tensor\{stat="(\w+)"\}` \| `(\w+)` \|', text, re.MULTILINE))
     for name in (*COLUMNS, *DERIVED):
-        assert f"`{name}`" in row, name
+        assert rows.get(name) == tensor_family(name).name, name
+    assert len(set(rows.values())) == len(rows)  # one family per statistic
 
 
 def test_every_statistic_has_a_row_in_the_metric_catalogue() -> None:

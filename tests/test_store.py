@@ -328,16 +328,16 @@ def test_the_exporter_serves_anything_with_the_read_protocol() -> None:
     finally:
         exporter.close()
     samples = {
-        (s.name, s.labels.get("stat", "")): s.value
+        s.name: s.value
         for f in text_string_to_metric_families(body)
         for s in f.samples
         if s.labels.get("run") == "double"
     }
-    assert samples[("streamwatch_tensor", "max")] == 2.0
-    assert samples[("streamwatch_tensor", "l2")] == math.sqrt(6.0)
-    assert samples[("streamwatch_loss", "")] == 0.5
-    assert samples[("streamwatch_step", "")] == 7.0
-    assert samples[("streamwatch_records_total", "")] == 1.0
+    assert samples["streamwatch_tensor_max"] == 2.0  # one family per statistic
+    assert samples["streamwatch_tensor_l2"] == math.sqrt(6.0)
+    assert samples["streamwatch_loss"] == 0.5
+    assert samples["streamwatch_step"] == 7.0
+    assert samples["streamwatch_records_total"] == 1.0
 
 
 def _imports(path: Path) -> set[str]:

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from streamwatch import Sample
+from streamwatch._families import exposed_sample
 from tests.promserver import PrometheusServer, require_prometheus
 from tests.torchrun import finish, free_ports, launch
 
@@ -54,7 +56,7 @@ def test_two_ranks_on_their_own_ports_scraped_by_prometheus(tmp_path: Path) -> N
             for rank, snapshot in snapshots.items():
                 assert snapshot["port"] == base + rank
                 _assert_served_equals_snapshot(prom, rank, snapshot["samples"])
-            weights = prom.query('streamwatch_tensor{run="ddp", kind="param", stat="sumsq"}')
+            weights = prom.query('streamwatch_tensor_sum_of_squares{run="ddp", kind="param"}')
             by_rank: dict[str, dict[tuple[str, str], str]] = {}
             for series in weights:
                 m = series["metric"]
@@ -69,16 +71,22 @@ def test_two_ranks_on_their_own_ports_scraped_by_prometheus(tmp_path: Path) -> N
 
 
 def _assert_served_equals_snapshot(prom: PrometheusServer, rank: int, samples: list[dict[str, Any]]) -> None:
+    # the snapshot's streamwatch_tensor{stat=...} as /metrics serves it: one family per statistic
+    exposed = [exposed_sample(Sample(s["name"], s["labels"], s["value"])) for s in samples]
     want = {
-        (s["name"], tuple(sorted((k, v) for k, v in s["labels"].items() if v))): s["value"]
-        for s in samples
-        if s["name"] in ("streamwatch_tensor", "streamwatch_loss", "streamwatch_accuracy")
+        (e.name, tuple(sorted((k, v) for k, v in e.labels.items() if v))): e.value
+        for e in exposed
+        if e.name.startswith("streamwatch_tensor_") or e.name in ("streamwatch_loss", "streamwatch_accuracy")
     }
     got = {}
-    for name in ("streamwatch_tensor", "streamwatch_loss", "streamwatch_accuracy"):
-        for series in prom.query(f'{name}{{run="ddp", rank="{rank}"}}'):
-            labels = tuple(sorted((k, v) for k, v in series["metric"].items() if k not in IDENTITY))
-            got[(name, labels)] = float(series["value"][1])
+    names = "streamwatch_tensor_.+|streamwatch_loss|streamwatch_accuracy"
+    selector = f'{{__name__=~"{names}", run="ddp", rank="{rank}"}}'
+    for series in prom.query(selector):
+        labels = tuple(sorted((k, v) for k, v in series["metric"].items() if k not in IDENTITY))
+        assert "stat" not in series["metric"]
+        assert "host" not in series["metric"]
+        got[(series["metric"]["__name__"], labels)] = float(series["value"][1])
+    assert len(want) > 50
     assert got.keys() == want.keys()
     for key, value in want.items():
         assert got[key] == value, (rank, key)

@@ -31,8 +31,9 @@ What it does, event by event:
 
   ``batch_size``: the step's micro-batches (``on_substep_end`` counts those before the last) times
   ``args.train_batch_size`` (the per-device batch size times the GPUs of this process): the samples
-  this process put through the step, so ``streamwatch_samples_per_second`` is served. A last batch of
-  an epoch cut short by the dataset's end counts as a full one.
+  this process put through the step, so ``streamwatch_samples_total`` and
+  ``streamwatch_last_step_samples_per_second`` are served. A last batch of an epoch cut short by the
+  dataset's end counts as a full one.
 * ``on_log``: every number the Trainer logs is served on ``/metrics`` and in ``watch.snapshot()``
   at once, not only on sampled steps: ``loss`` as ``streamwatch_loss{phase="train"}``, ``eval_loss``
   as ``streamwatch_loss{phase="eval"}``, ``eval_accuracy`` as ``streamwatch_accuracy{phase="eval"}``,

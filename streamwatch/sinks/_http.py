@@ -12,13 +12,15 @@ line 400, oversized headers 431). The other thread answers the waiting requests 
 second, with one body per version of the values (rendered at most once however many scrapers ask, and
 at most 2 % of the time). ``close()`` joins both threads and closes every connection.
 
-**Content negotiation.** The body is the Prometheus text format 0.0.4 (:data:`CONTENT_TYPE`), whatever
-``Accept`` asks for: OpenMetrics is not rendered. The text format is what Prometheus falls back to, and
-it says so in every scrape (``application/openmetrics-text;version=1.0.0,...,text/plain;version=0.0.4;
-q=0.5,*/*;q=0.1``), so the text format is served whenever the client accepts ``text/plain``, ``text/*``
-or ``*/*`` (the most specific matching range decides; media-type parameters are not compared), or
-sends no (or no parsable) ``Accept``; only a header that excludes all three gets 406 Not Acceptable,
-with a short body naming the format served.
+**Content negotiation.** Two formats: the Prometheus text format 0.0.4 (:data:`CONTENT_TYPE`) and, when
+the server is given a ``render_openmetrics`` callable (the exporter and replay give one), OpenMetrics
+1.0.0 (:data:`OPENMETRICS_CONTENT_TYPE`). OpenMetrics is served when ``application/openmetrics-text`` (or
+``application/*``, or ``*/*``: the most specific matching range decides) weighs more than the text
+format's range, or the text format is refused: Prometheus asks ``application/openmetrics-text;
+version=1.0.0,...,text/plain;version=0.0.4;q=0.5,*/*;q=0.1`` and gets OpenMetrics. The text format is
+served whenever the client accepts ``text/plain``, ``text/*`` or ``*/*`` at least as much (media-type
+parameters are not compared), or sends no (or no parsable) ``Accept``; a header that excludes both gets
+406 Not Acceptable, with a short body naming the formats served.
 
 **Compression.** ``Accept-Encoding`` is parsed as RFC 9110 says (comma-separated codings, any case,
 ``q`` weights, ``q=0`` refuses, ``*`` stands for the codings not named, several header lines make one
@@ -43,12 +45,14 @@ import zlib
 from collections import deque
 from collections.abc import Callable
 
-__all__ = ["CONTENT_TYPE", "MetricsServer", "listen"]
+__all__ = ["CONTENT_TYPE", "OPENMETRICS_CONTENT_TYPE", "MetricsServer", "listen"]
 
 log = logging.getLogger("streamwatch")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """The Prometheus text exposition format, version 0.0.4."""
+OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+"""OpenMetrics 1.0.0, for a client whose ``Accept`` prefers it (Prometheus does)."""
 
 _JOIN_S = 10.0  # bound on joining the server's threads at close()
 
@@ -71,7 +75,19 @@ class _Conn:
     until it closes, so unread request bytes do not turn the close into a reset that loses the response).
     """
 
-    __slots__ = ("buffer", "closed", "deadline", "events", "gzip", "head", "linger", "out", "sock", "state")
+    __slots__ = (
+        "buffer",
+        "closed",
+        "deadline",
+        "events",
+        "gzip",
+        "head",
+        "linger",
+        "openmetrics",
+        "out",
+        "sock",
+        "state",
+    )
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         self.sock = sock
@@ -81,6 +97,7 @@ class _Conn:
         self.deadline: float | None = deadline
         self.head = False  # a HEAD request: the headers only
         self.gzip = False  # the client accepts (and prefers) gzip
+        self.openmetrics = False  # the client prefers OpenMetrics (and the server renders it)
         self.linger = False
         self.closed = False
         self.events = 0  # what the selector watches for (0: not registered)
@@ -90,11 +107,12 @@ class _Cached:
     """One version of the values: the rendered body and the full responses to GET and HEAD, plain and
     (once some client asked for it: :meth:`compress`, on the render thread) gzipped."""
 
-    __slots__ = ("get", "gzip_get", "gzip_head", "head", "version")
+    __slots__ = ("content_type", "get", "gzip_get", "gzip_head", "head", "version")
 
-    def __init__(self, version: object, body: bytes) -> None:
+    def __init__(self, version: object, body: bytes, content_type: str = CONTENT_TYPE) -> None:
         self.version = version
-        self.head = _response_head("200 OK", CONTENT_TYPE, len(body), _VARY)
+        self.content_type = content_type
+        self.head = _response_head("200 OK", content_type, len(body), _VARY)
         self.get = self.head + body
         self.gzip_head: bytes | None = None
         self.gzip_get: bytes | None = None
@@ -102,7 +120,7 @@ class _Cached:
     def compress(self) -> None:
         """Make the gzip responses (the body is read in place, not copied)."""
         body = zlib.compress(memoryview(self.get)[len(self.head) :], GZIP_LEVEL, wbits=31)  # 31: gzip
-        self.gzip_head = _response_head("200 OK", CONTENT_TYPE, len(body), _GZIP + _VARY)
+        self.gzip_head = _response_head("200 OK", self.content_type, len(body), _GZIP + _VARY)
         self.gzip_get = self.gzip_head + body
 
     def response(self, head: bool, gzip: bool) -> bytes:
@@ -133,6 +151,12 @@ _NOT_ACCEPTABLE = _plain(
     f"Not acceptable: streamwatch serves the Prometheus text format 0.0.4 only ({CONTENT_TYPE}).\n",
     _VARY,
 )
+_NOT_ACCEPTABLE_OM = _plain(
+    "406 Not Acceptable",
+    f"Not acceptable: streamwatch serves the Prometheus text format 0.0.4 ({CONTENT_TYPE}) and "
+    f"OpenMetrics 1.0.0 ({OPENMETRICS_CONTENT_TYPE}).\n",
+    _VARY,
+)
 _FAILED = _plain("500 Internal Server Error", "Rendering failed; see the log.\n")
 
 
@@ -143,6 +167,7 @@ def _head_only(response: bytes) -> bytes:
 
 _NOT_FOUND_HEAD = _head_only(_NOT_FOUND)
 _NOT_ACCEPTABLE_HEAD = _head_only(_NOT_ACCEPTABLE)
+_NOT_ACCEPTABLE_OM_HEAD = _head_only(_NOT_ACCEPTABLE_OM)
 _FAILED_HEAD = _head_only(_FAILED)
 
 
@@ -191,19 +216,30 @@ def _wants_gzip(accept_encoding: str | None) -> bool:
     return gzip > 0 and (identity is None or gzip >= identity)
 
 
-def _accepts_text(accept: str | None) -> bool:
-    """Whether the text format may be served for this ``Accept``: the most specific of ``text/plain``,
-    ``text/*`` and ``*/*`` that the header lists has ``q > 0``. No header, or none parsable: yes."""
+def _negotiate(accept: str | None, openmetrics: bool) -> str | None:
+    """The format to serve for this ``Accept``: ``"text"``, ``"openmetrics"`` (only if the server renders
+    it) or None (406). Each format's weight is that of the most specific range the header lists for it
+    (``text/plain``, ``text/*``, ``*/*``; ``application/openmetrics-text``, ``application/*``, ``*/*``);
+    OpenMetrics wins only by weighing more, so ``*/*`` alone gets the text format. No header, or none
+    parsable: the text format."""
     if accept is None:
-        return True
-    ranges = [(media, q) for media, q in _weighted(accept) if media.count("/") == 1]
+        return "text"
+    ranges = [(media.replace(" ", ""), q) for media, q in _weighted(accept) if media.count("/") == 1]
     if not ranges:
-        return True
-    for media in ("text/plain", "text/*", "*/*"):
-        weights = [q for name, q in ranges if name.replace(" ", "") == media]
-        if weights:
-            return max(weights) > 0
-    return False
+        return "text"
+
+    def weight(*specific: str) -> float:
+        for media in specific:
+            weights = [q for name, q in ranges if name == media]
+            if weights:
+                return max(weights)
+        return 0.0
+
+    text = weight("text/plain", "text/*", "*/*")
+    om = weight("application/openmetrics-text", "application/*", "*/*") if openmetrics else 0.0
+    if om > text:
+        return "openmetrics"
+    return "text" if text > 0 else None
 
 
 def _fields(lines: list[str]) -> dict[str, str]:
@@ -267,23 +303,27 @@ class MetricsServer:
         *,
         timeout: float,
         name: str = "streamwatch-metrics",
+        render_openmetrics: Callable[[], bytes] | None = None,
     ) -> None:
         self._listener = sock
-        self._render = render
+        self._renderers = {False: render, True: render_openmetrics}  # by "OpenMetrics?"
         self._version = version
         self.timeout = timeout
         self._conns: dict[socket.socket, _Conn] = {}  # in accept order: the first is the oldest
         self._cond = threading.Condition()
         self._pending: list[_Conn] = []  # requests for /metrics, waiting for a body (under _cond)
-        self._done: deque[tuple[list[_Conn], _Cached | None]] = deque()  # bodies for the I/O thread
+        # bodies for the I/O thread, by "OpenMetrics?"
+        self._done: deque[tuple[list[_Conn], dict[bool, _Cached | None]]] = deque()
         self._stopping = False
-        self._cache: _Cached | None = None
+        self._cache: dict[bool, _Cached] = {}  # the last body of each format
         self._next_batch = 0.0
         self._render_errors = 0
         self.renders = 0
         """Bodies rendered (one per version of the values that some client asked for)."""
         self.compressions = 0
         """Bodies gzipped (at most one per render: only once some client asked for gzip)."""
+        self.openmetrics_responses = 0
+        """Responses in OpenMetrics (a scraper that prefers it, as Prometheus does)."""
         sock.setblocking(False)
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -411,9 +451,15 @@ class MetricsServer:
             self._respond(conn, _NOT_FOUND_HEAD if conn.head else _NOT_FOUND)
             return
         fields = _fields([raw.rstrip("\r") for raw in lines])
-        if not _accepts_text(fields.get("accept")):
-            self._respond(conn, _NOT_ACCEPTABLE_HEAD if conn.head else _NOT_ACCEPTABLE)
+        openmetrics = self._renderers[True] is not None
+        chosen = _negotiate(fields.get("accept"), openmetrics)
+        if chosen is None:
+            if openmetrics:
+                self._respond(conn, _NOT_ACCEPTABLE_OM_HEAD if conn.head else _NOT_ACCEPTABLE_OM)
+            else:
+                self._respond(conn, _NOT_ACCEPTABLE_HEAD if conn.head else _NOT_ACCEPTABLE)
             return
+        conn.openmetrics = chosen == "openmetrics"
         conn.gzip = _wants_gzip(fields.get("accept-encoding"))
         conn.state = "wait"
         conn.deadline = None  # the render thread's spacing bounds the wait
@@ -456,10 +502,12 @@ class MetricsServer:
 
     def _deliver(self) -> None:
         while self._done:
-            conns, cached = self._done.popleft()
+            conns, bodies = self._done.popleft()
             for conn in conns:
                 if conn.closed:
                     continue
+                cached = bodies.get(conn.openmetrics)
+                self.openmetrics_responses += conn.openmetrics and cached is not None
                 if cached is None:
                     self._respond(conn, _FAILED_HEAD if conn.head else _FAILED)
                 else:
@@ -506,31 +554,40 @@ class MetricsServer:
                     continue
                 batch, self._pending = self._pending, []
             start = time.monotonic()
-            cached = self._cache
             try:
                 version = self._version() if self._version is not None else None
             except Exception:  # a broken version: render every time
                 version = None
-            if cached is None or version is None or version != cached.version:
-                cached = self._render_once(version)
-            if cached is not None and cached.gzip_get is None and any(c.gzip for c in batch):
-                try:  # once per version, counted in the render's share of the time
-                    cached.compress()
-                    self.compressions += 1
-                except Exception:  # (out of memory): the identity, which every client accepts
-                    log.debug("streamwatch: compressing /metrics failed", exc_info=True)
+            bodies: dict[bool, _Cached | None] = {}
+            for openmetrics in sorted({c.openmetrics for c in batch}):  # each format asked for, once
+                cached = self._cache.get(openmetrics)
+                if cached is None or version is None or version != cached.version:
+                    cached = self._render_once(version, openmetrics)
+                if (
+                    cached is not None
+                    and cached.gzip_get is None
+                    and any(c.gzip for c in batch if c.openmetrics == openmetrics)
+                ):
+                    try:  # once per version, counted in the render's share of the time
+                        cached.compress()
+                        self.compressions += 1
+                    except Exception:  # (out of memory): the identity, which every client accepts
+                        log.debug("streamwatch: compressing /metrics failed", exc_info=True)
+                bodies[openmetrics] = cached
             end = time.monotonic()
             spacing = min(self.max_interval, (end - start) * (1 / self.render_share - 1))
             self._next_batch = end + max(self.min_interval, spacing)
-            self._done.append((batch, cached))
+            self._done.append((batch, bodies))
             try:
                 self._wake_w.send(b"\0")
             except (BlockingIOError, InterruptedError):
                 pass  # the pipe is full: the I/O thread is already woken
 
-    def _render_once(self, version: object) -> _Cached | None:
+    def _render_once(self, version: object, openmetrics: bool) -> _Cached | None:
+        render = self._renderers[openmetrics]
+        assert render is not None  # (negotiated only when there is one)
         try:
-            body = self._render()
+            body = render()
         except Exception:
             self._render_errors += 1
             if self._render_errors == 1:
@@ -541,7 +598,9 @@ class MetricsServer:
                 log.debug("streamwatch: rendering /metrics failed", exc_info=True)
             return None
         self.renders += 1
-        cached = self._cache = _Cached(version, body)
+        cached = self._cache[openmetrics] = _Cached(
+            version, body, OPENMETRICS_CONTENT_TYPE if openmetrics else CONTENT_TYPE
+        )
         return cached
 
     def close(self) -> None:

@@ -16,11 +16,13 @@ hands the same families to prometheus_client's registry. Floats are written as G
 write them: ``+Inf``, ``-Inf``, ``NaN``, else the shortest round-trip repr (:func:`format_float`).
 
 Naming (docs/prometheus.md has the full table): namespace ``streamwatch_``, base units, counters end in
-``_total``; every series carries the process identity ``run``, ``rank``, ``local_rank``, ``world_size``
-and ``host`` (Prometheus adds ``job`` and ``instance``), and ``streamwatch_info`` holds the same identity
-with value 1 for dashboard variables. Sums of squares and counts are exported beside norms
-(``stat="sumsq"``, ``stat="count"``), so a global norm across layers, shards or ranks is exact in PromQL:
-``sqrt(sum by (run) (streamwatch_tensor{kind="param_grad", stat="sumsq"}))``.
+``_total``, one family per statistic (``streamwatch_tensor_l2``, ``streamwatch_tensor_dead_ratio``: no
+``stat`` label); every series carries ``run`` and ``rank`` (Prometheus adds ``job`` and ``instance``),
+and ``streamwatch_info`` (value 1) the whole identity, ``host``, ``local_rank`` and ``world_size`` too,
+joined where a query needs them. Sums of squares and element counts are exported beside norms
+(``streamwatch_tensor_sum_of_squares``, ``streamwatch_tensor_elements``), so a global norm across
+layers, shards or ranks is exact in PromQL:
+``sqrt(sum by (run) (streamwatch_tensor_sum_of_squares{kind="param_grad"}))``.
 
 **Series budget** (:mod:`streamwatch.sinks._budget`): past ``series_budget`` (default 5 000) series of
 the per-layer families per process (``streamwatch_tensor``, the histogram buckets, the detectors'
@@ -50,6 +52,7 @@ from pathlib import Path
 import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.registry import Collector
 
 from streamwatch._detail import position
@@ -59,14 +62,21 @@ from streamwatch._families import (
     HISTOGRAM_SAMPLE,
     IDENTITY,
     INFO,
+    LAYER_MEAN,
+    LAYER_MEAN_FAMILIES,
     PER_LAYER_FAMILIES,
     SELF_FAMILIES,
+    SERIES_IDENTITY,
+    STEP_DURATION,
     TENSOR,
     TENSOR_VALUES,
     Family,
+    exposed_sample,
     served_family,
+    tensor_family,
 )
 from streamwatch._record import Sample, SeriesKey
+from streamwatch._steptimes import STEP_BUCKETS
 from streamwatch._store import SeriesSource, StatisticsSource, WatchStatistics
 from streamwatch._validate import check_int, check_seconds
 from streamwatch._version import version
@@ -157,22 +167,21 @@ def _le(bound: float) -> str:
 class Block:
     """One family of an exposition: its samples as ``(sample name, labels without the identity, value)``.
 
-    ``streamwatch_tensor``'s summary rows ride as ``rows`` (statistic -> column, and the keys), so the
-    text writer can format them from cached label strings; :meth:`samples` expands them.
+    A per-tensor statistic's summary column rides as ``rows`` (the statistic, its column and the keys), so
+    the text writer can format it from cached label strings; :meth:`samples` expands it.
     """
 
     family: Family
     entries: list[tuple[str, Mapping[str, str], float]] = field(default_factory=list)
-    rows: tuple[dict[str, np.ndarray], list[SeriesKey]] | None = None
+    rows: tuple[str, np.ndarray, list[SeriesKey]] | None = None
 
     def samples(self) -> Iterator[tuple[str, Mapping[str, str], float]]:
         """Every sample of the family, the summary rows (NaN: absent) first."""
         if self.rows is not None:
-            stats, keys = self.rows
-            for stat, values in stats.items():
-                for key, value in zip(keys, values.tolist(), strict=True):
-                    if value == value:
-                        yield self.family.name, {**key.labels(), "stat": stat}, value
+            _stat, values, keys = self.rows
+            for key, value in zip(keys, values.tolist(), strict=True):
+                if value == value:
+                    yield self.family.name, key.labels(), value
         yield from self.entries
 
 
@@ -196,7 +205,8 @@ class StoreCollector(Collector):
     ) -> None:
         self.store = store
         self.statistics = statistics
-        self.identity = dict(labels)
+        self.identity = dict(labels)  # the whole identity: on streamwatch_info
+        self.series_labels = {k: v for k, v in labels.items() if k in SERIES_IDENTITY}  # on every series
         self.series_budget = series_budget
         self.reductions = 0
         self._budget = Budget(series_budget)
@@ -218,12 +228,15 @@ class StoreCollector(Collector):
             family = block.family
             metric = Metric(family.name, family.help, family.type)
             for name, labels, value in block.samples():
-                metric.add_sample(name, {**self.identity, **labels}, value)
+                metric.add_sample(name, {**self.series_labels, **labels}, value)
             yield metric
 
-    def render(self) -> bytes:
+    def render(self, openmetrics: bool = False) -> bytes:
         """The text exposition of every family (what ``generate_latest`` would write for
-        :meth:`collect`), every series' name and labels from cached strings."""
+        :meth:`collect`), every series' name and labels from cached strings; with ``openmetrics``, the
+        OpenMetrics 1.0.0 text format instead (what prometheus_client's OpenMetrics ``generate_latest``
+        writes): a counter's family named without ``_total`` (its samples keep it), ``"`` escaped in
+        HELP, and ``# EOF`` at the end."""
         lines: list[str] = []
         prefixes = self._prefixes
         with self._lock:
@@ -232,10 +245,13 @@ class StoreCollector(Collector):
             for block in self.exposition():
                 family = block.family
                 help_text = family.help.replace("\\", "\\\\").replace("\n", "\\n")
-                lines.append(f"# HELP {family.exposed} {help_text}")
-                lines.append(f"# TYPE {family.exposed} {family.type}")
+                name = family.exposed
+                if openmetrics:
+                    help_text, name = help_text.replace('"', '\\"'), family.name
+                lines.append(f"# HELP {name} {help_text}")
+                lines.append(f"# TYPE {name} {family.type}")
                 if block.rows is not None:
-                    self._tensor_lines(block.rows, lines)
+                    self._tensor_lines(family, block.rows, lines)
                 for name, labels, value in block.entries:
                     key = (name, tuple(labels.items()))
                     prefix = prefixes.get(key)
@@ -243,23 +259,26 @@ class StoreCollector(Collector):
                         prefix = prefixes[key] = self._prefix(name, labels)
                     lines.append(f"{prefix} {format_float(value)}")
             self._rendered = len(lines)
+        if openmetrics:
+            lines.append("# EOF")
         # (a module name with a lone surrogate cannot be UTF-8: it reads "?" rather than failing the scrape)
         return ("\n".join(lines) + "\n").encode("utf-8", "replace") if lines else b""
 
-    def _tensor_lines(self, rows: tuple[dict[str, np.ndarray], list[SeriesKey]], lines: list[str]) -> None:
+    def _tensor_lines(
+        self, family: Family, rows: tuple[str, np.ndarray, list[SeriesKey]], lines: list[str]
+    ) -> None:
         prefixes = self._prefixes
-        stats, keys = rows
-        for stat, values in stats.items():
-            for key, value in zip(keys, values.tolist(), strict=True):
-                if value != value:  # NaN: unknown, absent
-                    continue
-                prefix = prefixes.get((key, stat))
-                if prefix is None:
-                    prefix = prefixes[(key, stat)] = self._prefix(TENSOR.name, {**key.labels(), "stat": stat})
-                lines.append(f"{prefix} {format_float(value)}")
+        stat, values, keys = rows
+        for key, value in zip(keys, values.tolist(), strict=True):
+            if value != value:  # NaN: unknown, absent
+                continue
+            prefix = prefixes.get((key, stat))
+            if prefix is None:
+                prefix = prefixes[(key, stat)] = self._prefix(family.name, key.labels())
+            lines.append(f"{prefix} {format_float(value)}")
 
     def _prefix(self, name: str, labels: Mapping[str, str]) -> str:
-        merged = {**self.identity, **labels}
+        merged = {**self.series_labels, **labels}
         body = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(merged.items()))
         return f"{name}{{{body}}}"
 
@@ -301,29 +320,30 @@ class StoreCollector(Collector):
             )
             if served.level != "full":
                 self._reduced(served)
-            tensor = Block(TENSOR, [(s.name, s.labels, s.value) for s in served.extras])
-            if any(np.any(~np.isnan(values)) for values in served.stats.values()):
-                tensor.rows = (served.stats, served.keys)
-            blocks = [Block(INFO, [(INFO.name, {"version": version()}, 1.0)])]
+            info = {k: v for k, v in self.identity.items() if k not in SERIES_IDENTITY}
+            blocks = [Block(INFO, [(INFO.name, {**info, "version": version()}, 1.0)])]
             blocks.extend(
                 self._data(
-                    tensor if tensor.rows is not None or tensor.entries else None,
+                    _tensor_blocks(served.stats, served.keys, served.extras),
                     self._histograms(served.histograms) if served.histograms else None,
-                    [*rest, *served.detectors],
+                    [*map(exposed_sample, rest), *served.detectors],
                 )
             )
             blocks.extend(self._self_metrics(statistics, served.wanted, served.exported))
             return blocks
 
-    def _data(self, tensor: Block | None, histograms: Block | None, samples: list[Sample]) -> list[Block]:
+    def _data(self, tensor: list[Block], histograms: Block | None, samples: list[Sample]) -> list[Block]:
         grouped: dict[str, list[Sample]] = {}
         for sample in samples:
             grouped.setdefault(sample.name, []).append(sample)
         blocks: list[Block] = []
         for family in DATA_FAMILIES:
             if family is TENSOR:
-                if tensor is not None:  # absent before the first record, never a placeholder
-                    blocks.append(tensor)
+                blocks.extend(tensor)  # absent before the first record, never a placeholder
+            elif family is LAYER_MEAN:
+                for mean in LAYER_MEAN_FAMILIES.values():
+                    if mean.name in grouped:
+                        blocks.append(_block(mean, grouped.pop(mean.name)))
             elif family is TENSOR_VALUES:
                 if histograms is not None:
                     blocks.append(histograms)
@@ -383,6 +403,8 @@ class StoreCollector(Collector):
         }
         values: dict[str, float | Mapping[str, float] | None] = {
             "streamwatch_steps": stats.steps,
+            "streamwatch_step_seconds": stats.step_seconds_total,
+            "streamwatch_samples": stats.samples_total,
             "streamwatch_steps_sampled": stats.sampled,
             "streamwatch_records": stats.records_received,
             "streamwatch_records_dropped": dropped,
@@ -407,6 +429,10 @@ class StoreCollector(Collector):
         for family in SELF_FAMILIES:
             if family is INFO:
                 continue
+            if family is STEP_DURATION:
+                if stats.step_buckets:  # (a replay has none: absent)
+                    blocks.append(_step_histogram(stats.step_buckets, stats.step_seconds_total))
+                continue
             value = values[family.name]
             block = Block(family)
             if isinstance(value, Mapping):  # one sample per reason
@@ -418,6 +444,45 @@ class StoreCollector(Collector):
                 block.entries = [(family.exposed, {}, float(value))]
             blocks.append(block)
         return blocks
+
+
+def _tensor_blocks(
+    stats: Mapping[str, np.ndarray], keys: list[SeriesKey], extras: Sequence[Sample]
+) -> list[Block]:
+    """One block per per-tensor statistic (:func:`streamwatch._families.tensor_family`): the summary
+    table's columns and derived statistics that have a value, then the opt-in values beside them."""
+    blocks: dict[str, Block] = {}
+    for stat, values in stats.items():
+        if len(values) and np.any(~np.isnan(values)):
+            blocks[stat] = Block(tensor_family(stat), rows=(stat, values, keys))
+    for sample in extras:
+        labels = dict(sample.labels)
+        stat = labels.pop("stat")
+        block = blocks.get(stat)
+        if block is None:
+            block = blocks[stat] = Block(tensor_family(stat))
+        block.entries.append((block.family.name, labels, sample.value))
+    return list(blocks.values())
+
+
+def _step_histogram(buckets: Sequence[int], seconds: float) -> Block:
+    """``streamwatch_step_duration_seconds``: cumulative ``le`` buckets, ``_sum`` and ``_count`` (the
+    +Inf bucket, so the two agree whatever step the training thread is at)."""
+    name = STEP_DURATION.name
+    block = Block(STEP_DURATION)
+    total = 0
+    for bound, count in zip(STEP_BUCKETS, buckets, strict=True):
+        total += count
+        block.entries.append((f"{name}_bucket", {"le": _le(bound)}, float(total)))
+    block.entries.append((f"{name}_sum", {}, float(seconds)))
+    block.entries.append((f"{name}_count", {}, float(total)))
+    return block
+
+
+def _openmetrics(registry: CollectorRegistry) -> bytes:
+    """prometheus_client's OpenMetrics writer over every collector of ``registry``."""
+    body: bytes = generate_openmetrics(registry)  # type: ignore[no-untyped-call]
+    return body
 
 
 def _block(family: Family, samples: Sequence[Sample]) -> Block:
@@ -502,10 +567,14 @@ class Exporter:
             # rendered for each batch of requests (its other collectors have no version)
             if self._own_registry:
                 render: Callable[[], bytes] = lambda: self.collector.render()  # noqa: E731 - late-bound
+                render_om: Callable[[], bytes] = lambda: self.collector.render(openmetrics=True)  # noqa: E731
                 version: Callable[[], object] | None = self.collector.version
             else:
                 render, version = (lambda: generate_latest(self.registry)), None
-            self._server = MetricsServer(sock, render, version, timeout=self.timeout)
+                render_om = lambda: _openmetrics(self.registry)  # noqa: E731
+            self._server = MetricsServer(
+                sock, render, version, timeout=self.timeout, render_openmetrics=render_om
+            )
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self.port}/metrics"
 
