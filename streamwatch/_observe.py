@@ -267,9 +267,8 @@ class Watch:
         record's copy). docs/observe.md#your-own-values-per-step.
 
         Raises:
-            TypeError, ValueError: a name that cannot be a metric name (``..._total``, a built-in family's),
-                or a value that is not a real number or a one-element real tensor. New names past 64 are
-                refused, counted (``statistics().log_refused``) and warned about once, never raised.
+            TypeError, ValueError: a name that is no metric name or a value that is not a real number
+                (past 64 names, new ones are refused, counted in ``statistics().log_refused``, warned once).
 
         Example:
             >>> import torch, streamwatch as sw
