@@ -224,7 +224,7 @@ def test_injected_nans_fire_the_non_finite_alert_in_a_real_prometheus(tmp_path: 
             with urllib.request.urlopen(f"{prom.url}/api/v1/rules", timeout=10.0) as resp:
                 groups = json.load(resp)["data"]["groups"]
             health = {r["name"]: (r["health"], r.get("lastError", "")) for g in groups for r in g["rules"]}
-            assert len(health) == 17, sorted(health)
+            assert len(health) == 18, sorted(health)
             assert all(h == "ok" for h, _ in health.values()), health  # evaluated over real series, no error
 
             # the fault: every gradient of the first layer's weight becomes NaN from here on
