@@ -41,6 +41,7 @@ from streamwatch._nonfinite import NonFiniteTracker
 from streamwatch._outbox import LR_OF, Outbox
 from streamwatch._record import PendingRecord
 from streamwatch._step_args import NO_ARGS, StepArgs, check_step, dark_ready, read_loss
+from streamwatch._steptimes import StepTimes
 from streamwatch._store import SeriesStore
 from streamwatch._summary import release_scratch
 from streamwatch._taps import TapSet
@@ -132,7 +133,7 @@ class StepBoundary:
         self.failed_steps = 0
         self.overhead = 0.0  # streamwatch's own time on the training thread, last step
         self.overhead_total = 0.0
-        self.times = outbox.times  # every step's wall time and samples (the step counters, the histogram)
+        self.times = StepTimes()  # every step's wall time and samples (the step counters, the histogram)
         self.closed = False
         self.scoring = TrainAccuracy()  # train accuracy's layouts, and where the classes are
         self._read_f32 = _kernel.scalar_reader()  # a float32 CPU loss's value in one C call
@@ -281,6 +282,7 @@ class StepBoundary:
         log.entries.append((self.step, now, now - self._last, value, batch_size, lrs, logged))
         self.state.quiet -= 1
         self.step += 1
+        self.times.add(now - self._last, batch_size)  # (at once: a scrape sees every step as it ends)
         self._last = now
         end = time.perf_counter()
         self.overhead = end - now
@@ -406,6 +408,7 @@ class StepBoundary:
 
     def _boundary(self, now: float, checked: StepArgs) -> None:
         seconds = now - self._last
+        self.times.add(seconds, checked.batch_size)
         state = self.state
         logged = self.logbook.take()
         failed = True

@@ -37,7 +37,6 @@ from streamwatch._logbook import Value
 from streamwatch._param_taps import ParamTaps
 from streamwatch._record import SKIPPED_UPDATE, STEP_VALUE, PendingRecord
 from streamwatch._step_args import StepArgs
-from streamwatch._steptimes import StepTimes
 from streamwatch._tapstate import TapState
 
 __all__ = ["LR_OF", "STEP_LOG_CAPACITY", "LoggedStep", "Outbox", "StepLog", "release_dropped"]
@@ -157,7 +156,6 @@ class Outbox:
         self.pool: SlotPool | None = None
         self._stream: Any = None
         self.steps = StepLog()  # the unrecorded steps, shipped with the next record
-        self.times = StepTimes()  # every step's time and samples: counted as its values are sent
 
     def learning_rates(self) -> list[Value | None]:
         """The param groups' learning rates now (none without an optimizer)."""
@@ -199,7 +197,6 @@ class Outbox:
         state = self.state
         if seconds is not None:
             host["step_seconds"] = seconds
-            self.times.add(seconds, checked.batch_size)
             if full:  # (the boundaries the hooks saw, and the step's end, on their clock)
                 t = state.times
                 marks = (
@@ -282,7 +279,6 @@ class Outbox:
         wall, perf = time.time(), time.perf_counter()
         shipped = []
         for i, (step, at, seconds, loss, batch_size, lrs, values) in enumerate(self.steps.take()):
-            self.times.add(seconds, batch_size)
             host: dict[str, float] = {"step_seconds": seconds}
             if batch_size is not None:
                 host["batch_size"] = float(batch_size)

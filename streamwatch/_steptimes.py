@@ -1,7 +1,6 @@
 """Every step's wall time and samples, counted on the training thread for the step counters and the
-``streamwatch_step_duration_seconds`` histogram, as each step's values are sent: a sampled step's at its
-record, an unsampled step's when the next record carries it (at most a second later, or at ``close()``:
-the quiet step itself only appends to the step log, ``streamwatch._outbox``).
+``streamwatch_step_duration_seconds`` histogram, at each step's end (the quiet step's too: a scrape sees
+every step as it ends, where the step's values reach the sinks with the next record).
 
 A sampled step is one in many: a gauge of the last step's time read by a 15 s scrape sees one step in
 hundreds. These counters see every step (``watch.step()`` to ``watch.step()``, the first from

@@ -107,11 +107,13 @@ def test_injected_faults_on_one_rank_fire_the_non_finite_and_straggler_alerts(tm
     base = free_ports(2)
     out = tmp_path / "run"
     out.mkdir()
-    proc = _torchrun(out, base, "--nan-rank", "0", "--slow-rank", "1", "--steps", "20")
+    # 80 steps (about 4.5 s with the slow rank's sleeps): several 1 s scrapes see the step counters move
+    # while it trains (the straggler rule reads their rate; a run over before the first scrape has none)
+    proc = _torchrun(out, base, "--nan-rank", "0", "--slow-rank", "1", "--steps", "80")
     try:
         targets = [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]
         with PrometheusServer(tmp_path / "prom", targets, rule_files=[rule_file]) as prom:
-            prom.wait_for('count(streamwatch_step{run="ddp"} == 19) == 2', bool, timeout=90)
+            prom.wait_for('count(streamwatch_step{run="ddp"} == 79) == 2', bool, timeout=90)
 
             def firing(alertname: str) -> set[str]:
                 return {
