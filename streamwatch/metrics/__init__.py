@@ -44,17 +44,6 @@ _MOVED = {
 def __getattr__(name: str) -> object:
     """Names that left the public namespace (internals): still importable, with a ``DeprecationWarning``
     saying where they live now (removed in a later release)."""
-    moved = _MOVED.get(name)
-    if moved is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-    import warnings
+    from streamwatch._deprecated import moved_name
 
-    module, why = moved
-    warnings.warn(
-        f"{__name__}.{name} is internal ({why}) and leaves the public API; it is {module}.{name} for now "
-        "and will be removed",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(module), name)
+    return moved_name(__name__, _MOVED, name)
