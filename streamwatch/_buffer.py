@@ -31,6 +31,7 @@ from streamwatch._kernel import NSTATS, FusedKernel
 from streamwatch._record import NO_DEVICE_DATA, NO_EDGES, PendingRecord
 from streamwatch._summary import Row
 from streamwatch._torchpath import device_values
+from streamwatch._triton import Arena, Kernels
 
 __all__ = ["SlotPool", "StepBuffer"]
 
@@ -140,6 +141,7 @@ class StepBuffer:
         "_slab",
         "_units",
         "arena",
+        "arenas",
         "counts",
         "device",
         "device_rows",
@@ -177,7 +179,15 @@ class StepBuffer:
             self._rows, self._units
         )
         self._arena_used = 0
+        self.arenas: dict[torch.device, Arena] = {}  # the Triton path's, by device (kept across steps)
         self.clear()
+
+    def triton_arena(self, kernels: Kernels, device: torch.device) -> Arena:
+        """The Triton path's step arena on ``device`` (made once)."""
+        found = self.arenas.get(device)
+        if found is None:
+            found = self.arenas[device] = Arena(kernels, device)
+        return found
 
     def _append(self, key: Hashable, count: int, replace: bool) -> int | None:
         """A new row's index, or the index to overwrite (``replace`` and the key was seen)."""
@@ -471,6 +481,8 @@ class StepBuffer:
         if self._arena_used:
             self.arena[: self._arena_used] = 0
             self._arena_used = 0
+        for arena in self.arenas.values():
+            arena.reset()
 
 
 def _flat(
@@ -492,6 +504,8 @@ def _flat(
             pieces[0] = pieces[0].to(dtype)
         same = [s if s.dtype == dtype else s.to(dtype) for s in scalars]
         pieces.append(same[0].reshape(1) if len(same) == 1 else torch.stack(same))
+    if len(vectors) > 1 and all(v.dtype == torch.int32 for v in vectors):  # the Triton path's counts
+        vectors = [torch.cat(vectors)]  # (one conversion below, not one per vector)
     pieces += [v if v.dtype == dtype else v.to(dtype) for v in vectors]
     if len(pieces) == 1:
         return pieces[0]

@@ -34,7 +34,7 @@ import torch
 from prometheus_client import CollectorRegistry
 from torch import nn
 
-from streamwatch import _kernel
+from streamwatch import _kernel, _triton
 from streamwatch._accuracy import AMBIGUOUS
 from streamwatch._attach import OBSERVED, check_optimizer_steps, on_cpu, unwrap_optimizer
 from streamwatch._boundary import SCALAR_SECONDS, StepBoundary, paused
@@ -130,9 +130,10 @@ class Watch:
                 channel_last=options.channel_last,
                 dead_units="dead" in options.stats and detailed,  # per-layer only: not worth it for totals
                 count_nonfinite="nonfinite" in options.stats,
-                kernel=_kernel.load() if cpu else None,
+                kernel=_kernel.load() if cpu and not _triton.forced() else None,
+                triton=_triton.load() if not cpu or _triton.forced() else None,
             )
-            self._kernel_status = _kernel.status() if cpu else "torch: the model is not on the CPU"
+            self._kernel_status = _kernel.status() if cpu and not _triton.forced() else _triton.status()
             # everything after the channel reads the store; it runs the worker-side metrics itself
             self._store = SeriesStore(metrics=options.derived)
             # NaN/Inf: where it started (worker); the per-step sentinel and escalation (the boundary's guard)

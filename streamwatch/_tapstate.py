@@ -31,6 +31,7 @@ from streamwatch._kernel import FusedKernel
 from streamwatch._record import SeriesKey
 from streamwatch._summary import summarize, unit_dim_for
 from streamwatch._torchpath import GROUP_ELEMENTS, Packings, batches, summarize_packed
+from streamwatch._triton import Kernels
 
 __all__ = [
     "Hook",
@@ -87,6 +88,7 @@ class TapState:
     dead_units: bool = True
     count_nonfinite: bool = False
     kernel: FusedKernel | None = None  # the fused CPU kernel, if it could be built
+    triton: Kernels | None = None  # the Triton kernels for CUDA tensors, if they load and compile
     skipped: dict[str, int] = field(default_factory=dict)
     errors: list[BaseException] = field(default_factory=list)
     hook_errors: int = 0
@@ -183,9 +185,13 @@ def summarize_into(
         if state.channel_last is None and prepared.dim() >= 4:
             channel_last = False  # NCHW / NCDHW: a ReLU after a Conv2d has channels in dim 1 too
         unit_dim = unit_dim_for(prepared, channel_last)
-    kernel = state.kernel
+    kernel, triton = state.kernel, state.triton
     readable = kernel.readable(prepared) if kernel is not None else None
-    if readable is not None and not torch.compiler.is_compiling():
+    if triton is not None and triton.accepts(prepared) and not torch.compiler.is_compiling():
+        arena = state.buffer.triton_arena(triton, prepared.device)
+        row = arena.summarize(prepared, unit_dim=unit_dim, bounds=bounds)
+        state.buffer.add(key, prepared.numel(), row, replace=replace)
+    elif readable is not None and not torch.compiler.is_compiling():
         assert kernel is not None
         prepared = readable  # (a strided view: copied once, contiguous)
         state.buffer.add_host(kernel, key, prepared, unit_dim=unit_dim, bounds=bounds, replace=replace)
@@ -209,7 +215,7 @@ def summarize_many(state: TapState, items: Sequence[tuple[SeriesKey, torch.Tenso
     kind = items[0][0].kind
     if (
         (state.kernel is not None and items[0][1].device.type == "cpu")
-        or state.count_nonfinite
+        or (state.count_nonfinite and state.triton is None)
         or state.kind_metrics.get(kind)
         or torch.compiler.is_compiling()
     ):
@@ -231,9 +237,13 @@ def summarize_many(state: TapState, items: Sequence[tuple[SeriesKey, torch.Tenso
 def _summarize_pack(state: TapState, members: list[tuple[SeriesKey, torch.Tensor]]) -> None:
     tensors = [x for _, x in members]
     pack, flipped = state.packings.get(tensors)
+    triton = state.triton
     with torch.no_grad():
         pack.fill(tensors[::-1] if flipped else tensors)
-        rows = summarize_packed(pack, reverse=flipped)
+        if triton is not None and triton.accepts(pack.buffer):
+            rows = state.buffer.triton_arena(triton, pack.device).summarize_packed(pack, reverse=flipped)
+        else:
+            rows = summarize_packed(pack, reverse=flipped)
     for (key, x), row in zip(members, rows, strict=True):
         state.buffer.add(key, x.numel(), row, replace=True)
 

@@ -98,7 +98,9 @@ class Row:
         nonfinite: 0-d, the exact NaN/±inf count (only when counted), in ``gram``'s dtype.
         unit_counts: 1-D: per unit, the samples in which it was active (per-unit activity), or None.
         samples: the batch size behind ``unit_counts``.
-        part: this row's Gram matrix in ``gram``.
+        part: this row's Gram matrix in ``gram``; for an ``arena`` row, its index there.
+        arena: the Triton path's step arena (``_triton.Arena``) that holds this row's partial sums, or
+            None; ``gram``, ``low`` and ``high`` are then placeholders.
     """
 
     gram: torch.Tensor
@@ -108,6 +110,7 @@ class Row:
     unit_counts: torch.Tensor | None = None
     samples: int = 0
     part: int = 0
+    arena: Any = None
 
     def values(self) -> torch.Tensor:
         """The device values in the schema's order (``_schema.DEVICE``; ``nonfinite`` only when counted):
@@ -355,6 +358,19 @@ class Packing:
         # how many chunks each tensor has: the segments its chunks' sums are added over
         self.lengths = _on(device, [-(-shape.numel() // _CHUNK) for shape in shapes])
         self.rows: tuple[torch.Tensor, ...] = ()  # views of the thread's chunk scratch (summarize_packed)
+        self._chunking: tuple[list[int], torch.Tensor] | None = None
+
+    def chunking(self) -> tuple[list[int], torch.Tensor]:
+        """``(chunks per tensor, valid elements per chunk on the device)``: what a kernel reading the
+        buffer chunk by chunk needs to skip the padding (made once)."""
+        if self._chunking is None:
+            lengths, valid = [], []
+            for shape in self.shapes:
+                n = shape.numel()
+                lengths.append(-(-n // _CHUNK))
+                valid += [_CHUNK] * (n // _CHUNK) + ([n % _CHUNK] if n % _CHUNK else [])
+            self._chunking = lengths, _on(self.device, valid)
+        return self._chunking
 
     def fill(self, tensors: list[torch.Tensor]) -> None:
         """Copy ``tensors`` (of this packing's shapes, any dtype) in: one multi-tensor copy."""
@@ -483,6 +499,9 @@ def device_values(rows: Iterable[Row], counted: bool) -> torch.Tensor:
         >>> values.dtype, values.view(2, -1)[:, :4].tolist()
         (torch.float64, [[-1.0, 5.0, -2.0, 1.0], [3.0, 9.0, 3.0, 3.0]])
     """
+    rows = list(rows)
+    if any(row.arena is not None for row in rows):
+        return _with_arenas(rows, counted)
     runs: list[list[Any]] = []  # [gram, first part, last part]
     extremes: list[torch.Tensor] = []
     nonfinite: list[torch.Tensor] = []
@@ -513,6 +532,31 @@ def device_values(rows: Iterable[Row], counted: bool) -> torch.Tensor:
         parts.append(torch.stack(nonfinite).view(n, 1))
     table = torch.cat(parts, 1)
     return table.index_select(1, _pick(table.device, counted)).view(-1)
+
+
+def _with_arenas(rows: list[Row], counted: bool) -> torch.Tensor:
+    """:func:`device_values` of a step with rows the Triton path summarised: each arena's rows finalized
+    in one launch (float64); rows of the torch path beside them (traced code) joined by one ``cat`` and
+    put back in order by one ``index_select``."""
+    groups: dict[int, list[int]] = {}  # id(arena) or 0 (torch rows) -> positions in rows
+    for i, row in enumerate(rows):
+        groups.setdefault(0 if row.arena is None else id(row.arena), []).append(i)
+    tables = []
+    for key, positions in groups.items():
+        members = [rows[i] for i in positions]
+        if key == 0:
+            tables.append(device_values(members, counted).view(len(members), -1).to(torch.float64))
+        else:
+            arena = members[0].arena
+            every = [r.part for r in members] == list(range(len(arena.segments)))
+            tables.append(arena.table(counted, None if every else members))
+    if len(tables) == 1:
+        return tables[0].view(-1)
+    device = tables[0].device
+    table = torch.cat([t.to(device) for t in tables])
+    order = [i for positions in groups.values() for i in positions]
+    back = sorted(range(len(order)), key=order.__getitem__)  # where each row of rows sits in table
+    return table.index_select(0, _on(device, back)).view(-1)
 
 
 def _pick(device: torch.device, counted: bool) -> torch.Tensor:

@@ -1,0 +1,234 @@
+"""The Triton kernels of the CUDA summaries (imported only by ``_triton``, and only where Triton imports).
+
+Three kernels, each writing *partials* — one row of :data:`NPART` float64 values per program, in the
+schema's device order (``_schema.DEVICE``) plus a NaN count — into a step-wide arena; one finalize per
+step reduces every summary's partials, in a fixed order, into the step's table:
+
+* :func:`flat_partials`: a contiguous tensor, or a pack of parameters (``_torchpath.Packing``: one
+  program per chunk, its valid elements read from ``valid``, the zero padding never read);
+* :func:`tile_partials`: a tensor seen as ``[B, U, P]`` through strides (samples, units, positions): one
+  program per sample and block of units, looping over the positions — with ``UNITS``, also per-unit
+  activity, each program adding 0/1 per unit to an int32 count with an integer atomic (exact, so the
+  result is the same whatever order the programs run in);
+* :func:`finalize`: one program per summary, adding its partials in order (float64), taking min/max,
+  NaN min/max where an element was NaN.
+
+Elements are loaded in their own dtype and converted after the load (bf16/fp16 accumulate in float32,
+float64 in float64): the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors) runs them as they are,
+which is how the tests check them without a GPU. No float atomics anywhere.
+
+Example (on CPU, through the interpreter)::
+
+    TRITON_INTERPRET=1 STREAMWATCH_KERNEL=triton python -c \\
+        "import torch, streamwatch._triton as t; print(t.summarize_values(torch.ones(5)))"
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from streamwatch._schema import DEVICE_INDEX
+
+C_SUM = tl.constexpr(DEVICE_INDEX["sum"])
+C_SUMSQ = tl.constexpr(DEVICE_INDEX["sumsq"])
+C_MIN = tl.constexpr(DEVICE_INDEX["min"])
+C_MAX = tl.constexpr(DEVICE_INDEX["max"])
+C_NONZERO = tl.constexpr(DEVICE_INDEX["nonzero"])
+C_SUMABS = tl.constexpr(DEVICE_INDEX["sumabs"])
+C_SUMCUBE = tl.constexpr(DEVICE_INDEX["sumcube"])
+C_SUMFOURTH = tl.constexpr(DEVICE_INDEX["sumfourth"])
+C_NONFINITE = tl.constexpr(DEVICE_INDEX["nonfinite"])
+C_NAN = tl.constexpr(len(DEVICE_INDEX))
+NPART = tl.constexpr(len(DEVICE_INDEX) + 1)
+"""Values per partials row: the device values in the schema's order, then the NaN count."""
+_COLS = tl.constexpr(16)  # NPART rounded up to a power of two (a block's width in finalize)
+_INF = tl.constexpr(float("inf"))
+
+
+@triton.jit
+def _store_partials(out, s1, s2, s3, s4, sa, nz, nf, nan, lo, hi):
+    """Store one program's reduced values at ``out`` (a partials row)."""
+    tl.store(out + C_SUM, s1.to(tl.float64))
+    tl.store(out + C_SUMSQ, s2.to(tl.float64))
+    tl.store(out + C_MIN, lo.to(tl.float64))
+    tl.store(out + C_MAX, hi.to(tl.float64))
+    tl.store(out + C_NONZERO, nz.to(tl.float64))
+    tl.store(out + C_SUMABS, sa.to(tl.float64))
+    tl.store(out + C_SUMCUBE, s3.to(tl.float64))
+    tl.store(out + C_SUMFOURTH, s4.to(tl.float64))
+    tl.store(out + C_NONFINITE, nf.to(tl.float64))
+    tl.store(out + C_NAN, nan.to(tl.float64))
+
+
+@triton.jit
+def flat_partials(
+    x, valid, n, per_program, partials, first, WIDE: tl.constexpr, PACKED: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Partials of ``x[pid·per_program : …]`` (at most ``n`` elements in all) into row ``first + pid``.
+    ``PACKED``: program ``pid`` reads chunk ``pid`` (``per_program`` = the chunk size) up to its
+    ``valid[pid]`` elements."""
+    pid = tl.program_id(0)
+    start = pid.to(tl.int64) * per_program
+    if PACKED:  # noqa: SIM108 (a static branch on a constexpr, as Triton compiles it)
+        end = start + tl.load(valid + pid)
+    else:
+        end = tl.minimum(start + per_program, n)
+    acc = tl.float64 if WIDE else tl.float32
+    s1 = tl.zeros([BLOCK], acc)
+    s2 = tl.zeros([BLOCK], acc)
+    s3 = tl.zeros([BLOCK], acc)
+    s4 = tl.zeros([BLOCK], acc)
+    sa = tl.zeros([BLOCK], acc)
+    lo = tl.full([BLOCK], _INF, acc)
+    hi = tl.full([BLOCK], -_INF, acc)
+    nz = tl.zeros([BLOCK], tl.int32)
+    nf = tl.zeros([BLOCK], tl.int32)
+    nan = tl.zeros([BLOCK], tl.int32)
+    for off in range(start, end, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        m = idx < end
+        v = tl.load(x + idx, mask=m, other=0.0).to(acc)
+        sq = v * v
+        s1 += v
+        s2 += sq
+        s3 += sq * v
+        s4 += sq * sq
+        sa += tl.abs(v)
+        nz += (v != 0).to(tl.int32)
+        nf += ((v - v) != 0).to(tl.int32)  # NaN at NaN and ±inf (masked lanes hold 0)
+        isnan = v != v
+        nan += isnan.to(tl.int32)
+        lo = tl.minimum(lo, tl.where(m & ~isnan, v, _INF))
+        hi = tl.maximum(hi, tl.where(m & ~isnan, v, -_INF))
+    _store_partials(
+        partials + (first + pid).to(tl.int64) * NPART,
+        tl.sum(s1, 0),
+        tl.sum(s2, 0),
+        tl.sum(s3, 0),
+        tl.sum(s4, 0),
+        tl.sum(sa, 0),
+        tl.sum(nz, 0),
+        tl.sum(nf, 0),
+        tl.sum(nan, 0),
+        tl.min(lo, 0),
+        tl.max(hi, 0),
+    )
+
+
+@triton.jit
+def tile_partials(
+    x,
+    U,
+    P,
+    sb,
+    su,
+    sp,
+    partials,
+    first,
+    counts,
+    bound_lo,
+    bound_hi,
+    tol_lo,
+    tol_hi,
+    WIDE: tl.constexpr,
+    UNITS: tl.constexpr,
+    BOUNDED: tl.constexpr,
+    HAS_LO: tl.constexpr,
+    HAS_HI: tl.constexpr,
+    BU: tl.constexpr,
+    BP: tl.constexpr,
+):
+    """Partials of sample ``b`` (axis 0) and units ``[t·BU, …)`` (axis 1) of ``x`` seen as ``[B, U, P]``
+    with strides ``(sb, su, sp)``, into row ``first + b·T + t``. With ``UNITS``, ``counts[u] += 1`` for
+    each of those units active at any of its positions: nonzero and not NaN, or with ``BOUNDED`` not NaN
+    and farther than ``tol`` from each finite bound (``HAS_LO``/``HAS_HI``), as the C kernel decides."""
+    b = tl.program_id(0)
+    t = tl.program_id(1)
+    acc = tl.float64 if WIDE else tl.float32
+    u = t * BU + tl.arange(0, BU)
+    um = u < U
+    rows = x + b.to(tl.int64) * sb + u.to(tl.int64)[:, None] * su
+    s1 = tl.zeros([BU, BP], acc)
+    s2 = tl.zeros([BU, BP], acc)
+    s3 = tl.zeros([BU, BP], acc)
+    s4 = tl.zeros([BU, BP], acc)
+    sa = tl.zeros([BU, BP], acc)
+    lo = tl.full([BU, BP], _INF, acc)
+    hi = tl.full([BU, BP], -_INF, acc)
+    nz = tl.zeros([BU, BP], tl.int32)
+    nf = tl.zeros([BU, BP], tl.int32)
+    nan = tl.zeros([BU, BP], tl.int32)
+    active = tl.zeros([BU], tl.int32)
+    for p0 in range(0, P, BP):
+        p = p0 + tl.arange(0, BP)
+        m = um[:, None] & (p < P)[None, :]
+        v = tl.load(rows + p.to(tl.int64)[None, :] * sp, mask=m, other=0.0).to(acc)
+        sq = v * v
+        s1 += v
+        s2 += sq
+        s3 += sq * v
+        s4 += sq * sq
+        sa += tl.abs(v)
+        nz += (v != 0).to(tl.int32)
+        nf += ((v - v) != 0).to(tl.int32)
+        isnan = v != v
+        nan += isnan.to(tl.int32)
+        lo = tl.minimum(lo, tl.where(m & ~isnan, v, _INF))
+        hi = tl.maximum(hi, tl.where(m & ~isnan, v, -_INF))
+        if UNITS:
+            if BOUNDED:
+                on = m & ~isnan
+                if HAS_LO:
+                    on = on & (tl.abs(v - bound_lo) > tol_lo)
+                if HAS_HI:
+                    on = on & (tl.abs(v - bound_hi) > tol_hi)
+            else:
+                on = (v != 0) & ~isnan  # (masked lanes hold 0)
+            active = tl.maximum(active, tl.max(on.to(tl.int32), 1))
+    _store_partials(
+        partials + (first + b * tl.num_programs(1) + t).to(tl.int64) * NPART,
+        tl.sum(tl.sum(s1, 1), 0),
+        tl.sum(tl.sum(s2, 1), 0),
+        tl.sum(tl.sum(s3, 1), 0),
+        tl.sum(tl.sum(s4, 1), 0),
+        tl.sum(tl.sum(sa, 1), 0),
+        tl.sum(tl.sum(nz, 1), 0),
+        tl.sum(tl.sum(nf, 1), 0),
+        tl.sum(tl.sum(nan, 1), 0),
+        tl.min(tl.min(lo, 1), 0),
+        tl.max(tl.max(hi, 1), 0),
+    )
+    if UNITS:
+        tl.atomic_add(counts + u, active, mask=um)  # int32: exact in any order
+
+
+@triton.jit
+def finalize(partials, starts, lengths, out, NCOL: tl.constexpr, BLOCK: tl.constexpr):
+    """Row ``r`` of ``out`` (``NCOL`` device values in the schema's order) from partials rows
+    ``starts[r] …`` (``lengths[r]`` of them), added in order."""
+    r = tl.program_id(0)
+    start = tl.load(starts + r)
+    length = tl.load(lengths + r)
+    cols = tl.arange(0, _COLS)
+    cm = cols < NPART
+    total = tl.zeros([_COLS], tl.float64)
+    lo = tl.full([_COLS], _INF, tl.float64)
+    hi = tl.full([_COLS], -_INF, tl.float64)
+    for i in range(0, length, BLOCK):
+        k = i + tl.arange(0, BLOCK)
+        rm = k < length
+        m = rm[:, None] & cm[None, :]
+        tile = tl.load(
+            partials + (start + k).to(tl.int64)[:, None] * NPART + cols[None, :], mask=m, other=0.0
+        )
+        total += tl.sum(tile, 0)
+        lo = tl.minimum(lo, tl.min(tl.where(m, tile, _INF), 0))
+        hi = tl.maximum(hi, tl.max(tl.where(m, tile, -_INF), 0))
+    nans = tl.sum(tl.where(cols == C_NAN, total, 0.0), 0)
+    value = tl.where(cols == C_MIN, lo, tl.where(cols == C_MAX, hi, total))
+    nan_here = ((cols == C_MIN) | (cols == C_MAX)) & (
+        (tl.zeros([_COLS], tl.float64) + nans) > 0
+    )  # (a vector: the
+    value = tl.where(nan_here, float("nan"), value)  # interpreter cannot AND a vector with a scalar)
+    tl.store(out + r.to(tl.int64) * NCOL + cols, value, mask=cols < NCOL)

@@ -1,0 +1,274 @@
+"""The Triton kernels (``streamwatch/_triton_kernels.py``) against float64 references, the C kernel and
+the torch path.
+
+Without a GPU they run on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``, set here
+before Triton is imported) with ``STREAMWATCH_KERNEL=triton``; on a machine with CUDA the same tests run
+the compiled kernels on CUDA tensors. Skipped where Triton is not installed (CI installs it:
+pyproject's ``dev`` extra).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (read when the kernels are defined)
+pytest.importorskip("triton")
+
+from streamwatch import _torchpath, _triton  # noqa: E402
+from streamwatch._schema import DEVICE_INDEX, DEVICE_NAMES  # noqa: E402
+from streamwatch._torchpath import Packing  # noqa: E402
+from tests.recording import record_run  # noqa: E402
+from tests.test_kernel import LAYOUTS, assert_values_match, fused, reference, values_of  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def triton_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU tensors take the kernels (through the interpreter) where there is no GPU."""
+    if DEVICE.type == "cpu":
+        monkeypatch.setenv("STREAMWATCH_KERNEL", "triton")
+
+
+@pytest.fixture
+def arena() -> _triton.Arena:
+    kernels = _triton.load()
+    assert kernels is not None, _triton.status()
+    return _triton.Arena(kernels, DEVICE)
+
+
+def kernel_values(
+    arena: _triton.Arena,
+    x: torch.Tensor,
+    unit_dim: int | None = None,
+    bounds: tuple[float, float] | None = None,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """One tensor's device values (exact non-finite count) and per-unit counts through the kernels."""
+    with np.errstate(invalid="ignore", over="ignore"):  # (the interpreter computes inf - inf in numpy)
+        row = arena.summarize(x.to(DEVICE), unit_dim=unit_dim, bounds=bounds)
+        values = arena.table(True, [row])[0].cpu().numpy()
+    units = None if row.unit_counts is None else row.unit_counts.cpu().double().numpy()
+    return values, units
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("sparsity", [0.0, 0.97, 1.0])
+def test_every_layout_matches_the_float64_reference(
+    arena: _triton.Arena, layout: str, dtype: torch.dtype, sparsity: float
+) -> None:
+    shape, unit_dim = LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(hash((layout, sparsity)) % 2**31)
+    x = torch.randn(shape, generator=gen, dtype=dtype)
+    x[torch.rand(shape, generator=gen) < sparsity] = 0
+    got, got_units = kernel_values(arena, x, unit_dim)
+    want, want_units = reference(x, unit_dim)
+    assert_values_match(got, want, x)
+    if unit_dim is not None:
+        np.testing.assert_array_equal(got_units, want_units, err_msg="active samples per unit")
+
+
+@pytest.mark.parametrize("bounds", [(-1.0, 1.0), (0.0, 1.0), (0.0, 6.0), (0.0, float("inf"))])
+@pytest.mark.parametrize("layout", ["linear", "nchw", "channel_last_sequence"])
+def test_saturation_bounds_follow_monitorch(
+    arena: _triton.Arena, bounds: tuple[float, float], layout: str
+) -> None:
+    shape, unit_dim = LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=gen).clamp(*bounds)
+    x[:, :1] = bounds[0]  # a unit saturated at the lower bound for every sample
+    _, got_units = kernel_values(arena, x, unit_dim, bounds)
+    _, want_units = reference(x, unit_dim, bounds)
+    np.testing.assert_array_equal(got_units, want_units)
+
+
+finite = st.floats(-1e4, 1e4, allow_nan=False, width=32)
+special = st.sampled_from([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-30])  # (x⁴ stays finite)
+shapes = st.lists(st.integers(1, 9), min_size=1, max_size=4)
+
+
+@st.composite
+def tensors(draw: st.DrawFn) -> tuple[torch.Tensor, int | None]:
+    """A tensor with zeros, NaN, ±inf mixed in, any float dtype (bf16/fp16 cast from float32), maybe a
+    strided view (a transpose or a step), and a unit dimension where it has two or more."""
+    shape = draw(shapes)
+    n = int(np.prod(shape))
+    values = draw(st.lists(st.one_of(finite, special), min_size=n, max_size=n))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16]))
+    x = torch.tensor(values, dtype=torch.float64).view(shape).to(dtype)
+    view = draw(st.sampled_from(["plain", "transposed", "stepped"]))
+    if view == "transposed" and x.dim() >= 2:
+        x = x.transpose(0, -1)
+    elif view == "stepped" and x.shape[-1] > 1:
+        x = x[..., ::2]
+    unit_dim = draw(st.sampled_from([None, 1, x.dim() - 1])) if x.dim() >= 2 else None
+    return x, unit_dim
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=tensors())
+def test_equal_the_reference_the_c_kernel_and_the_torch_path(arena: _triton.Arena, case: tuple) -> None:
+    """On generated tensors: the float64 reference of the values as stored (bf16/fp16 rounded), the C
+    kernel (float32/float64, contiguous copies) and the torch path (its NaN counts as zero for
+    ``nonzero``; it leaves ``nonfinite`` out unless counted)."""
+    x, unit_dim = case
+    got, got_units = kernel_values(arena, x, unit_dim)
+    want, want_units = reference(x.double(), unit_dim)
+    rtol = 1e-12 if x.dtype == torch.float64 else 2e-5
+    assert_values_match(got, want, x.double(), rtol=rtol)
+    if unit_dim is not None:
+        np.testing.assert_array_equal(got_units, want_units)
+    if x.dtype in (torch.float32, torch.float64):
+        c_values, c_units = fused(x.contiguous(), unit_dim)
+        assert_values_match(got, c_values, x.double(), rtol=rtol)
+        if unit_dim is not None:
+            np.testing.assert_array_equal(got_units, c_units)
+    row = _torchpath.summarize(x, unit_dim=unit_dim, count_nonfinite=True)
+    torch_values = row.values().double().numpy()
+    for name in ("min", "max", "nonfinite"):
+        i = DEVICE_INDEX[name]
+        np.testing.assert_array_equal(got[i], torch_values[i], err_msg=name)
+
+
+def test_packed_tensors_match_one_by_one_and_the_torch_path(arena: _triton.Arena) -> None:
+    """One launch for a pack: every tensor's values (the padding of its last chunk never read: an
+    all-positive tensor keeps its minimum), in order and reversed, an empty tensor with no extremes."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randn(3, 5, generator=gen) + 5,
+        torch.randn(2000, generator=gen),
+        torch.empty(0),
+        torch.ones(1),
+    ]
+    pack = Packing([t.shape for t in tensors], DEVICE, torch.float32)
+    pack.fill([t.to(DEVICE) for t in tensors])
+    for reverse in (False, True):
+        rows = arena.summarize_packed(pack, reverse=reverse)
+        got = arena.table(True, rows).cpu().numpy()
+        for values, t in zip(got, tensors[::-1] if reverse else tensors, strict=True):
+            assert_values_match(values, values_of(t), t)
+    full = [t for t in tensors if t.numel()]  # (the torch path refuses an empty tensor in a pack)
+    pack = Packing([t.shape for t in full], DEVICE, torch.float32)
+    pack.fill([t.to(DEVICE) for t in full])
+    want = _torchpath.device_values(_torchpath.summarize_packed(pack), False).view(3, -1).double().cpu()
+    got = arena.table(False, arena.summarize_packed(pack)).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_step_of_rows_is_one_finalize_in_the_order_given(arena: _triton.Arena) -> None:
+    """``device_values`` of arena rows beside torch-path rows (compiled code): the rows' values in the
+    order they were given, float64."""
+    a, b, c = torch.randn(7), torch.randn(3, 4), torch.randn(5)
+    rows = [arena.summarize(a.to(DEVICE)), _torchpath.summarize(b.to(DEVICE)), arena.summarize(c.to(DEVICE))]
+    got = _torchpath.device_values(rows, False).view(3, -1).cpu().numpy()
+    for values, t in zip(got, (a, b, c), strict=True):
+        assert_values_match(np.append(values, 0.0), values_of(t), t)
+    assert _torchpath.device_values(rows[::2], False).dtype == torch.float64
+
+
+def test_the_same_input_gives_bit_identical_values(arena: _triton.Arena) -> None:
+    x = torch.randn(64, 128, 9).to(DEVICE)
+    first = arena.table(True, [arena.summarize(x, unit_dim=1)])
+    second = arena.table(True, [arena.summarize(x, unit_dim=1)])
+    assert torch.equal(first, second)
+
+
+def test_large_float32_sums_stay_accurate() -> None:
+    kernels = _triton.load()
+    assert kernels is not None
+    x = torch.full((1 << 21,), 0.1, dtype=torch.float32) + torch.linspace(0, 1e-3, 1 << 21)
+    got = _triton.summarize_values(x.to(DEVICE)).cpu().numpy()
+    assert_values_match(got, values_of(x), x)
+
+
+def train_records(tmp_path: Path, route: str, monkeypatch: pytest.MonkeyPatch) -> list:
+    monkeypatch.setenv("STREAMWATCH_KERNEL", route)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).to(
+        DEVICE
+    )
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 12, generator=gen).to(DEVICE), torch.randint(0, 4, (32,), generator=gen).to(DEVICE)
+    run = record_run(tmp_path / f"{route}.jsonl", model, x, y, 4, lr=0.1, stats=("nonfinite", "dead"))
+    return run.records
+
+
+def test_a_training_run_records_what_the_torch_path_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Activations, gradients, weights and updates with per-unit activity and exact non-finite counts:
+    every record's keys and table through the kernels equal the torch path's."""
+    route = "triton" if DEVICE.type == "cpu" else ""
+    got = train_records(tmp_path, route, monkeypatch)
+    want = train_records(tmp_path, "torch", monkeypatch)
+    assert len(got) == len(want) == 4
+    for a, b in zip(got, want, strict=True):
+        assert a.keys == b.keys
+        np.testing.assert_allclose(
+            np.asarray(a.table), np.asarray(b.table), rtol=1e-5, atol=1e-5, equal_nan=True
+        )
+    kinds = {key.kind for key in got[-1].keys}
+    assert {"activation", "param_grad", "param", "update"} <= kinds
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_triton, "_loaded", None)
+    monkeypatch.setattr(_triton, "_failure", None)
+
+
+def test_a_missing_triton_falls_back_to_torch_with_one_warning(
+    fresh_loader: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def missing() -> None:
+        raise ImportError("No module named 'triton'")
+
+    monkeypatch.setattr(_triton, "_import", missing)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert _triton.load() is None
+        assert _triton.load() is None
+    assert len(seen) == 1
+    assert "STREAMWATCH_KERNEL=torch" in str(seen[0].message)
+    assert _triton.status().startswith("torch: the Triton kernels are unavailable (ImportError")
+
+
+def test_forcing_the_torch_path_loads_nothing(fresh_loader: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMWATCH_KERNEL", "torch")
+    assert _triton.load() is None
+    assert _triton.status() == "torch: STREAMWATCH_KERNEL=torch"
+
+
+def test_kernels_compile_into_a_temporary_cache_not_home(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unless the user says where (``TRITON_CACHE_DIR``, ``TRITON_HOME``), Triton caches what it
+    compiles for streamwatch in a temporary folder of the process, not under the home folder."""
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_HOME", raising=False)
+    monkeypatch.setattr(_triton, "_cache_dir", None)
+    _triton._own_cache()
+    chosen = os.environ["TRITON_CACHE_DIR"]
+    assert not chosen.startswith(str(Path.home()))
+    assert Path(chosen).is_dir()
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/tmp/mine")
+    monkeypatch.setattr(_triton, "_cache_dir", None)
+    _triton._own_cache()
+    assert os.environ["TRITON_CACHE_DIR"] == "/tmp/mine"
+
+
+def test_layouts_map_to_samples_units_positions() -> None:
+    x = torch.empty(2, 3, 4, 5)
+    assert _triton._layout(x, 1) == (2, 3, 20, 60, 20, 1)
+    assert _triton._layout(x.permute(0, 2, 3, 1), 3) == (2, 3, 20, 60, 20, 1)  # NHWC memory, units last
+    assert _triton._layout(x.transpose(2, 3), 1) is None  # positions no single stride walks: copied
+    assert _triton._layout(x, None) == (1, 1, 120, 0, 0, 1)
+    assert _triton._layout(x.transpose(0, 1), None) == (3, 2, 20, 20, 60, 1)
+    assert DEVICE_NAMES[-1] == "nonfinite"
