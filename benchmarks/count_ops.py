@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,12 @@ class Count:
     kernels: int = 0
     mixed: int = 0  # stack/cat calls with inputs of more than one dtype
     widest: int = 0  # the most inputs one stack/cat call had
+    triton: int = 0  # Triton kernel launches (the Triton route: ``count_case(..., route="triton")``)
+
+    @property
+    def launches(self) -> int:
+        """Kernels a GPU would launch: the torch ops that are not views or allocations, and Triton's."""
+        return self.kernels + self.triton
 
     @property
     def total(self) -> int:
@@ -62,8 +69,11 @@ class OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.count = Count()
+        self.paused = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.paused:  # (the Triton interpreter's own copies around a launch: not on a GPU)
+            return func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         self.count.ops[name] += 1
         if not (func.is_view or name in _FREE):
@@ -127,16 +137,70 @@ def _step(
         watch.step(loss=loss)
 
 
-def count_case(name: str, warmup: int = 2, device: str = "cpu") -> tuple[Count, Count, int]:
+def count_case(
+    name: str, warmup: int = 2, device: str = "cpu", route: str = "torch"
+) -> tuple[Count, Count, int]:
     """``(unobserved step, observed sampled step, rows in its record)`` for the case ``name`` on
     ``device`` (``tests/test_cuda.py`` counts on a GPU too), CPU tensors taking the ops CUDA tensors
-    take (``_torchpath.FEW_LAUNCHES_ON_CPU``)."""
-    was = _torchpath.FEW_LAUNCHES_ON_CPU
+    take (``_torchpath.FEW_LAUNCHES_ON_CPU``). ``route`` is ``STREAMWATCH_KERNEL`` for the run: ``torch``,
+    or ``triton`` (the Triton kernels, each launch counted; on a CPU only under ``TRITON_INTERPRET=1``,
+    set before Triton is imported)."""
+    was, env = _torchpath.FEW_LAUNCHES_ON_CPU, os.environ.get("STREAMWATCH_KERNEL")
     _torchpath.FEW_LAUNCHES_ON_CPU = True
+    os.environ["STREAMWATCH_KERNEL"] = route
     try:
         return _count_case(name, warmup, device)
     finally:
         _torchpath.FEW_LAUNCHES_ON_CPU = was
+        if env is None:
+            os.environ.pop("STREAMWATCH_KERNEL", None)
+        else:
+            os.environ["STREAMWATCH_KERNEL"] = env
+
+
+class _Counted:
+    """A Triton kernel whose launches (``kernel[grid](...)``) add to the active :class:`OpCounter`."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        launch = self.kernel[grid]
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counter = _active
+            if counter is None:
+                return launch(*args, **kwargs)
+            counter.count.triton += 1
+            counter.paused = True
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                counter.paused = False
+
+        return counted
+
+
+_active: OpCounter | None = None
+
+
+@contextlib.contextmanager
+def _counting_triton() -> Iterator[None]:
+    """Each Triton kernel of ``streamwatch._triton_kernels`` (if it imports) counted while active."""
+    try:
+        from streamwatch import _triton_kernels as kernels
+    except ImportError:
+        yield
+        return
+    names = ("flat_partials", "tile_partials", "finalize")
+    originals = {name: getattr(kernels, name) for name in names}
+    for name, kernel in originals.items():
+        setattr(kernels, name, _Counted(kernel))
+    try:
+        yield
+    finally:
+        for name, kernel in originals.items():
+            setattr(kernels, name, kernel)
 
 
 def _count_case(name: str, warmup: int, device: str) -> tuple[Count, Count, int]:
@@ -148,14 +212,22 @@ def _count_case(name: str, warmup: int, device: str) -> tuple[Count, Count, int]
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.01, momentum=0.9)
     records = sw.sinks.collect()
     cadence = dict.fromkeys(("activation", "output_grad", "param", "param_grad", "update"), 1)
-    with sw.observe(model, opt, every=1, cadence=cadence, sinks=[records], sentinel=()) as watch:
+    global _active
+    with (
+        _counting_triton(),
+        sw.observe(model, opt, every=1, cadence=cadence, sinks=[records], sentinel=()) as watch,
+    ):
         for _ in range(warmup):
             _step(twin, twin_opt, x, y, autocast, None)
             _step(model, opt, x, y, autocast, watch)
         with OpCounter() as plain:
             _step(twin, twin_opt, x, y, autocast, None)
         with OpCounter() as observed:
-            _step(model, opt, x, y, autocast, watch)
+            _active = observed
+            try:
+                _step(model, opt, x, y, autocast, watch)
+            finally:
+                _active = None
         watch.flush()
     rows = len(records.items[-1].keys)
     return plain.count, observed.count, rows
@@ -166,22 +238,28 @@ def main() -> None:
     parser.add_argument("cases", nargs="*", help=f"of {list(CASES)} (default: all)")
     parser.add_argument("--ops", action="store_true", help="list the monitoring ops of each case by name")
     parser.add_argument("--device", default="cpu", help="where the models run (default: cpu)")
+    parser.add_argument(
+        "--route",
+        choices=("torch", "triton"),
+        default="torch",
+        help="STREAMWATCH_KERNEL: the torch path, or the Triton kernels (on a CPU: set TRITON_INTERPRET=1)",
+    )
     args = parser.parse_args()
-    os.environ["STREAMWATCH_KERNEL"] = "torch"
-    print(f"torch {torch.__version__}, {args.device}, STREAMWATCH_KERNEL={os.environ['STREAMWATCH_KERNEL']}")
+    print(f"torch {torch.__version__}, {args.device}, STREAMWATCH_KERNEL={args.route}")
     print(
-        "| case | step ops (unobserved) | + ops (sampled) | + kernels | rows | ops / row | kernels / row "
-        "| mixed-dtype stack/cat (most inputs) |"
+        "| case | step ops (unobserved) | + ops (sampled) | + kernels | + Triton launches | rows "
+        "| launches / row | mixed-dtype stack/cat (most inputs) |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     details = []
     for name in args.cases or CASES:
-        plain, observed, rows = count_case(name, device=args.device)
+        plain, observed, rows = count_case(name, device=args.device, route=args.route)
         ops = observed.total - plain.total
         kernels = observed.kernels - plain.kernels
         print(
-            f"| {name} | {plain.total} | {ops} | {kernels} | {rows} | {ops / rows:.2f} "
-            f"| {kernels / rows:.2f} | {observed.mixed - plain.mixed} ({observed.widest}) |"
+            f"| {name} | {plain.total} | {ops} | {kernels} | {observed.triton} | {rows} "
+            f"| {(kernels + observed.triton) / rows:.2f} "
+            f"| {observed.mixed - plain.mixed} ({observed.widest}) |"
         )
         added = observed.ops.copy()
         added.subtract(plain.ops)

@@ -400,6 +400,8 @@ class StepBuffer:
         self.keys, self.order, self.counts, self.units, self.samples = [], [], [], [], []
         self.device_rows, self.extras, self.unit_counts, self.latest = {}, {}, {}, {}
         self.device = None
+        for arena in self.arenas.values():  # (the Triton path's: its copy above was enqueued first)
+            arena.reset()
         return record
 
     def _device_part(

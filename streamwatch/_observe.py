@@ -81,6 +81,14 @@ _governor_clock: Clock = time.perf_counter
 which monkeypatch it with a :class:`streamwatch.testing.FakeClock` before ``observe()``."""
 
 
+def _summaries(cpu: bool) -> tuple[_kernel.FusedKernel | None, _triton.Kernels | None, str]:
+    """The fused CPU kernel (a CPU model) or the Triton kernels (any other), each None where it could
+    not load, and what ``statistics().kernel`` says of them."""
+    if cpu and not _triton.forced():
+        return _kernel.load(), None, _kernel.status()
+    return None, _triton.load(), _triton.status()
+
+
 class Watch:
     """A running observation of one model. Create it with :func:`observe`."""
 
@@ -121,7 +129,7 @@ class Watch:
         self._unflushed = 0
         self._exporters: list[Exporter] = []
         self._model_ref = weakref.ref(model)
-        cpu = on_cpu(model)
+        kernel, triton, self._kernel_status = _summaries(on_cpu(model))
         metrics = list(options.metrics)
         try:
             params = named_params(model, modules, all_params=options.every_parameter)
@@ -130,10 +138,9 @@ class Watch:
                 channel_last=options.channel_last,
                 dead_units="dead" in options.stats and detailed,  # per-layer only: not worth it for totals
                 count_nonfinite="nonfinite" in options.stats,
-                kernel=_kernel.load() if cpu and not _triton.forced() else None,
-                triton=_triton.load() if not cpu or _triton.forced() else None,
+                kernel=kernel,
+                triton=triton,
             )
-            self._kernel_status = _kernel.status() if cpu and not _triton.forced() else _triton.status()
             # everything after the channel reads the store; it runs the worker-side metrics itself
             self._store = SeriesStore(metrics=options.derived)
             # NaN/Inf: where it started (worker); the per-step sentinel and escalation (the boundary's guard)

@@ -28,8 +28,8 @@ from torch import nn
 
 from streamwatch._buffer import StepBuffer
 from streamwatch._record import SeriesKey
-from streamwatch._tapstate import TapState, guarded, summarize_into, summarize_many
-from streamwatch._torchpath import GROUP_ELEMENTS, Packing, Packings, batches, summarize_packed
+from streamwatch._tapstate import TapState, guarded, summarize_into, summarize_many, summarize_pack
+from streamwatch._torchpath import GROUP_ELEMENTS, Packing, Packings, batches
 
 __all__ = ["NO_HOOK", "ParamTaps", "place_in_backward"]
 
@@ -272,7 +272,7 @@ class ParamTaps:
         cloned, packed = stepped, []
         if not (
             (state.kernel is not None and stepped and stepped[0][2].device.type == "cpu")
-            or state.count_nonfinite
+            or (state.count_nonfinite and state.triton is None)
             or state.kind_metrics.get("update")
             or torch.compiler.is_compiling()
         ):  # (a tensor larger than a pack is cloned and summarised alone)
@@ -301,7 +301,7 @@ class ParamTaps:
             with torch.no_grad():
                 torch._foreach_mul_(pack.views, -1.0)  # -before, then after + (-before): after - before
                 torch._foreach_add_(pack.views, [param for _, _, param in batch])  # (signed zeros too)
-                rows = summarize_packed(pack)
+                rows = summarize_pack(state, pack)
             for (layer, pname, param), row, view in zip(batch, rows, pack.views, strict=True):
                 if self._closure and param.grad is None:
                     continue  # not stepped (copied before a closure computed the gradients)

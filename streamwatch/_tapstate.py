@@ -30,7 +30,7 @@ from streamwatch._buffer import StepBuffer
 from streamwatch._kernel import FusedKernel
 from streamwatch._record import SeriesKey
 from streamwatch._summary import summarize, unit_dim_for
-from streamwatch._torchpath import GROUP_ELEMENTS, Packings, batches, summarize_packed
+from streamwatch._torchpath import GROUP_ELEMENTS, Packing, Packings, Row, batches, summarize_packed
 from streamwatch._triton import Kernels
 
 __all__ = [
@@ -237,15 +237,20 @@ def summarize_many(state: TapState, items: Sequence[tuple[SeriesKey, torch.Tenso
 def _summarize_pack(state: TapState, members: list[tuple[SeriesKey, torch.Tensor]]) -> None:
     tensors = [x for _, x in members]
     pack, flipped = state.packings.get(tensors)
-    triton = state.triton
     with torch.no_grad():
         pack.fill(tensors[::-1] if flipped else tensors)
-        if triton is not None and triton.accepts(pack.buffer):
-            rows = state.buffer.triton_arena(triton, pack.device).summarize_packed(pack, reverse=flipped)
-        else:
-            rows = summarize_packed(pack, reverse=flipped)
+        rows = summarize_pack(state, pack, reverse=flipped)
     for (key, x), row in zip(members, rows, strict=True):
         state.buffer.add(key, x.numel(), row, replace=True)
+
+
+def summarize_pack(state: TapState, pack: Packing, reverse: bool = False) -> list[Row]:
+    """The rows of a filled pack: one Triton launch where the kernels take it (CUDA), else the torch
+    path's fixed number of ops (``_torchpath.summarize_packed``)."""
+    triton = state.triton
+    if triton is not None and triton.accepts(pack.buffer):
+        return state.buffer.triton_arena(triton, pack.device).summarize_packed(pack, reverse=reverse)
+    return summarize_packed(pack, reverse=reverse)
 
 
 def inert(*args: Any, **kwargs: Any) -> None:

@@ -81,6 +81,8 @@ def status() -> str:
     """
     if _mode() == "torch":
         return "torch: STREAMWATCH_KERNEL=torch"
+    if not (forced() or torch.cuda.is_available()):
+        return "torch: no CUDA device"
     if _loaded is not None:
         return f"triton: {_loaded.version}"
     if _failure is not None:
@@ -91,12 +93,13 @@ def status() -> str:
 def load() -> Kernels | None:
     """The Triton kernels, or None (CUDA tensors then take the torch path; :func:`status` says why).
 
-    Never raises; a failure is warned about once per process and never retried. The kernels are
+    None without a CUDA device (unless ``STREAMWATCH_KERNEL=triton``). Never raises; a failure is warned
+    about once per process and never retried. The kernels are
     compiled here, on a small CUDA tensor, so a missing compiler shows now and not inside a training
     step (under ``STREAMWATCH_KERNEL=triton`` without CUDA nothing is compiled: the interpreter runs them).
     """
     global _loaded, _failure
-    if _mode() == "torch":
+    if _mode() == "torch" or not (forced() or torch.cuda.is_available()):
         return None
     with _lock:
         if _loaded is not None or _failure is not None:

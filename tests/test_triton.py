@@ -29,6 +29,7 @@ from streamwatch import _torchpath, _triton  # noqa: E402
 from streamwatch._schema import DEVICE_INDEX, DEVICE_NAMES  # noqa: E402
 from streamwatch._torchpath import Packing  # noqa: E402
 from tests.recording import record_run  # noqa: E402
+from tests.test_launches import COUNT_OPS  # noqa: E402
 from tests.test_kernel import LAYOUTS, assert_values_match, fused, reference, values_of  # noqa: E402
 
 
@@ -272,3 +273,42 @@ def test_layouts_map_to_samples_units_positions() -> None:
     assert _triton._layout(x, None) == (1, 1, 120, 0, 0, 1)
     assert _triton._layout(x.transpose(0, 1), None) == (3, 2, 20, 20, 60, 1)
     assert DEVICE_NAMES[-1] == "nonfinite"
+
+
+def _mlp(layers: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for _ in range(layers - 1):
+        blocks += [nn.Linear(16, 16), nn.ReLU()]
+    return nn.Sequential(*blocks, nn.Linear(16, 4)), torch.randn(8, 16), torch.randint(0, 4, (8,))
+
+
+def _launches(case: str) -> tuple[int, int, int]:
+    """``(Triton launches, torch kernels, rows)`` a sampled step adds, every kind at cadence 1."""
+    plain, observed, rows = COUNT_OPS.count_case(case, route="triton", device=DEVICE.type)
+    return observed.triton, observed.kernels - plain.kernels, rows
+
+
+@pytest.mark.parametrize("case", ["mlp", "transformer bf16"])
+def test_a_sampled_step_is_one_launch_per_tapped_tensor_and_a_few(case: str) -> None:
+    """One Triton launch per activation and output gradient, one per pack of each parameter kind, one
+    finalize; the torch ops left are the packs' multi-tensor copies, the update's Δ in place (two
+    multi-tensor ops) and the boundary's two ``cat``, one conversion and the unit counts zeroed. (The torch path takes 86 and
+    214 kernels for these: ``benchmarks/count_ops.py``.)"""
+    triton, kernels, rows = _launches(case)
+    params = len(list(COUNT_OPS.CASES[case][0]()[0].parameters()))
+    tapped = rows - 3 * params  # activations and output gradients
+    assert triton == tapped + 3 + 1  # + a pack per parameter kind + the finalize
+    assert kernels <= 3 + 2 + 4  # pack copies + Δ + the boundary (two cats, a conversion, the zeroed counts)
+    assert triton + kernels <= tapped + 12
+
+
+def test_parameter_kinds_do_not_launch_more_for_more_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 32-layer MLP's sampled step adds launches for its activations and output gradients only: its
+    96 parameters, gradients and updates take the launches the 4-layer MLP's 12 take."""
+    monkeypatch.setitem(COUNT_OPS.CASES, "mlp4", (lambda: _mlp(4), None))
+    monkeypatch.setitem(COUNT_OPS.CASES, "mlp32", (lambda: _mlp(32), None))
+    small, large = _launches("mlp4"), _launches("mlp32")
+    tapped = [rows - 3 * 2 * layers for (_, _, rows), layers in ((small, 4), (large, 32))]
+    assert large[0] - small[0] == tapped[1] - tapped[0]  # Triton: only the tapped tensors' launches
+    assert large[1] == small[1]  # torch kernels: the same
