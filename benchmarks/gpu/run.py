@@ -204,6 +204,16 @@ def triton_status() -> dict[str, Any]:
     return found
 
 
+def gpu(device: torch.device) -> dict[str, Any]:
+    props = torch.cuda.get_device_properties(device)
+    return {
+        "name": props.name,
+        "capability": f"{props.major}.{props.minor}",
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "count": torch.cuda.device_count(),
+    }
+
+
 def environment(device: torch.device, result: dict[str, Any]) -> None:
     from streamwatch import _kernel
 
@@ -226,13 +236,7 @@ def environment(device: torch.device, result: dict[str, Any]) -> None:
         ).stdout.strip()
     )
     if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        result["gpu"] = {
-            "name": props.name,
-            "capability": f"{props.major}.{props.minor}",
-            "memory_gib": round(props.total_memory / 2**30, 1),
-            "count": torch.cuda.device_count(),
-        }
+        result["gpu"] = _guarded(lambda: gpu(device))
         result["driver"] = _guarded(
             lambda: subprocess.run(
                 [

@@ -35,6 +35,7 @@ def _result(data: dict[str, Any], name: str) -> tuple[str, dict[str, Any]]:
 def environment(data: dict[str, Any]) -> list[str]:
     _, env = _result(data, "environment")
     gpu = env.get("gpu") or {}
+    gpu = gpu if isinstance(gpu, dict) else {"name": gpu}
     rows = [
         [
             "GPU",
