@@ -8,6 +8,7 @@ interrupted from inside). The child prints one line, ``COMPILED-RESULT {json}``:
 * ``graph_breaks``: ``torch._dynamo.utils.counters["graph_break"]`` summed over the compiled training
   steps (forward, backward, optimizer step, ``watch.step()``), with the first reasons, and dynamo's
   ``stats`` counters (``unique_graphs``, ...);
+* ``recompile_reasons``: the guards that failed, by code name (``torch._dynamo.utils.guard_failures``);
 * ``first_step_s`` (compiling the forward and the backward), ``step_ms`` of the later steps, and the
   watch's statistics (``hook_errors``, ``skipped``: tensor hooks inside the compiled forward are skipped
   and counted there).
@@ -37,6 +38,11 @@ MARK = "COMPILED-RESULT "
 STEPS = 5
 
 
+def _line(text: Any, most: int = 400) -> str:
+    """A reason on one line (a table cell, a list item)."""
+    return " ".join(str(text).split())[:most]
+
+
 def _forward(w: Workload, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     with torch.autocast(x.device.type, dtype=w.autocast or torch.bfloat16, enabled=w.autocast is not None):
         return model(x)
@@ -50,8 +56,18 @@ def explain(w: Workload, model: torch.nn.Module, x: torch.Tensor) -> dict[str, A
     explained = torch._dynamo.explain(lambda x: _forward(w, model, x))(x)
     return {
         "graph_breaks": explained.graph_break_count,
-        "reasons": [str(reason.reason)[:300] for reason in explained.break_reasons][:10],
+        "reasons": [_line(reason.reason) for reason in explained.break_reasons][:10],
     }
+
+
+def _recompiles() -> dict[str, Any]:
+    """Why dynamo compiled a frame again (its failed guards), by code name; private, so guarded."""
+    try:
+        from torch._dynamo.utils import guard_failures
+
+        return {code.co_name: [_line(r) for r in reasons][:5] for code, reasons in guard_failures.items()}
+    except Exception as err:
+        return {"error reading them": repr(err)}
 
 
 def child(dry: bool) -> dict[str, Any]:
@@ -92,8 +108,9 @@ def child(dry: bool) -> dict[str, Any]:
             print(f"compiled step {i}: {times[-1]:.2f} s", file=sys.stderr, flush=True)
         breaks = counters["graph_break"]
         out["graph_breaks"] = sum(breaks.values())
-        out["graph_break_reasons"] = [" ".join(str(r).splitlines()[:2])[:300] for r in breaks][:10]
+        out["graph_break_reasons"] = [_line(r) for r in breaks][:10]
         out["dynamo_stats"] = {k: v for k, v in counters["stats"].items() if isinstance(v, int)}
+        out["recompile_reasons"] = _recompiles()
         out["first_step_s"] = times[0]
         out["step_ms"] = [1e3 * t for t in times[1:]]
     finally:

@@ -121,7 +121,7 @@ def launch_counts(data: dict[str, Any]) -> list[str]:
                     _triple(c["unsampled"]["added"]),
                     f"{taps.get('activation', 0)} + {taps.get('output_grad', 0)}",
                     f"{taps.get('param_grad', 0)} ({weights.get('param', 0)}, {weights.get('update', 0)})",
-                    _num(c.get("launches_beyond_tensor_taps"), 0),
+                    _num(c.get("launches_beyond_tensor_taps"), 0) if c["sampled"].get("launches") else "—",
                 ]
             )
     header = [
@@ -216,14 +216,10 @@ def compile_table(data: dict[str, Any]) -> list[str]:
         "hook errors",
         "skipped",
     ]
-    reasons = r.get("graph_break_reasons") or []
-    return [
-        "## Compiled transformer (`every=1`)",
-        "",
-        *_table(header, [row]),
-        *[f"- {x}" for x in reasons],
-        "",
-    ]
+    reasons = [f"- graph break: {x}" for x in r.get("graph_break_reasons") or []]
+    recompiles = r.get("recompile_reasons") or {}
+    reasons += [f"- recompiled `{code}`: {'; '.join(map(str, why))}" for code, why in recompiles.items()]
+    return ["## Compiled transformer (`every=1`)", "", *_table(header, [row]), *reasons, ""]
 
 
 def render(data: dict[str, Any]) -> str:
