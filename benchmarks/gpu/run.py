@@ -127,7 +127,7 @@ def clean(value: Any) -> Any:
 def problems(value: Any, path: str = "") -> list[str]:
     """Where the results hold an error or a skip, as dotted paths."""
     if isinstance(value, str):
-        return [path] if value.startswith("skipped") else []
+        return [path] if value.startswith(SKIPPED) else []  # (a test's outcome "skipped" is not one)
     if isinstance(value, list):
         return [p for i, v in enumerate(value) for p in problems(v, f"{path}[{i}]")]
     if not isinstance(value, dict):
