@@ -12,9 +12,11 @@ DEMO_PY := $(DEMO_VENV)/bin/python
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 DIVERGENCE_ARGS ?=
+GPU_OUT ?= benchmarks/results/gpu
+DRY_RUN ?=
 SOURCES := pyproject.toml setup.py streamwatch/_schema.py streamwatch/_fused.c streamwatch/_fused_body.h streamwatch/_fused_module.c
 
-.PHONY: env demo test lint format bench bench-divergence dashboards clean
+.PHONY: env demo test lint format bench bench-divergence bench-gpu dashboards clean
 
 $(VENV)/.installed: $(SOURCES)
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +65,12 @@ bench: env
 # false alarms on healthy runs, as a Markdown table (docs/detectors.md). CPU, a few minutes; not part of `test`.
 bench-divergence: env
 	$(PY) benchmarks/divergence/run.py $(DIVERGENCE_ARGS)
+
+# The GPU check (benchmarks/gpu/run.py, about 5 minutes on one GPU): environment, CUDA tests, launch counts,
+# overhead ratios, a compiled model, into $(GPU_OUT) (results.json, results.md, log.txt). DRY_RUN=1: every
+# section on the CPU at toy sizes, in well under a minute (CI runs it).
+bench-gpu: env
+	PYTHONPATH=. $(PY) benchmarks/gpu/run.py --out $(GPU_OUT) $(if $(DRY_RUN),--dry-run)
 
 clean:
 	rm -rf $(VENV) $(DEMO_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .benchmarks

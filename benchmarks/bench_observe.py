@@ -335,7 +335,7 @@ def hide_gap(watch: sw.Watch, gap: float) -> None:
     # (in place: the watch holds the list's append)
     governor.filed[:] = [(reading + gap, own) for reading, own in governor.filed]
     stashed = watch._boundary._stashed
-    stashed[:] = [(now, reading + gap, args) for now, reading, args in stashed]
+    stashed[:] = [(now, reading + gap, *rest) for now, reading, *rest in stashed]
 
 
 def wait_for_worker(watch: sw.Watch, timeout: float = 60.0) -> float:

@@ -14,6 +14,10 @@ import pytest
 
 _REPORT = pytest.StashKey[list[str]]()
 
+# benchmarks/gpu/ is one script and its helpers (make bench-gpu), not a benchmark; its module names (run,
+# harness) are also divergence/'s, and --doctest-modules would import both pairs under one name each.
+collect_ignore = ["gpu"]
+
 
 @pytest.fixture
 def bench_report(request: pytest.FixtureRequest) -> list[str]:

@@ -1,0 +1,143 @@
+"""The compile section: a 2-layer bench_cuda transformer observed with ``every=1`` under ``torch.compile``.
+
+Run by ``run.py`` in a child process, killed whole at the section's time budget (a compile cannot be
+interrupted from inside). The child prints one line, ``COMPILED-RESULT {json}``:
+
+* ``explain_plain`` / ``explain_observed``: ``torch._dynamo.explain``'s graph breaks in one forward of the
+  model unobserved and observed (a sampled step), with the first reasons;
+* ``graph_breaks``: ``torch._dynamo.utils.counters["graph_break"]`` summed over the compiled training
+  steps (forward, backward, optimizer step, ``watch.step()``), with the first reasons, and dynamo's
+  ``stats`` counters (``unique_graphs``, ...);
+* ``recompile_reasons``: the guards that failed, by code name (``torch._dynamo.utils.guard_failures``);
+* ``first_step_s`` (compiling the forward and the backward), ``step_ms`` of the later steps, and the
+  watch's statistics (``hook_errors``, ``skipped``: tensor hooks inside the compiled forward are skipped
+  and counted there).
+
+``--dry-run``: a 1-layer, 32-wide transformer on the CPU with the ``aot_eager`` backend (no code
+generation), the same path in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_cuda, bench_observe
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+from harness import SKIPPED, Budget, run_child, tail
+from workloads import Workload, compiled_workload, step
+
+import streamwatch as sw
+
+MARK = "COMPILED-RESULT "
+STEPS = 5
+
+
+def _line(text: Any, most: int = 400) -> str:
+    """A reason on one line (a table cell, a list item)."""
+    return " ".join(str(text).split())[:most]
+
+
+def _forward(w: Workload, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast(x.device.type, dtype=w.autocast or torch.bfloat16, enabled=w.autocast is not None):
+        return model(x)
+
+
+def explain(w: Workload, model: torch.nn.Module, x: torch.Tensor) -> dict[str, Any]:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    explained = torch._dynamo.explain(lambda x: _forward(w, model, x))(x)
+    return {
+        "graph_breaks": explained.graph_break_count,
+        "reasons": [_line(reason.reason) for reason in explained.break_reasons][:10],
+    }
+
+
+def _recompiles() -> dict[str, Any]:
+    """Why dynamo compiled a frame again (its failed guards), by code name; private, so guarded."""
+    try:
+        from torch._dynamo.utils import guard_failures
+
+        return {code.co_name: [_line(r) for r in reasons][:5] for code, reasons in guard_failures.items()}
+    except Exception as err:
+        return {"error reading them": repr(err)}
+
+
+def child(dry: bool) -> dict[str, Any]:
+    from torch._dynamo.utils import counters
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not dry else "cpu")
+    if dry:
+        torch.set_num_threads(1)
+    backend = "aot_eager" if dry else "inductor"
+    w = compiled_workload(dry)
+    x, y = w.batch(device)
+    out: dict[str, Any] = {"model": w.name, "device": str(device), "backend": backend, "steps": STEPS}
+    try:
+        out["explain_plain"] = explain(w, w.model(device), x)
+    except Exception as err:
+        out["explain_plain"] = {"error": repr(err)}
+    model = w.model(device)
+    opt = w.optimizer(model.parameters())
+    watch = sw.observe(model, opt, every=1)
+    try:
+        try:
+            out["explain_observed"] = explain(w, model, x)
+        except Exception as err:
+            out["explain_observed"] = {"error": repr(err)}
+        watch.step()  # ends the explained forward's step
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, backend=backend)
+        times = []
+        for i in range(STEPS):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            step(w, compiled, opt, x, y, watch)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            print(f"compiled step {i}: {times[-1]:.2f} s", file=sys.stderr, flush=True)
+        breaks = counters["graph_break"]
+        out["graph_breaks"] = sum(breaks.values())
+        out["graph_break_reasons"] = [_line(r) for r in breaks][:10]
+        out["dynamo_stats"] = {k: v for k, v in counters["stats"].items() if isinstance(v, int)}
+        out["recompile_reasons"] = _recompiles()
+        out["first_step_s"] = times[0]
+        out["step_ms"] = [1e3 * t for t in times[1:]]
+    finally:
+        watch.close()
+    stats = watch.statistics()
+    out["watch"] = {
+        "hook_errors": stats.hook_errors,
+        "records_received": stats.records_received,
+        "skipped": dict(getattr(stats, "skipped", {}) or {}),
+    }
+    return out
+
+
+def run(repo: Path, budget: Budget, dry: bool) -> dict[str, Any]:
+    """The child, within ``budget``; its result, or why there is none."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *(["--dry-run"] if dry else [])]
+    done = run_child(cmd, budget.left(), repo)
+    for line in done.output.splitlines():
+        if line.startswith(MARK):
+            found: dict[str, Any] = json.loads(line[len(MARK) :])
+            found["child_seconds"] = done.seconds
+            return found
+    if done.returncode is None:
+        return {"status": SKIPPED, "killed_after_s": done.seconds, "output_tail": tail(done.output)}
+    raise RuntimeError(f"the compile child exited {done.returncode} without a result:\n{tail(done.output)}")
+
+
+if __name__ == "__main__":
+    result = child("--dry-run" in sys.argv[1:])
+    print(MARK + json.dumps(result, default=str), flush=True)
