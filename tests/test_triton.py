@@ -293,8 +293,8 @@ def _launches(case: str) -> tuple[int, int, int]:
 def test_a_sampled_step_is_one_launch_per_tapped_tensor_and_a_few(case: str) -> None:
     """One Triton launch per activation and output gradient, one per pack of each parameter kind, one
     finalize; the torch ops left are the packs' multi-tensor copies, the update's Δ in place (two
-    multi-tensor ops) and the boundary's two ``cat``, one conversion and the unit counts zeroed. (The torch path takes 86 and
-    214 kernels for these: ``benchmarks/count_ops.py``.)"""
+    multi-tensor ops) and the boundary's two ``cat``, one conversion and the unit counts zeroed. (The
+    torch path takes 86 and 214 kernels for these: ``benchmarks/count_ops.py``.)"""
     triton, kernels, rows = _launches(case)
     params = len(list(COUNT_OPS.CASES[case][0]()[0].parameters()))
     tapped = rows - 3 * params  # activations and output gradients
