@@ -29,8 +29,8 @@ from streamwatch import _torchpath, _triton  # noqa: E402
 from streamwatch._schema import DEVICE_INDEX, DEVICE_NAMES  # noqa: E402
 from streamwatch._torchpath import Packing  # noqa: E402
 from tests.recording import record_run  # noqa: E402
-from tests.test_launches import COUNT_OPS  # noqa: E402
 from tests.test_kernel import LAYOUTS, assert_values_match, fused, reference, values_of  # noqa: E402
+from tests.test_launches import COUNT_OPS  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
