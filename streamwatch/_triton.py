@@ -246,23 +246,33 @@ class Arena:
         samples, units, positions, sb, su, sp = layout
         bu, bp = _tile(su, sp, units, positions)
         tiles = -(-units // bu)
-        first, row, offset = self._take([samples * tiles], units if unit_dim is not None else 0)
+        # positions split over programs until there are about _FLAT_PROGRAMS (a batch of 8 sequences
+        # of 1024 tokens would be 48 programs otherwise: a GPU mostly idle)
+        splits = max(1, min(-(-positions // bp), _FLAT_PROGRAMS // (samples * tiles)))
+        per_split = bp * -(-positions // (bp * splits))
+        splits = -(-positions // per_split)
+        first, row, offset = self._take(
+            [samples * tiles * splits], units * (1 + samples) if unit_dim is not None else 0
+        )
         lo, hi = bounds if bounds is not None else (0.0, 0.0)
         has_lo, has_hi = (
             bounds is not None and abs(lo) != float("inf"),
             bounds is not None and abs(hi) != float("inf"),
         )
         counts = self.units[offset : offset + units] if unit_dim is not None else None
-        k.tile_partials[(samples, tiles)](
+        flags = self.units[offset + units :] if unit_dim is not None else self.units  # (sample, unit)
+        k.tile_partials[(samples, tiles, splits)](
             x,
             units,
             positions,
             sb,
             su,
             sp,
+            per_split,
             self.partials,
             first,
             counts if counts is not None else self.units,
+            flags,
             lo if has_lo else 0.0,
             hi if has_hi else 0.0,
             _ATOL + _RTOL * abs(lo) if has_lo else 0.0,

@@ -124,9 +124,11 @@ def tile_partials(
     sb,
     su,
     sp,
+    per_split,
     partials,
     first,
     counts,
+    flags,
     bound_lo,
     bound_hi,
     tol_lo,
@@ -139,12 +141,15 @@ def tile_partials(
     BU: tl.constexpr,
     BP: tl.constexpr,
 ):
-    """Partials of sample ``b`` (axis 0) and units ``[t·BU, …)`` (axis 1) of ``x`` seen as ``[B, U, P]``
-    with strides ``(sb, su, sp)``, into row ``first + b·T + t``. With ``UNITS``, ``counts[u] += 1`` for
-    each of those units active at any of its positions: nonzero and not NaN, or with ``BOUNDED`` not NaN
-    and farther than ``tol`` from each finite bound (``HAS_LO``/``HAS_HI``), as the C kernel decides."""
+    """Partials of sample ``b`` (axis 0), units ``[t·BU, …)`` (axis 1) and positions
+    ``[s·per_split, …)`` (axis 2) of ``x`` seen as ``[B, U, P]`` with strides ``(sb, su, sp)``, into row
+    ``first + (b·T + t)·S + s``. With ``UNITS``, each of those units active at any of those positions —
+    nonzero and not NaN, or with ``BOUNDED`` not NaN and farther than ``tol`` from each finite bound
+    (``HAS_LO``/``HAS_HI``), as the C kernel decides — sets its (sample, unit) flag, and the program that
+    set it first adds 1 to ``counts[u]`` (integer atomics: exact, in any order)."""
     b = tl.program_id(0)
     t = tl.program_id(1)
+    s = tl.program_id(2)
     acc = tl.float64 if WIDE else tl.float32
     u = t * BU + tl.arange(0, BU)
     um = u < U
@@ -160,9 +165,11 @@ def tile_partials(
     nf = tl.zeros([BU, BP], tl.int32)
     nan = tl.zeros([BU, BP], tl.int32)
     active = tl.zeros([BU], tl.int32)
-    for p0 in range(0, P, BP):
+    p_start = s * per_split
+    p_end = tl.minimum(p_start + per_split, P)
+    for p0 in range(p_start, p_end, BP):
         p = p0 + tl.arange(0, BP)
-        m = um[:, None] & (p < P)[None, :]
+        m = um[:, None] & (p < p_end)[None, :]
         v = tl.load(rows + p.to(tl.int64)[None, :] * sp, mask=m, other=0.0).to(acc)
         sq = v * v
         s1 += v
@@ -187,7 +194,7 @@ def tile_partials(
                 on = (v != 0) & ~isnan  # (masked lanes hold 0)
             active = tl.maximum(active, tl.max(on.to(tl.int32), 1))
     _store_partials(
-        partials + (first + b * tl.num_programs(1) + t).to(tl.int64) * NPART,
+        partials + (first + (b * tl.num_programs(1) + t) * tl.num_programs(2) + s).to(tl.int64) * NPART,
         tl.sum(tl.sum(s1, 1), 0),
         tl.sum(tl.sum(s2, 1), 0),
         tl.sum(tl.sum(s3, 1), 0),
@@ -199,8 +206,9 @@ def tile_partials(
         tl.min(tl.min(lo, 1), 0),
         tl.max(tl.max(hi, 1), 0),
     )
-    if UNITS:
-        tl.atomic_add(counts + u, active, mask=um)  # int32: exact in any order
+    if UNITS:  # the first program to find (b, u) active counts it
+        seen = tl.atomic_max(flags + b.to(tl.int64) * U + u, active, mask=um)
+        tl.atomic_add(counts + u, tl.where(seen == 0, active, 0), mask=um)
 
 
 @triton.jit
