@@ -93,6 +93,7 @@ class ParamTaps:
         self._before: list[torch.Tensor] | None = None
         self._packed: list[tuple[Packing, list[tuple[str, str, nn.Parameter]]]] = []  # packed snapshots
         self._snapshots = Packings()  # their packs, by layout
+        self._afters = Packings()  # the weights after the step, for the Triton kernels to read Δ from
         self._grads: list[tuple[SeriesKey, nn.Parameter]] = []  # the param_grad tap's keys and parameters
         self._grad_flags: list[bool] = []  # their requires_grad when their hooks went in (no optimizer)
         # With an optimizer: the parameters it steps (read at its hooks) and the others (at the step's
@@ -293,15 +294,23 @@ class ParamTaps:
         self._before_params = cloned
 
     def _summarize_packed_updates(self) -> None:
-        """Δ = after − before of the packed snapshots, in place (two multi-tensor ops per pack), then
-        summarised as a pack."""
+        """Δ = after − before of the packed snapshots: with the Triton kernels, the weights copied into a
+        second pack (one multi-tensor copy) and Δ read from the two in one launch, never stored;
+        otherwise in place (two multi-tensor ops per pack), then summarised as a pack."""
         packed, self._packed = self._packed, []
-        state = self.state
+        state, triton = self.state, self.state.triton
         for pack, batch in packed:
+            params: list[torch.Tensor] = [param for _, _, param in batch]
             with torch.no_grad():
-                torch._foreach_mul_(pack.views, -1.0)  # -before, then after + (-before): after - before
-                torch._foreach_add_(pack.views, [param for _, _, param in batch])  # (signed zeros too)
-                rows = summarize_pack(state, pack)
+                if triton is not None and triton.accepts(pack.buffer):
+                    after, _ = self._afters.get(params, either_order=False)
+                    after.fill(params)
+                    arena = state.buffer.triton_arena(triton, pack.device)
+                    rows = arena.summarize_packed(after, minus=pack)
+                else:
+                    torch._foreach_mul_(pack.views, -1.0)  # -before, then after + (-before): after - before
+                    torch._foreach_add_(pack.views, params)  # (signed zeros too)
+                    rows = summarize_pack(state, pack)
             for (layer, pname, param), row, view in zip(batch, rows, pack.views, strict=True):
                 if self._closure and param.grad is None:
                     continue  # not stepped (copied before a closure computed the gradients)
@@ -336,7 +345,7 @@ class ParamTaps:
     def clear(self) -> None:
         """Forget every parameter and registration (``remove()``: a closed Watch keeps none alive)."""
         self._before = None
-        self._packed, self._snapshots = [], Packings()
+        self._packed, self._snapshots, self._afters = [], Packings(), Packings()
         self._before_params = self._owned_params = self._other_params = []
         self._owned_grads = self._other_grads = []
         self.params = []

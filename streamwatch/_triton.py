@@ -240,7 +240,7 @@ class Arena:
             programs = -(-n // per)
             first, row, _ = self._take([programs])
             k.flat_partials[(programs,)](
-                x, x, n, per, self.partials, first, WIDE=wide, PACKED=False, BLOCK=_FLAT_BLOCK
+                x, x, x, n, per, self.partials, first, WIDE=wide, PACKED=False, DIFF=False, BLOCK=_FLAT_BLOCK
             )
             return Row(self.partials, self.partials, self.partials, arena=self, part=row)
         samples, units, positions, sb, su, sp = layout
@@ -295,14 +295,18 @@ class Arena:
             part=row,
         )
 
-    def summarize_packed(self, pack: Packing, reverse: bool = False) -> list[Row]:
+    def summarize_packed(
+        self, pack: Packing, reverse: bool = False, minus: Packing | None = None
+    ) -> list[Row]:
         """The :class:`Row` of every tensor in ``pack`` in one launch (one program per chunk; each
-        tensor's partials are its chunks). With ``reverse``, the rows in reverse order."""
+        tensor's partials are its chunks). With ``reverse``, the rows in reverse order; with ``minus`` (a
+        pack of the same layout), the rows of ``pack − minus``, read from both, never stored."""
         lengths, valid = pack.chunking()
         first, row, _ = self._take(lengths)
         chunks = pack.buffer.shape[0]
         self.kernels.module.flat_partials[(chunks,)](
             pack.buffer,
+            minus.buffer if minus is not None else pack.buffer,
             valid,
             pack.buffer.numel(),
             pack.buffer.shape[1],
@@ -310,6 +314,7 @@ class Arena:
             first,
             WIDE=pack.dtype == torch.float64,
             PACKED=True,
+            DIFF=minus is not None,
             BLOCK=_FLAT_BLOCK,
         )
         p = self.partials

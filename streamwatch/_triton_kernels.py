@@ -63,11 +63,22 @@ def _store_partials(out, s1, s2, s3, s4, sa, nz, nf, nan, lo, hi):
 
 @triton.jit
 def flat_partials(
-    x, valid, n, per_program, partials, first, WIDE: tl.constexpr, PACKED: tl.constexpr, BLOCK: tl.constexpr
+    x,
+    minus,
+    valid,
+    n,
+    per_program,
+    partials,
+    first,
+    WIDE: tl.constexpr,
+    PACKED: tl.constexpr,
+    DIFF: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Partials of ``x[pid·per_program : …]`` (at most ``n`` elements in all) into row ``first + pid``.
     ``PACKED``: program ``pid`` reads chunk ``pid`` (``per_program`` = the chunk size) up to its
-    ``valid[pid]`` elements."""
+    ``valid[pid]`` elements. ``DIFF``: of ``x − minus`` element by element (an update: the weights after
+    the step and before it), the difference never stored."""
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * per_program
     if PACKED:  # noqa: SIM108 (a static branch on a constexpr, as Triton compiles it)
@@ -89,6 +100,8 @@ def flat_partials(
         idx = off + tl.arange(0, BLOCK)
         m = idx < end
         v = tl.load(x + idx, mask=m, other=0.0).to(acc)
+        if DIFF:
+            v = v - tl.load(minus + idx, mask=m, other=0.0).to(acc)
         sq = v * v
         s1 += v
         s2 += sq
