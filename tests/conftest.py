@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import os
 
+import torch
+
+# The Triton kernels (streamwatch/_triton_kernels.py) run on CPU tensors under the Triton interpreter
+# where there is no GPU: it is chosen when the kernels are defined, so before anything imports them
+# (tests/test_triton.py, doctest collection of the package).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 from hypothesis import settings
 

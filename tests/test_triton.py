@@ -21,9 +21,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEVICE.type == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # (read when the kernels are defined)
-pytest.importorskip("triton")
+pytest.importorskip("triton")  # (conftest.py set TRITON_INTERPRET=1 where there is no GPU)
 
 from streamwatch import _torchpath, _triton  # noqa: E402
 from streamwatch._schema import DEVICE_INDEX, DEVICE_NAMES  # noqa: E402
