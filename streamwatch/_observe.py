@@ -527,7 +527,7 @@ class Watch:
             skipped=_skipped(self._state.skipped, boundary.scoring.ambiguous),
             hook_errors=self._state.hook_errors,
             pipeline_failures=worker_stats.failed + len(self._store.failures) + len(self._tracker.failures),
-            kernel=self._kernel_status,
+            kernel=self._kernel_status if self._state.triton is None else _triton.status(),
             overhead_seconds=boundary.overhead,
             overhead_seconds_total=boundary.overhead_total,
             failed_steps=boundary.failed_steps,

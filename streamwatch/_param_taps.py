@@ -302,12 +302,17 @@ class ParamTaps:
         for pack, batch in packed:
             params: list[torch.Tensor] = [param for _, _, param in batch]
             with torch.no_grad():
+                rows = None
                 if triton is not None and triton.accepts(pack.buffer):
                     after, _ = self._afters.get(params, either_order=False)
                     after.fill(params)
-                    arena = state.buffer.triton_arena(triton, pack.device)
-                    rows = arena.summarize_packed(after, minus=pack)
-                else:
+                    try:
+                        rows = state.buffer.triton_arena(triton, pack.device).summarize_packed(
+                            after, minus=pack
+                        )
+                    except Exception as exc:  # (a kernel that would not compile: the torch path from now on)
+                        triton.give_up(exc)
+                if rows is None:
                     torch._foreach_mul_(pack.views, -1.0)  # -before, then after + (-before): after - before
                     torch._foreach_add_(pack.views, params)  # (signed zeros too)
                     rows = summarize_pack(state, pack)

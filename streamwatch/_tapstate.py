@@ -188,8 +188,13 @@ def summarize_into(
     kernel, triton = state.kernel, state.triton
     readable = kernel.readable(prepared) if kernel is not None else None
     if triton is not None and triton.accepts(prepared) and not torch.compiler.is_compiling():
-        arena = state.buffer.triton_arena(triton, prepared.device)
-        row = arena.summarize(prepared, unit_dim=unit_dim, bounds=bounds)
+        try:
+            row = state.buffer.triton_arena(triton, prepared.device).summarize(
+                prepared, unit_dim=unit_dim, bounds=bounds
+            )
+        except Exception as exc:  # (a kernel that would not compile: the torch path from now on)
+            triton.give_up(exc)
+            row = summarize(prepared, unit_dim=unit_dim, count_nonfinite=state.count_nonfinite, bounds=bounds)
         state.buffer.add(key, prepared.numel(), row, replace=replace)
     elif readable is not None and not torch.compiler.is_compiling():
         assert kernel is not None
@@ -249,7 +254,10 @@ def summarize_pack(state: TapState, pack: Packing, reverse: bool = False) -> lis
     path's fixed number of ops (``_torchpath.summarize_packed``)."""
     triton = state.triton
     if triton is not None and triton.accepts(pack.buffer):
-        return state.buffer.triton_arena(triton, pack.device).summarize_packed(pack, reverse=reverse)
+        try:
+            return state.buffer.triton_arena(triton, pack.device).summarize_packed(pack, reverse=reverse)
+        except Exception as exc:  # (as in summarize_into)
+            triton.give_up(exc)
     return summarize_packed(pack, reverse=reverse)
 
 

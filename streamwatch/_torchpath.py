@@ -549,7 +549,11 @@ def _with_arenas(rows: list[Row], counted: bool) -> torch.Tensor:
         else:
             arena = members[0].arena
             every = [r.part for r in members] == list(range(len(arena.segments)))
-            tables.append(arena.table(counted, None if every else members))
+            try:
+                tables.append(arena.table(counted, None if every else members))
+            except Exception as exc:  # (this step's record is lost, counted; the torch path from now on)
+                arena.kernels.give_up(exc)
+                raise
     if len(tables) == 1:
         return tables[0].view(-1)
     device = tables[0].device

@@ -83,6 +83,8 @@ def status() -> str:
         return "torch: STREAMWATCH_KERNEL=torch"
     if not (forced() or torch.cuda.is_available()):
         return "torch: no CUDA device"
+    if _loaded is not None and _loaded.failed is not None:
+        return f"torch: a Triton kernel failed ({_loaded.failed})"
     if _loaded is not None:
         return f"triton: {_loaded.version}"
     if _failure is not None:
@@ -156,10 +158,26 @@ class Kernels:
 
         self.module = module
         self.version = triton.__version__
+        self.failed: str | None = None  # why a launch failed; then nothing takes these kernels again
 
     def accepts(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` takes these kernels (CUDA, or any device under ``STREAMWATCH_KERNEL=triton``)."""
-        return x.dtype in DTYPES and (x.device.type == "cuda" or forced())
+        """Whether ``x`` takes these kernels (CUDA, or any device under ``STREAMWATCH_KERNEL=triton``),
+        which no tensor does once a launch failed."""
+        return self.failed is None and x.dtype in DTYPES and (x.device.type == "cuda" or forced())
+
+    def give_up(self, exc: BaseException) -> None:
+        """A launch failed (a specialisation compiled at its first use that would not compile, say):
+        every tensor takes the torch path from now on, after one ``RuntimeWarning``; :func:`status`
+        says why. The caller summarises the tensor at hand with the torch path."""
+        if self.failed is not None:
+            return
+        self.failed = f"{type(exc).__name__}: {exc}".strip()[:400]
+        warnings.warn(
+            f"streamwatch: a Triton kernel failed ({self.failed}); CUDA summaries use torch ops from now "
+            "on. Set STREAMWATCH_KERNEL=torch to choose them from the start.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def check(self, device: torch.device) -> None:
         """Compile and run every kernel once on ``device``, checking one value against torch."""

@@ -315,3 +315,34 @@ def test_parameter_kinds_do_not_launch_more_for_more_tensors(monkeypatch: pytest
     tapped = [rows - 3 * 2 * layers for (_, _, rows), layers in ((small, 4), (large, 32))]
     assert large[0] - small[0] == tapped[1] - tapped[0]  # Triton: only the tapped tensors' launches
     assert large[1] == small[1]  # torch kernels: the same
+
+
+def test_a_kernel_that_fails_hands_over_to_the_torch_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launch that fails in the middle of a run (a specialisation that would not compile at its first
+    use): one warning, the tensor at hand and every later one summarised by the torch path, every step
+    recorded with the torch path's values, and the status (``statistics().kernel``) saying why."""
+    kernels = _triton.load()
+    assert kernels is not None
+    monkeypatch.setattr(kernels, "failed", None)  # (restored for the tests after this one)
+
+    def broken(*_: object, **__: object) -> None:
+        raise RuntimeError("would not compile")
+
+    class Broken:
+        def __getitem__(self, grid: object) -> object:
+            return broken
+
+    monkeypatch.setattr(kernels.module, "tile_partials", Broken())
+    with pytest.warns(RuntimeWarning, match="a Triton kernel failed") as seen:
+        got = train_records(tmp_path, "triton" if DEVICE.type == "cpu" else "", monkeypatch)
+    assert len([w for w in seen if "Triton kernel failed" in str(w.message)]) == 1
+    assert _triton.status() == "torch: a Triton kernel failed (RuntimeError: would not compile)"
+    want = train_records(tmp_path, "torch", monkeypatch)
+    assert len(got) == len(want) == 4
+    for a, b in zip(got, want, strict=True):
+        assert a.keys == b.keys
+        np.testing.assert_allclose(
+            np.asarray(a.table), np.asarray(b.table), rtol=1e-5, atol=1e-5, equal_nan=True
+        )
