@@ -180,13 +180,15 @@ class Kernels:
         )
 
     def check(self, device: torch.device) -> None:
-        """Compile and run every kernel once on ``device``, checking one value against torch."""
+        """Compile and run every kernel once on ``device`` (the finalize in both its variants; other
+        dtypes and layouts compile at their first use), checking values against torch's."""
         arena = Arena(self, device)
         x = torch.tensor([[1.0, -2.0], [0.0, 4.0]], device=device)
         row = arena.summarize(x, unit_dim=1)
         pack = Packing([torch.Size([3])], device, torch.float32)
         pack.fill([torch.tensor([1.0, 2.0, 3.0], device=device)])
         packed = arena.summarize_packed(pack)
+        arena.table(True, [row, *packed])  # (both finalize variants compiled now, not inside a step)
         table = arena.table(False, [row, *packed]).cpu()
         if float(table[0, 0]) != 3.0 or float(table[1, 0]) != 6.0:
             raise RuntimeError(f"the Triton kernels' self-check failed: {table.tolist()}")
