@@ -19,7 +19,8 @@ kind            where                                            hook
 
 Under ``torch.compile`` every tap traces into the graph without a break, except gradients w.r.t.
 outputs and inputs: a ``Tensor.register_hook`` inside a compiled forward always breaks the graph, so
-those two taps are skipped there and counted (``skipped["compiled_grad_hook"]``); parameter gradients
+those two taps are skipped there and counted (``skipped["compiled_grad_hook"]``: under compile a
+reason is counted once per step); parameter gradients
 (read at the optimizer's pre-step, or post-accumulate hooks) are unaffected.
 
 Hooks never raise into the training step: an exception inside one is caught, counted and kept for
@@ -276,6 +277,10 @@ class TapSet:
         """Install or remove the per-module and per-parameter hooks for the step that begins: only the
         groups the step samples (every group while ``static``). Called at each step boundary."""
         state = self.state
+        if state.skipped_in_graph:  # (noted by compiled code: TapState.skip)
+            for reason in state.skipped_in_graph:
+                state.skip(reason)
+            state.skipped_in_graph.clear()
         entry = self._entry
         if entry is not None:
             model = self._model()
@@ -351,7 +356,7 @@ class TapSet:
                 if hook_grads and on[grad_kind] and leaf.requires_grad:
                     if torch.compiler.is_compiling():
                         # A tensor hook registered inside a compiled forward breaks the graph; keep the
-                        # graph whole and say what is missing instead.
+                        # graph whole and say what is missing instead
                         state.skip("compiled_grad_hook")
                         continue
                     key = SeriesKey("train", name, grad_kind, leaf_name)

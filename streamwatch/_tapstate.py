@@ -97,6 +97,8 @@ class TapState:
     # mode inside it (a frozen BatchNorm) is part of the training step, not an evaluation pass
     root_training: bool = False
     compiled: bool = False  # a hook ran inside torch.compile: hooks stay installed (TapSet.static)
+    # reasons compiled code skipped something for this step (``skip``), counted by TapSet.arm
+    skipped_in_graph: dict[str, bool] = field(default_factory=dict)
     timed: bool = True  # the step samples something: its parts are timed, the optimizer hooks are in
     busy: float = 0.0  # seconds spent inside streamwatch's hooks since the last step boundary
     times: StepTimes = field(default_factory=StepTimes)
@@ -111,6 +113,12 @@ class TapState:
     packings: Packings = field(default_factory=Packings)  # summarize_many's, by layout
 
     def skip(self, reason: str) -> None:
+        """Count something not summarised, by ``reason``. In code ``torch.compile`` traces, only noted
+        (``TapSet.arm`` counts it once for the step): reading a counter there would make its value a
+        guard, and dynamo would compile the forward again at every step."""
+        if torch.compiler.is_compiling():
+            self.skipped_in_graph[reason] = True
+            return
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
 
     def fail(self, exc: BaseException) -> None:

@@ -132,3 +132,25 @@ def test_compiled_observed_model_trains_and_is_recorded() -> None:
     assert first.column("sumsq")[index] == pytest.approx(
         float(reference[0].weight.grad.pow(2).sum()), rel=1e-4
     )
+
+
+def test_a_compiled_forward_is_compiled_once_not_at_every_step() -> None:
+    """The taps' bookkeeping inside the graph (a skipped gradient tap, counted) reads no Python value
+    that changes from step to step: dynamo compiles the forward once (once more for a second
+    micro-batch in the same step), where a counter read there made it compile again at every step
+    until its cache limit, and then run the model eagerly."""
+    x, y = batch()
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    counters.clear()
+    with sw.observe(model, optimizer, every=1) as watch:
+        compiled = torch.compile(model, backend="eager")
+        for _ in range(6):
+            for _ in range(2):  # gradient accumulation: two forwards per step
+                nn.functional.cross_entropy(compiled(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            watch.step()
+        assert counters["frames"]["ok"] <= 2
+        assert watch.statistics().skipped["compiled_grad_hook"] == 6  # once per step
+        assert watch.statistics().hook_errors == 0
