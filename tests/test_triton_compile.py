@@ -1,5 +1,6 @@
 """The Triton kernels compile, without a GPU: Triton's compiler and the ``ptxas`` its wheel carries turn
-every variant streamwatch launches into a cubin for an A100 (``sm_80``) and an H100 (``sm_90``).
+every variant streamwatch launches into a cubin for an A100 (``sm_80``) and an H100 (``sm_90``), and
+their PTX holds no floating-point atomic (whose order would make sums differ from run to run).
 
 The interpreter tests (``tests/test_triton.py``) check what the kernels compute; this checks that the
 compiler accepts them — a construct the interpreter runs but the compiler refuses would otherwise show

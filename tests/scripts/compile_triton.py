@@ -4,7 +4,7 @@ Started by ``tests/test_triton_compile.py`` as ``python compile_triton.py --arch
 ``TRITON_INTERPRET`` (the interpreter replaces ``triton.jit``, and the compiler needs the real thing).
 Triton's compiler and the ``ptxas`` its wheel carries need no GPU: each variant goes from Python through
 Triton's IR and PTX to a cubin for ``sm_<arch>``. Prints one JSON object: variant -> cubin bytes, or the
-error.
+PTX lines of any floating-point atomic (the kernels must have none: determinism), or the error.
 """
 
 from __future__ import annotations
@@ -107,7 +107,9 @@ def main() -> None:
         try:
             source = ASTSource(fn=getattr(_triton_kernels, name), signature=signature, constexprs=constexprs)
             compiled = triton.compile(source, target=target)
-            results[label] = len(compiled.asm["cubin"])
+            ptx = compiled.asm["ptx"]
+            floats = [line.strip() for line in ptx.splitlines() if "atom" in line and ".f" in line]
+            results[label] = floats or len(compiled.asm["cubin"])
         except Exception as exc:  # reported, not raised: the test shows every failure at once
             results[label] = f"{type(exc).__name__}: {exc}"[:2000]
     print(json.dumps(results))
