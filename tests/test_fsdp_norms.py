@@ -251,9 +251,17 @@ def _assert_cluster_dashboard(prom: PrometheusServer, run: str, ranks: int) -> N
     everyone = {str(r) for r in range(ranks)}
     for title, target in exprs(model):
         query = substitute(target["expr"], values)
-        result = prom.query(query)
+        # A rate needs two scrapes of each rank inside its short window: on a loaded machine a scrape can
+        # time out, so the query is asked again for a while before a missing rank counts as missing.
+        deadline = time.monotonic() + 15
+        while True:
+            result = prom.query(query)
+            seen = {series["metric"].get("rank") for series in result}
+            whole = None in seen or title == "Slowest rank" or seen == everyone
+            if (result and whole) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         assert result, f"{title}: no data: {query}"
-        seen = {series["metric"].get("rank") for series in result}
         if None in seen or title == "Slowest rank":
             continue  # aggregated across ranks on purpose
         assert seen == everyone, f"{title}: ranks {sorted(seen)} of {sorted(everyone)}: {query}"
