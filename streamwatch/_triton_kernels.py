@@ -25,8 +25,14 @@ Example (on CPU, through the interpreter)::
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+try:
+    import triton
+    import triton.language as tl
+except ImportError as exc:  # (only streamwatch._triton imports this module, and only where Triton is)
+    raise ImportError(
+        "streamwatch._triton_kernels needs triton (it comes with Linux CUDA wheels of torch); without it "
+        "CUDA tensors take the torch path"
+    ) from exc
 
 from streamwatch._schema import DEVICE_INDEX
 
