@@ -73,7 +73,7 @@ def main() -> None:
         "streamwatch._live": "streamwatch-torch[demo]",
         "streamwatch.integrations.lightning": "streamwatch-torch[lightning]",
         "streamwatch.integrations.transformers": "streamwatch-torch[transformers]",
-        "streamwatch._triton_kernels": "needs triton",  # (with CUDA torch wheels; imported only with CUDA)
+        "streamwatch._triton_kernels": "triton",  # (with CUDA torch wheels; imported only with CUDA)
     }
     for info in pkgutil.walk_packages(streamwatch.__path__, "streamwatch."):
         try:
