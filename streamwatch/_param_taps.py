@@ -273,7 +273,10 @@ class ParamTaps:
         cloned, packed = stepped, []
         if not (
             (state.kernel is not None and stepped and stepped[0][2].device.type == "cpu")
-            or (state.count_nonfinite and state.triton is None)
+            or (
+                state.count_nonfinite
+                and not (state.triton is not None and stepped and state.triton.accepts(stepped[0][2]))
+            )
             or state.kind_metrics.get("update")
             or torch.compiler.is_compiling()
         ):  # (a tensor larger than a pack is cloned and summarised alone)

@@ -228,7 +228,7 @@ def summarize_many(state: TapState, items: Sequence[tuple[SeriesKey, torch.Tenso
     kind = items[0][0].kind
     if (
         (state.kernel is not None and items[0][1].device.type == "cpu")
-        or (state.count_nonfinite and state.triton is None)
+        or (state.count_nonfinite and not (state.triton is not None and state.triton.accepts(items[0][1])))
         or state.kind_metrics.get(kind)
         or torch.compiler.is_compiling()
     ):
