@@ -68,6 +68,26 @@ def _store_partials(out, s1, s2, s3, s4, sa, nz, nf, nan, lo, hi):
 
 
 @triton.jit
+def _accumulate(v, m, s1, s2, s3, s4, sa, nz, nf, nan, lo, hi):
+    """Add a block of elements ``v`` (``m``: the lanes that hold one; the others hold 0) to a program's
+    accumulators, which it returns: the sums, the nonzero, non-finite and NaN counts, min and max."""
+    sq = v * v
+    isnan = v != v
+    return (
+        s1 + v,
+        s2 + sq,
+        s3 + sq * v,
+        s4 + sq * sq,
+        sa + tl.abs(v),
+        nz + (v != 0).to(tl.int32),
+        nf + ((v - v) != 0).to(tl.int32),  # NaN at NaN and ±inf (masked lanes hold 0)
+        nan + isnan.to(tl.int32),
+        tl.minimum(lo, tl.where(m & ~isnan, v, _INF)),
+        tl.maximum(hi, tl.where(m & ~isnan, v, -_INF)),
+    )
+
+
+@triton.jit
 def flat_partials(
     x,
     minus,
@@ -108,18 +128,7 @@ def flat_partials(
         v = tl.load(x + idx, mask=m, other=0.0).to(acc)
         if DIFF:
             v = v - tl.load(minus + idx, mask=m, other=0.0).to(acc)
-        sq = v * v
-        s1 += v
-        s2 += sq
-        s3 += sq * v
-        s4 += sq * sq
-        sa += tl.abs(v)
-        nz += (v != 0).to(tl.int32)
-        nf += ((v - v) != 0).to(tl.int32)  # NaN at NaN and ±inf (masked lanes hold 0)
-        isnan = v != v
-        nan += isnan.to(tl.int32)
-        lo = tl.minimum(lo, tl.where(m & ~isnan, v, _INF))
-        hi = tl.maximum(hi, tl.where(m & ~isnan, v, -_INF))
+        s1, s2, s3, s4, sa, nz, nf, nan, lo, hi = _accumulate(v, m, s1, s2, s3, s4, sa, nz, nf, nan, lo, hi)
     _store_partials(
         partials + (first + pid).to(tl.int64) * NPART,
         tl.sum(s1, 0),
@@ -190,19 +199,9 @@ def tile_partials(
         p = p0 + tl.arange(0, BP)
         m = um[:, None] & (p < p_end)[None, :]
         v = tl.load(rows + p.to(tl.int64)[None, :] * sp, mask=m, other=0.0).to(acc)
-        sq = v * v
-        s1 += v
-        s2 += sq
-        s3 += sq * v
-        s4 += sq * sq
-        sa += tl.abs(v)
-        nz += (v != 0).to(tl.int32)
-        nf += ((v - v) != 0).to(tl.int32)
-        isnan = v != v
-        nan += isnan.to(tl.int32)
-        lo = tl.minimum(lo, tl.where(m & ~isnan, v, _INF))
-        hi = tl.maximum(hi, tl.where(m & ~isnan, v, -_INF))
+        s1, s2, s3, s4, sa, nz, nf, nan, lo, hi = _accumulate(v, m, s1, s2, s3, s4, sa, nz, nf, nan, lo, hi)
         if UNITS:
+            isnan = v != v
             if BOUNDED:
                 on = m & ~isnan
                 if HAS_LO:

@@ -23,6 +23,7 @@ from torch import nn
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytest.importorskip("triton")  # (conftest.py set TRITON_INTERPRET=1 where there is no GPU)
 
+import streamwatch as sw  # noqa: E402
 from streamwatch import _torchpath, _triton  # noqa: E402
 from streamwatch._schema import DEVICE_INDEX, DEVICE_NAMES  # noqa: E402
 from streamwatch._torchpath import Packing  # noqa: E402
@@ -346,3 +347,50 @@ def test_a_kernel_that_fails_hands_over_to_the_torch_path(
         np.testing.assert_allclose(
             np.asarray(a.table), np.asarray(b.table), rtol=1e-5, atol=1e-5, equal_nan=True
         )
+
+
+def _train_for_state(
+    route: str | None, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Five steps of a model with dropout and batch norm (observed on ``route`` at ``every=1``, every
+    kind, or not observed): every parameter, gradient and buffer, the RNG state, and the records."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(12, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 4)
+    ).to(DEVICE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 12, generator=gen).to(DEVICE), torch.randint(0, 4, (32,), generator=gen).to(DEVICE)
+    records = sw.sinks.collect()
+    watch = None
+    if route is not None:
+        monkeypatch.setenv("STREAMWATCH_KERNEL", route)
+        cadence = dict.fromkeys(("activation", "output_grad", "param", "param_grad", "update"), 1)
+        watch = sw.observe(model, opt, every=1, cadence=cadence, sinks=[records])
+    torch.manual_seed(2)
+    for _ in range(5):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        if watch is not None:
+            watch.step(loss=loss)
+    if watch is not None:
+        watch.close()
+    state = {f"param {n}": p.detach().clone() for n, p in model.named_parameters()}
+    state |= {f"grad {n}": p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    state |= {f"buffer {n}": b.clone() for n, b in model.named_buffers()}
+    state["rng"] = torch.get_rng_state()
+    state["training"] = torch.tensor([m.training for m in model.modules()])
+    return state, len(records.items)
+
+
+def test_training_is_bit_identical_on_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels only read: with every step and every kind summarised by them, weights, gradients,
+    buffers, the training flag and the RNG end bit for bit as without streamwatch."""
+    want, _ = _train_for_state(None, monkeypatch)
+    got, records = _train_for_state("triton" if DEVICE.type == "cpu" else "", monkeypatch)
+    assert records == 5
+    assert got.keys() == want.keys()
+    differ = [name for name in want if not torch.equal(got[name], want[name])]
+    assert differ == []
