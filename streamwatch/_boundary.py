@@ -35,7 +35,7 @@ from streamwatch._channel import Sender
 from streamwatch._exceptions import Full, SendTimeout
 from streamwatch._failures import Failures
 from streamwatch._governor import Governor
-from streamwatch._guard import NonFiniteGuard
+from streamwatch._guard import Alarm, NonFiniteGuard
 from streamwatch._logbook import LogBook, Value
 from streamwatch._nonfinite import NonFiniteTracker
 from streamwatch._outbox import LR_OF, Outbox
@@ -127,6 +127,7 @@ class StepBoundary:
         self._cadence = cadence
         self._governor = governor
         self.guard = guard
+        self._alarm = guard.alarm or Alarm(state)  # (its line: LossSpike's; inf without one)
         self._metrics = metrics
         self._step_metrics: tuple[Any, ...] = ()
         self.step = self.start_step = start_step
@@ -244,10 +245,10 @@ class StepBoundary:
                     value = loss.item()  # (a CPU scalar: nothing to wait for; fails unless one element)
             except RuntimeError:  # (no storage, or not one element: the full boundary says what is wrong)
                 return False
-            if type(value) is not float or not math.isfinite(value):
-                return False
+            if type(value) is not float or not math.isfinite(value) or value > self._alarm.line:
+                return False  # (past LossSpike's line: the full boundary sends it at once)
         elif loss is not None:
-            if not (type(loss) is float and math.isfinite(loss)):
+            if not (type(loss) is float and math.isfinite(loss)) or loss > self._alarm.line:
                 return False
             value = loss
         outbox = self._outbox
@@ -427,14 +428,18 @@ class StepBoundary:
                 self._outbox.send(
                     self.step, self.start_step, seconds, checked, device, True, now, logged=logged
                 )
-            elif now - self._outbox.last_record >= SCALAR_SECONDS or self._outbox.steps.full:
-                # Between sampled steps, the cheap values (loss, lr, step time, throughput) still go out
-                # at least once a second: a scalar record, no layer rows (it ships the logged steps too).
+            elif (
+                now - self._outbox.last_record >= SCALAR_SECONDS
+                or self._outbox.steps.full
+                or self._alarm.crossed(checked.loss)
+            ):  # Between sampled steps, the cheap values (loss, lr, step time, throughput) still go out
+                # at least once a second, and at once for a loss past LossSpike's line: a scalar record,
+                # no layer rows (it ships the logged steps too).
                 self._outbox.send(
                     self.step, self.start_step, seconds, checked, device, False, now, logged=logged
                 )
             else:  # an unsampled step: its values wait in the log for the next record
-                self._log_step(now, seconds, checked, logged)
+                self._outbox.log(self.step, now, seconds, checked, logged, self._read_f32)
             failed = False
             if self.guard.needs(checked.loss):
                 self._check_finite(checked, seconds)
@@ -446,21 +451,6 @@ class StepBoundary:
             self._end_step(now, failed, checked.loss)
         if self._failures.new():  # anything new to warn about (the common step has nothing)
             self._failures.warn()
-
-    def _log_step(
-        self, now: float, seconds: float, checked: StepArgs, logged: dict[str, Value] | None
-    ) -> None:
-        """Keep an unsampled step's values in the outbox's log (a CPU loss read now: a loop may
-        overwrite its buffer; a device loss as a 0-d view, read with the next record's copy)."""
-        loss = checked.loss
-        if isinstance(loss, torch.Tensor):
-            if loss.is_cpu:
-                value = read_loss(loss, self._read_f32)  # (one C call for a plain 0-d float32)
-                loss = loss.item() if value is None else value
-            else:
-                loss = loss.detach().reshape(())
-        outbox = self._outbox
-        outbox.steps.add(self.step, now, seconds, loss, checked.batch_size, outbox.learning_rates(), logged)
 
     def _check_finite(self, checked: StepArgs, seconds: float) -> None:
         """The guard's per-step check; a failure is counted like a hook's, never raised."""

@@ -180,13 +180,20 @@ class _PublishLatest(Sink):
     snapshot, not once per record. What the store then serves is what publishing every record's samples
     would have left (:meth:`_Smoothed.published`, :meth:`UpdateRatioBand.published`)."""
 
-    __slots__ = ("alarm", "count", "detector", "later", "publish")
+    __slots__ = ("alarm", "count", "detector", "later", "line", "publish")
 
-    def __init__(self, store: SeriesStore, detector: Any, alarm: Callable[[], object] | None = None) -> None:
+    def __init__(
+        self,
+        store: SeriesStore,
+        detector: Any,
+        alarm: Callable[[], object] | None = None,
+        line: Callable[[float], object] | None = None,
+    ) -> None:
         self.later = store.later
         self.detector = detector
         self.publish = detector.published
         self.alarm = alarm  # called when a Baseline's spike count rises (the watch escalates)
+        self.line = line  # called with LossSpike's spike line after each record (the watch's quiet step)
         self.count = 0
 
     def send(self, item: Any) -> None:
@@ -195,6 +202,8 @@ class _PublishLatest(Sink):
             if count > self.count:
                 self.alarm()
             self.count = count
+        if self.line is not None:
+            self.line(self.detector.spike_line(item))
         self.later(self, self.publish, item)
 
     def __repr__(self) -> str:
@@ -389,8 +398,12 @@ class _Smoothed(Detector):
             | ops.map(self.extract_steps)
             | ops.filter(_present)
             | ops.scan(self.fold_steps, Baseline.empty())
-            | _PublishLatest(store, self, alarm)
+            | _PublishLatest(store, self, alarm, self._line_to(alarm))
         )
+
+    def _line_to(self, alarm: object) -> Callable[[float], object] | None:
+        """Where the spike line goes after each record (None: nowhere; :class:`LossSpike` overrides)."""
+        return None
 
     def extract_steps(self, record: StepRecord) -> list[Values] | None:
         """What the detector folds of a record, oldest first: :meth:`extract` of the record (a detector
@@ -459,6 +472,26 @@ class LossSpike(_Smoothed):
         scale = max(MAD_TO_SIGMA * dev, SCALE_FLOOR * max(abs(mean), 1.0))
         margin = self.threshold * scale
         return (x - mean) / scale, mean - margin, mean + margin
+
+    def spike_line(self, state: Baseline) -> float:
+        """The loss the next step must pass to be a spike against ``state`` (``inf`` while warming up):
+        ``mean + threshold * scale``, the upper bound a value enters the baseline within.
+
+        Example:
+            >>> spike = LossSpike(warmup=2)
+            >>> state = spike.fold(spike.fold(Baseline.empty(), Values(("",), (1.0,))), Values(("",), (3.0,)))
+            >>> round(spike.spike_line(state), 3)  # mean 2, deviation 2: 2 + 6 * sqrt(pi/2) * 2
+            17.04
+        """
+        if not state.names or state.n[0] < self.warmup:
+            return math.inf
+        return self._score(state.mean[0], state.dev[0], state.mean[0])[2]
+
+    def _line_to(self, alarm: object) -> Callable[[float], object] | None:
+        """A watch's alarm (:class:`streamwatch._guard.Alarm`) takes the spike line: its quiet step sends
+        a step whose loss passes it at once."""
+        line = getattr(alarm, "post_line", None)
+        return line if callable(line) else None
 
 
 _LOSS = ("",)

@@ -38,24 +38,31 @@ class Alarm:
     """A detector fired (``LossSpike``, ``GradientSpike``, ``Drift``): posted by the worker thread, taken by
     the guard at the next step boundary, which escalates as a sentinel trip does (docs/detectors.md).
 
-    :meth:`fire` also ends the Watch's quiet window (``state.quiet = 0``, the same as a hook error does),
-    so the next step's end runs the full boundary that takes it — unless the training thread was just
-    counting that window down, then at the window's end (at most :data:`SCALAR_SECONDS` later): the
-    countdown is the training thread's and is never locked.
+    :meth:`fire` (also the object's call) ends the Watch's quiet window (``state.quiet = 0``, the same as
+    a hook error does), so the next step's end runs the full boundary that takes it — unless the training
+    thread was just counting that window down, then at the window's end (at most :data:`SCALAR_SECONDS`
+    later): the countdown is the training thread's and is never locked.
+
+    :attr:`line` is ``LossSpike``'s spike line (:meth:`post_line`, after each record its baseline
+    folded): a step whose CPU loss passes it is sent at once in a scalar record, not kept for the next
+    record, so the spike is judged (and escalates) at that step, sampled or not (:meth:`crossed`).
 
     Example:
         >>> class State: quiet = 5
         >>> alarm = Alarm(State())
         >>> alarm.fire(); alarm.take(), alarm.take(), alarm.fired, alarm.state.quiet
         (True, False, 1, 0)
+        >>> alarm.post_line(2.5); alarm.crossed(3.0), alarm.crossed(torch.tensor(2.0)), alarm.crossed(None)
+        (True, False, False)
     """
 
-    __slots__ = ("fired", "pending", "state")
+    __slots__ = ("fired", "line", "pending", "state")
 
     def __init__(self, state: Any) -> None:
         self.state = state  # (the TapState: what ends the quiet window)
         self.pending = False
         self.fired = 0
+        self.line = math.inf  # (a float read by the training thread, written by the worker: no lock)
 
     def fire(self) -> None:
         """A detector's count rose (worker thread; never blocks)."""
@@ -63,12 +70,27 @@ class Alarm:
         self.pending = True
         self.state.quiet = 0
 
+    __call__ = fire
+
     def take(self) -> bool:
         """Whether a detector fired since the last call (training thread)."""
         if self.pending:
             self.pending = False
             return True
         return False
+
+    def post_line(self, level: float) -> None:
+        """The loss a step must pass to be a spike now (worker thread; ``inf``: none yet)."""
+        self.line = level
+
+    def crossed(self, loss: object) -> bool:
+        """Whether a step's loss (a number or a one-element CPU tensor) passes :attr:`line`; a device
+        loss is never read here (no sync): it waits for the next record."""
+        if isinstance(loss, torch.Tensor):
+            if not loss.is_cpu or loss.numel() != 1:
+                return False
+            loss = loss.item()
+        return isinstance(loss, float | int) and loss > self.line
 
 
 class NonFiniteGuard:
@@ -111,7 +133,7 @@ class NonFiniteGuard:
         self._rank = rank
         self.escalated_until: int | None = None
         self.escalations = 0
-        self._alarm = alarm
+        self.alarm = alarm
         self.tripped: list[int] = []  # sentinel trips learnt at this step's boundary
         self._trip_kind = "loss"  # what the last trip saw go bad: "loss" or "grad_norm"
         self._last_trip = -2
@@ -121,7 +143,7 @@ class NonFiniteGuard:
         """Whether the step's end has nothing for the guard but a CPU loss to look at: no escalation, no
         trial, a sentinel with no device probes pending (a quiet step may then skip the full boundary)."""
         sentinel = self.sentinel
-        alarm = self._alarm
+        alarm = self.alarm
         return (
             self.escalated_until is None
             and (alarm is None or not alarm.pending)
@@ -159,7 +181,7 @@ class NonFiniteGuard:
         until = self.escalated_until
         if until is not None and step >= until:
             self.escalated_until = until = None
-        alarm = self._alarm
+        alarm = self.alarm
         if alarm is not None and alarm.take() and until is None and self._escalate:
             self.escalated_until = until = step + self._escalate
             self.escalations += 1

@@ -151,7 +151,7 @@ class Watch:
             self._tx, rx = channel(options.capacity, on_drop=release_dropped)
             self._rx = rx  # the worker's once it starts; closed here only if observe() fails before
             alarm = Alarm(state)  # the detectors' (worker) → the guard's escalation (training thread)
-            self._worker = _worker(rx, self._store, self._tracker, options, detailed, alarm.fire)
+            self._worker = _worker(rx, self._store, self._tracker, options, detailed, alarm)
             self._failures = Failures(state, self._store, self._tracker, self._worker)
             self._taps = TapSet(model, modules, params, optimizer, state)
             binding = Binding(model, tuple(params), optimizer, lambda: paused(state))

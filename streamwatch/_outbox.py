@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import operator
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ from streamwatch._channel import OverflowPolicy, Sender
 from streamwatch._logbook import Value
 from streamwatch._param_taps import ParamTaps
 from streamwatch._record import SKIPPED_UPDATE, STEP_VALUE, PendingRecord
-from streamwatch._step_args import StepArgs
+from streamwatch._step_args import StepArgs, read_loss
 from streamwatch._tapstate import TapState
 
 __all__ = ["LR_OF", "STEP_LOG_CAPACITY", "LoggedStep", "Outbox", "StepLog", "release_dropped"]
@@ -161,6 +161,27 @@ class Outbox:
         """The param groups' learning rates now (none without an optimizer)."""
         optimizer = self._optimizer
         return [] if optimizer is None else list(map(LR_OF, optimizer.param_groups))
+
+    def log(
+        self,
+        step: int,
+        now: float,
+        seconds: float,
+        checked: StepArgs,
+        logged: dict[str, Value] | None,
+        read: Callable[[int], float] | None,
+    ) -> None:
+        """Keep an unsampled step's values in :attr:`steps` for the next record (the full boundary's;
+        the quiet step appends its own): a CPU loss read now (a loop may overwrite its buffer; ``read``,
+        a float32 scalar's reader), a device loss as a 0-d view read with the next record's copy."""
+        loss = checked.loss
+        if isinstance(loss, torch.Tensor):
+            if loss.is_cpu:
+                value = read_loss(loss, read)  # (one C call for a plain 0-d float32)
+                loss = loss.item() if value is None else value
+            else:
+                loss = loss.detach().reshape(())
+        self.steps.add(step, now, seconds, loss, checked.batch_size, self.learning_rates(), logged)
 
     def release_optimizer(self) -> None:
         """At close: the optimizer is no longer read (the Watch frees it)."""
