@@ -702,7 +702,7 @@ def observe(
         optimizer: enables the ``param`` (after each step), ``update`` and learning-rate taps.
         every: sample one step in ``every`` (``every=1``: every step); a fixed interval, which turns the
             overhead governor off. Unsampled steps run without the per-layer hooks and send a scalar
-            record at most once a second (``SCALAR_SECONDS``).
+            record once a second (``SCALAR_SECONDS``), or at once for a loss past ``LossSpike``'s line.
         overhead: the default, ``0.02`` (:data:`DEFAULT_OVERHEAD`): a budget, the fraction of the run's
             time monitoring may cost, in (0, 1). The overhead governor (docs/governor.md) times every step,
             measures what a sampled step costs and samples one step in ``N``, the smallest ``N`` that keeps

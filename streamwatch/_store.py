@@ -71,7 +71,8 @@ class WatchStatistics:
         sampled: steps whose record with layer rows was sent to the worker: the sampled steps, and an
             unsampled step that carried rows anyway (an evaluation pass within it, a per-step metric).
         scalar_records: scalar records sent between sampled steps (loss, learning rates, step time,
-            throughput; no layer rows), at most one per ``streamwatch.SCALAR_SECONDS``.
+            throughput; no layer rows): one per ``streamwatch.SCALAR_SECONDS`` at most, plus one for each
+            step whose loss passed ``LossSpike``'s spike line (docs/detectors.md).
         records_received: records the worker turned into step records (``sampled`` plus
             ``scalar_records``, and the evaluation record ``close()`` sends, if any).
         dropped_oldest: queued records evicted because the worker fell behind (``overflow="drop_oldest"``).

@@ -94,6 +94,7 @@ def test_a_spike_on_an_unsampled_step_is_sent_and_judged_at_that_step(
     assert escalated == list(range(escalated[0], 80))
     assert escalated[0] < 75
     assert watch.statistics().escalations >= 1
+    assert watch.statistics().scalar_records == 1  # (the spike's: none once a second here; 79 escalated)
     everything = reference(losses, kind="z", threshold=6.0)
     assert [i for i, z in enumerate(everything.scores) if z is not None and z > 6] == [SPIKE]
 
@@ -103,6 +104,7 @@ def test_steps_under_the_line_wait_for_the_next_record(monkeypatch: pytest.Monke
     assert arrivals.steps() == [0, 25, 50, 75, 79]  # (79: the last step, shipped at close)
     assert all(not carried or carried[-1] == step - 1 for step, carried, _ in arrivals.records)
     assert watch.statistics().escalations == 0
+    assert watch.statistics().scalar_records == 1  # (step 79's, at close)
 
 
 def test_without_loss_spike_no_line_is_posted(monkeypatch: pytest.MonkeyPatch) -> None:
