@@ -438,6 +438,9 @@ class LossSpike(_Smoothed):
     Served: ``streamwatch_loss_zscore`` (the last step's z; absent during the warm-up) and
     ``streamwatch_loss_spikes_total`` (steps with ``z > threshold``; 0 from the first loss on).
 
+    In a watch it also posts its spike line after each record (:meth:`spike_line`): an unsampled step
+    whose CPU loss passes it is sent at once, so it is judged at its own step (docs/detectors.md).
+
     Args:
         threshold: a z above it is a spike. 6: normal noise exceeds it about once in 10⁹ steps, so in a
             long run with heavy-tailed minibatch losses and an estimated scale it still stays quiet,
