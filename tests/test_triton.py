@@ -192,6 +192,16 @@ def test_large_float32_sums_stay_accurate() -> None:
     assert_values_match(got, values_of(x), x)
 
 
+def assert_same_records(got: list[sw.StepRecord], want: list[sw.StepRecord]) -> None:
+    """Four records each, key for key, their tables equal within float32 rounding (NaN where NaN)."""
+    assert len(got) == len(want) == 4
+    for a, b in zip(got, want, strict=True):
+        assert a.keys == b.keys
+        np.testing.assert_allclose(
+            np.asarray(a.table), np.asarray(b.table), rtol=1e-5, atol=1e-5, equal_nan=True
+        )
+
+
 def train_records(tmp_path: Path, route: str, monkeypatch: pytest.MonkeyPatch) -> list:
     monkeypatch.setenv("STREAMWATCH_KERNEL", route)
     torch.manual_seed(0)
@@ -212,12 +222,7 @@ def test_a_training_run_records_what_the_torch_path_records(
     route = "triton" if DEVICE.type == "cpu" else ""
     got = train_records(tmp_path, route, monkeypatch)
     want = train_records(tmp_path, "torch", monkeypatch)
-    assert len(got) == len(want) == 4
-    for a, b in zip(got, want, strict=True):
-        assert a.keys == b.keys
-        np.testing.assert_allclose(
-            np.asarray(a.table), np.asarray(b.table), rtol=1e-5, atol=1e-5, equal_nan=True
-        )
+    assert_same_records(got, want)
     kinds = {key.kind for key in got[-1].keys}
     assert {"activation", "param_grad", "param", "update"} <= kinds
 
@@ -341,12 +346,7 @@ def test_a_kernel_that_fails_hands_over_to_the_torch_path(
     assert len([w for w in seen if "Triton kernel failed" in str(w.message)]) == 1
     assert _triton.status() == "torch: a Triton kernel failed (RuntimeError: would not compile)"
     want = train_records(tmp_path, "torch", monkeypatch)
-    assert len(got) == len(want) == 4
-    for a, b in zip(got, want, strict=True):
-        assert a.keys == b.keys
-        np.testing.assert_allclose(
-            np.asarray(a.table), np.asarray(b.table), rtol=1e-5, atol=1e-5, equal_nan=True
-        )
+    assert_same_records(got, want)
 
 
 def _train_for_state(
