@@ -39,8 +39,17 @@ from streamwatch import _torchpath
 
 __all__ = ["CASES", "Count", "OpCounter", "count_case", "main"]
 
-_FREE = {"empty", "empty_like", "empty_strided", "detach", "alias", "lift_fresh", "_to_copy_noop"}
-"""Ops that launch no kernel besides views: allocations and aliases."""
+_FREE = {
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "detach",
+    "alias",
+    "lift_fresh",
+    "_to_copy_noop",
+    "record_stream",
+}
+"""Ops that launch no kernel besides views: allocations, aliases and the caching allocator's bookkeeping."""
 
 
 @dataclass
@@ -52,6 +61,7 @@ class Count:
     mixed: int = 0  # stack/cat calls with inputs of more than one dtype
     widest: int = 0  # the most inputs one stack/cat call had
     triton: int = 0  # Triton kernel launches (the Triton route: ``count_case(..., route="triton")``)
+    transfers: list[str] = field(default_factory=list)  # copies between host and device, "cuda:0->cpu 37"
 
     @property
     def launches(self) -> int:
@@ -78,12 +88,23 @@ class OpCounter(TorchDispatchMode):
         self.count.ops[name] += 1
         if not (func.is_view or name in _FREE):
             self.count.kernels += 1
+        if name in ("_to_copy", "copy_"):
+            self._transfer(name, args, kwargs or {})
         if name in ("stack", "cat"):
             tensors = args[0]
             self.count.widest = max(self.count.widest, len(tensors))
             if len({t.dtype for t in tensors}) > 1:
                 self.count.mixed += 1
         return func(*args, **(kwargs or {}))
+
+    def _transfer(self, name: str, args: Any, kwargs: dict[str, Any]) -> None:
+        """Note a copy between host and device: ``source->destination elements``."""
+        if name == "copy_":
+            destination, source = args[0].device, args[1].device
+        else:
+            source, destination = args[0].device, kwargs.get("device") or args[0].device
+        if torch.device(source).type != torch.device(destination).type:
+            self.count.transfers.append(f"{source}->{destination} {args[0].numel()}")
 
 
 def mlp() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:

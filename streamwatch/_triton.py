@@ -51,6 +51,17 @@ NCOL = len(DEVICE)
 _FLAT_BLOCK = 1024
 _FLAT_PROGRAMS = 1024
 """A contiguous tensor is read by at most about this many programs (each a run of 1024-element blocks)."""
+_FLAT_WARPS = 4
+"""Warps per program of :func:`~streamwatch._triton_kernels.flat_partials`."""
+TILES: dict[str, tuple[int, int, int]] = {
+    "one position": (1024, 1, 4),
+    "positions contiguous": (8, 128, 4),
+    "units contiguous": (64, 16, 4),
+    "strided": (32, 32, 4),
+}
+"""``tile_partials``' block ``(units, positions)`` and warps by layout (:func:`_tile`): 1024 elements,
+long along the contiguous dimension, four warps. ``benchmarks/gpu/tiles.py`` times the alternatives on a
+GPU; docs/performance.md#the-triton-kernels-on-an-h200 has what it measured and why these."""
 _FINAL_BLOCK = 64
 _CACHED = 256
 """Device index tensors (segments, permutations) remembered per arena: layouts repeat every step."""
@@ -260,11 +271,22 @@ class Arena:
             programs = -(-n // per)
             first, row, _ = self._take([programs])
             k.flat_partials[(programs,)](
-                x, x, x, n, per, self.partials, first, WIDE=wide, PACKED=False, DIFF=False, BLOCK=_FLAT_BLOCK
+                x,
+                x,
+                x,
+                n,
+                per,
+                self.partials,
+                first,
+                WIDE=wide,
+                PACKED=False,
+                DIFF=False,
+                BLOCK=_FLAT_BLOCK,
+                num_warps=_FLAT_WARPS,
             )
             return Row(self.partials, self.partials, self.partials, arena=self, part=row)
         samples, units, positions, sb, su, sp = layout
-        bu, bp = _tile(su, sp, units, positions)
+        bu, bp, warps = _tile(su, sp, units, positions)
         tiles = -(-units // bu)
         # positions split over programs until there are about _FLAT_PROGRAMS (a batch of 8 sequences
         # of 1024 tokens would be 48 programs otherwise: a GPU mostly idle)
@@ -304,6 +326,7 @@ class Arena:
             HAS_HI=has_hi,
             BU=bu,
             BP=bp,
+            num_warps=warps,
         )
         return Row(
             self.partials,
@@ -336,6 +359,7 @@ class Arena:
             PACKED=True,
             DIFF=minus is not None,
             BLOCK=_FLAT_BLOCK,
+            num_warps=_FLAT_WARPS,
         )
         p = self.partials
         rows = [Row(p, p, p, arena=self, part=row + i) for i in range(len(lengths))]
@@ -406,15 +430,15 @@ def _merge(dims: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _tile(su: int, sp: int, units: int, positions: int) -> tuple[int, int]:
-    """Block shape ``(BU, BP)`` of 1024 elements, long along the contiguous dimension."""
+def _tile(su: int, sp: int, units: int, positions: int) -> tuple[int, int, int]:
+    """Block shape ``(BU, BP)`` and warps for a ``[B, U, P]`` layout (:data:`TILES`)."""
     if positions == 1:
-        return 1024, 1
+        return TILES["one position"]
     if sp == 1:
-        return 8, 128
+        return TILES["positions contiguous"]
     if su == 1:
-        return 128, 8
-    return 32, 32
+        return TILES["units contiguous"]
+    return TILES["strided"]
 
 
 def summarize_values(x: torch.Tensor, unit_dim: int | None = None) -> torch.Tensor:

@@ -8,8 +8,10 @@ step reduces every summary's partials, in a fixed order, into the step's table:
   program per chunk, its valid elements read from ``valid``, the zero padding never read);
 * :func:`tile_partials`: a tensor seen as ``[B, U, P]`` through strides (samples, units, positions): one
   program per sample and block of units, looping over the positions — with ``UNITS``, also per-unit
-  activity, each program adding 0/1 per unit to an int32 count with an integer atomic (exact, so the
-  result is the same whatever order the programs run in);
+  activity (kept per element of the block and reduced over positions once, after the loop: a reduction
+  across warps at every iteration cost up to 2.5× the kernel's time on an H200), each program adding 0/1
+  per unit to an int32 count with an integer atomic (exact, so the result is the same whatever order
+  the programs run in);
 * :func:`finalize`: one program per summary, adding its partials in order (float64), taking min/max,
   NaN min/max where an element was NaN.
 
@@ -192,7 +194,7 @@ def tile_partials(
     nz = tl.zeros([BU, BP], tl.int32)
     nf = tl.zeros([BU, BP], tl.int32)
     nan = tl.zeros([BU, BP], tl.int32)
-    active = tl.zeros([BU], tl.int32)
+    active = tl.zeros([BU, BP], tl.int32)  # (reduced over positions once, after the loop)
     p_start = s * per_split
     p_end = tl.minimum(p_start + per_split, P)
     for p0 in range(p_start, p_end, BP):
@@ -210,7 +212,7 @@ def tile_partials(
                     on = on & (tl.abs(v - bound_hi) > tol_hi)
             else:
                 on = (v != 0) & ~isnan  # (masked lanes hold 0)
-            active = tl.maximum(active, tl.max(on.to(tl.int32), 1))
+            active = tl.maximum(active, on.to(tl.int32))
     _store_partials(
         partials + (first + (b * tl.num_programs(1) + t) * tl.num_programs(2) + s).to(tl.int64) * NPART,
         tl.sum(tl.sum(s1, 1), 0),
@@ -225,8 +227,9 @@ def tile_partials(
         tl.max(tl.max(hi, 1), 0),
     )
     if UNITS:  # the first program to find (b, u) active counts it
-        seen = tl.atomic_max(flags + b.to(tl.int64) * U + u, active, mask=um)
-        tl.atomic_add(counts + u, tl.where(seen == 0, active, 0), mask=um)
+        unit_active = tl.max(active, 1)
+        seen = tl.atomic_max(flags + b.to(tl.int64) * U + u, unit_active, mask=um)
+        tl.atomic_add(counts + u, tl.where(seen == 0, unit_active, 0), mask=um)
 
 
 @triton.jit

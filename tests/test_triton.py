@@ -289,12 +289,18 @@ def _mlp(layers: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return nn.Sequential(*blocks, nn.Linear(16, 4)), torch.randn(8, 16), torch.randint(0, 4, (8,))
 
 
-def _launches(case: str) -> tuple[int, int, int]:
-    """``(Triton launches, torch kernels, rows)`` a sampled step adds, every kind at cadence 1, after two
-    steps that made every buffer (the first step's update makes the pack of the weights after a step;
-    the arena grows to what a step needs)."""
+def _launches(case: str) -> tuple[int, int, int, str]:
+    """``(Triton launches, torch kernels, rows, what they were)`` a sampled step adds, every kind at
+    cadence 1, after two steps that made every buffer (the first step's update makes the pack of the
+    weights after a step; the arena grows to what a step needs). Copies between host and device (on a
+    GPU only) are not counted among the kernels: the test after the next counts them."""
     plain, observed, rows = COUNT_OPS.count_case(case, route="triton", device=DEVICE.type)
-    return observed.triton, observed.kernels - plain.kernels, rows
+    added = observed.ops.copy()
+    added.subtract(plain.ops)
+    named = ", ".join(f"{op} {n}" for op, n in sorted(added.items()) if n)
+    named += f"; transfers: {observed.transfers}"
+    kernels = observed.kernels - plain.kernels - (len(observed.transfers) - len(plain.transfers))
+    return observed.triton, kernels, rows, named
 
 
 @pytest.mark.parametrize("case", ["mlp", "transformer bf16"])
@@ -304,12 +310,26 @@ def test_a_sampled_step_is_one_launch_per_tapped_tensor_and_a_few(case: str) -> 
     weights before the step and after it: the update is read from the last two, never stored) and at the
     boundary two ``cat``, one conversion and the unit counts zeroed. (The torch path takes 86 and 214
     kernels for these: ``benchmarks/count_ops.py``.)"""
-    triton, kernels, rows = _launches(case)
+    triton, kernels, rows, ops = _launches(case)
     params = len(list(COUNT_OPS.CASES[case][0]()[0].parameters()))
     tapped = rows - 3 * params  # activations and output gradients
     assert triton == tapped + 3 + 1  # + a pack per parameter kind + the finalize
-    assert kernels <= 4 + 4  # pack copies + the boundary (two cats, a conversion, the zeroed counts)
-    assert triton + kernels <= tapped + 12  # 2 per parameter kind, 1 more for updates, 5 at the boundary
+    scalars = DEVICE.type == "cuda"  # a device loss: its conversion to the table's dtype (on a CPU, read)
+    assert kernels <= 4 + 4 + scalars, ops  # pack copies + the boundary (two cats, a conversion, zeroing)
+    assert triton + kernels <= tapped + 12 + scalars, ops  # 2 per parameter kind, 1 updates, 5 boundary
+
+
+def test_a_sampled_step_copies_its_table_off_the_device_once() -> None:
+    """On a GPU a sampled step moves one tensor between host and device: its table, into pinned memory
+    (asynchronously, on a side stream). Nothing is uploaded: the arena's index tensors are made once.
+    On a CPU nothing moves."""
+    plain, observed, _ = COUNT_OPS.count_case("transformer bf16", route="triton", device=DEVICE.type)
+    assert plain.transfers == []
+    if DEVICE.type == "cuda":
+        assert len(observed.transfers) == 1, observed.transfers
+        assert observed.transfers[0].startswith("cuda:0->cpu "), observed.transfers
+    else:
+        assert observed.transfers == []
 
 
 def test_parameter_kinds_do_not_launch_more_for_more_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -318,7 +338,7 @@ def test_parameter_kinds_do_not_launch_more_for_more_tensors(monkeypatch: pytest
     monkeypatch.setitem(COUNT_OPS.CASES, "mlp4", (lambda: _mlp(4), None))
     monkeypatch.setitem(COUNT_OPS.CASES, "mlp32", (lambda: _mlp(32), None))
     small, large = _launches("mlp4"), _launches("mlp32")
-    tapped = [rows - 3 * 2 * layers for (_, _, rows), layers in ((small, 4), (large, 32))]
+    tapped = [rows - 3 * 2 * layers for (_, _, rows, _), layers in ((small, 4), (large, 32))]
     assert large[0] - small[0] == tapped[1] - tapped[0]  # Triton: only the tapped tensors' launches
     assert large[1] == small[1]  # torch kernels: the same
 

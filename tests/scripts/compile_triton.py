@@ -45,8 +45,14 @@ SIGNATURES = {
     "finalize": {"partials": "*fp64", "starts": "*i64", "lengths": "*i64", "out": "*fp64"},
 }
 
-TILES = [(1024, 1), (8, 128), (128, 8), (32, 32)]
-"""``_triton._tile``'s block shapes."""
+
+def tiles() -> list[tuple[int, int]]:
+    """``_triton.TILES``' block shapes ``(units, positions)``."""
+    from streamwatch import _triton
+
+    return sorted({(units, positions) for units, positions, _ in _triton.TILES.values()})
+
+
 _NO_BOUNDS = {"HAS_LO": False, "HAS_HI": False, "BU": 32, "BP": 32}
 
 
@@ -57,7 +63,7 @@ def variants() -> list[tuple[str, str, dict[str, object]]]:
     for dtype in ("fp32", "bf16", "fp16", "fp64"):
         wide = dtype == "fp64"
         out.append(("flat_partials", dtype, {"WIDE": wide, "PACKED": False, "DIFF": False, "BLOCK": 1024}))
-        for bu, bp in TILES:
+        for bu, bp in tiles():
             out.append(
                 (
                     "tile_partials",
