@@ -67,10 +67,14 @@ bench-divergence: env
 	$(PY) benchmarks/divergence/run.py $(DIVERGENCE_ARGS)
 
 # The GPU check (benchmarks/gpu/run.py, about 5 minutes on one GPU): environment, CUDA tests, launch counts,
-# overhead ratios, a compiled model, into $(GPU_OUT) (results.json, results.md, log.txt). DRY_RUN=1: every
-# section on the CPU at toy sizes, in well under a minute (CI runs it).
+# overhead ratios, a compiled model, into $(GPU_OUT) (results.json, results.md, log.txt); then where a step's
+# time goes (where.py: where.json, ~1 minute) and the Triton block shapes (tiles.py: tiles.json, ~1 minute).
+# DRY_RUN=1: every part on the CPU at toy sizes, in about a minute (CI runs it).
 bench-gpu: env
 	PYTHONPATH=. $(PY) benchmarks/gpu/run.py --out $(GPU_OUT) $(if $(DRY_RUN),--dry-run)
+	PYTHONPATH=. $(PY) benchmarks/gpu/where.py --out $(GPU_OUT) $(if $(DRY_RUN),--dry-run) > $(GPU_OUT)/where.md
+	$(if $(DRY_RUN),TRITON_INTERPRET=1 STREAMWATCH_KERNEL=triton) PYTHONPATH=. $(PY) benchmarks/gpu/tiles.py \
+		--out $(GPU_OUT) --budget 90 $(if $(DRY_RUN),--dry-run) > $(GPU_OUT)/tiles.txt
 
 clean:
 	rm -rf $(VENV) $(DEMO_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .benchmarks

@@ -37,7 +37,7 @@ import streamwatch as sw
 VARIANTS = ("baseline", "default", "every1", "every10", "item_hooks", "floor", "every1_torch")
 TARGET_ROUND_S = 0.07
 MOST_STEPS = 200  # K at most
-CYCLES, WARMUP = 6, 3
+CYCLES, WARMUP = 10, 3  # (fewer cycles where the budget runs out)
 SETTLE_S = 4.0  # the default variant alone before the cycles, at most (its governor calibrates)
 
 

@@ -314,6 +314,20 @@ def cuda_tests(budget: Budget, result: dict[str, Any], dry: bool) -> None:
 # -- the run -----------------------------------------------------------------------------------------------
 
 
+def apply_tiles(path: Path) -> dict[str, Any]:
+    """``tiles.py``'s best block shapes (``best`` in its JSON) set in ``streamwatch._triton`` for the
+    sections that run in this process (the CUDA tests, a child process, keep the defaults)."""
+    from streamwatch import _triton
+
+    best = json.loads(path.read_text())["best"]
+    for layout, (units, positions, warps) in best.items():
+        if layout == "flat":
+            _triton._FLAT_WARPS = warps
+        else:
+            _triton.TILES[layout] = (units, positions, warps)
+    return {"from": str(path), "tiles": dict(_triton.TILES), "flat_warps": _triton._FLAT_WARPS}
+
+
 def _terminated(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
@@ -326,6 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="every section on the CPU at toy sizes")
     parser.add_argument("--budget", type=float, default=None, help="seconds the run aims at (300; dry 240)")
     parser.add_argument("--only", nargs="*", choices=list(SECTIONS), help="run only these sections")
+    parser.add_argument(
+        "--tiles", type=Path, help="tiles.py's tiles.json: its best block shapes, applied before measuring"
+    )
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     dry = args.dry_run or not cuda
@@ -341,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "device": str(device),
         "env_at_start": {KERNEL_ENV: os.environ.get(KERNEL_ENV)},
     }
+    if args.tiles is not None:
+        meta["tiles"] = apply_tiles(args.tiles)
     results = Results(args.out, meta)
     signal.signal(signal.SIGTERM, _terminated)
     end = time.monotonic() + total  # where the slack of the sections before goes
