@@ -323,9 +323,16 @@ def apply_tiles(path: Path) -> dict[str, Any]:
     for layout, (units, positions, warps) in best.items():
         if layout == "flat":
             _triton._FLAT_WARPS = warps
+        elif layout == "programs":
+            _triton._FLAT_PROGRAMS = warps  # (the third entry: the programs per tensor)
         else:
             _triton.TILES[layout] = (units, positions, warps)
-    return {"from": str(path), "tiles": dict(_triton.TILES), "flat_warps": _triton._FLAT_WARPS}
+    return {
+        "from": str(path),
+        "tiles": dict(_triton.TILES),
+        "flat_warps": _triton._FLAT_WARPS,
+        "programs": _triton._FLAT_PROGRAMS,
+    }
 
 
 def _terminated(signum: int, frame: Any) -> None:

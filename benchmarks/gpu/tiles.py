@@ -3,7 +3,8 @@
     PYTHONPATH=. python3 benchmarks/gpu/tiles.py --out OUT [--old FILE]
 
 Each candidate of ``CANDIDATES`` (``(units, positions, warps)`` of ``tile_partials``' block, by layout;
-``flat``: warps of ``flat_partials``) summarises tensors the size of the GPT-2-sized model's and the
+``flat``: warps of ``flat_partials``; ``programs``: ``_triton._FLAT_PROGRAMS``, about how many programs
+read one tensor, timed on every shape) summarises tensors the size of the GPT-2-sized model's and the
 CNN's activations (``SHAPES``) through ``streamwatch._triton.Arena`` — one launch each, as on a sampled
 step — timed with ``triton.testing.do_bench`` (L2 flushed between runs). ``--old FILE``: the same with
 another copy of ``_triton_kernels.py`` (e.g. ``git show REV:streamwatch/_triton_kernels.py``), at
@@ -37,10 +38,11 @@ SHAPES: list[tuple[str, tuple[int, ...], torch.dtype, int | None]] = [
     ("cnn [64,64,32,32] bf16 NCHW, units dim 1", (64, 64, 32, 32), torch.bfloat16, 1),
     ("gpt2 fc grad [8,1024,3072] bf16, flat", (8, 1024, 3072), torch.bfloat16, None),
 ]
-CANDIDATES: dict[str, list[tuple[int, int, int]]] = {
-    "units contiguous": [(128, 8, 4), (128, 8, 8), (64, 16, 4), (256, 8, 8), (128, 16, 8), (64, 32, 8)],
+CANDIDATES: dict[str, list[tuple[int, int, int]]] = {  # (each list starts with the default)
+    "units contiguous": [(64, 16, 4), (128, 8, 4), (64, 16, 8), (32, 32, 4), (128, 16, 8), (64, 32, 8)],
     "positions contiguous": [(8, 128, 4), (8, 128, 8), (16, 128, 8), (4, 256, 4), (8, 256, 8), (2, 512, 4)],
     "flat": [(0, 0, 4), (0, 0, 8), (0, 0, 16)],
+    "programs": [(0, 0, 1024), (0, 0, 2048), (0, 0, 4096)],  # _FLAT_PROGRAMS, on every shape
 }
 
 
@@ -92,6 +94,8 @@ def time_one(kernels: Any, x: torch.Tensor, unit_dim: int | None) -> float:
 def apply(layout: str, config: tuple[int, int, int]) -> None:
     if layout == "flat":
         _triton._FLAT_WARPS = config[2]
+    elif layout == "programs":
+        _triton._FLAT_PROGRAMS = config[2]
     else:
         _triton.TILES[layout] = config
 
@@ -111,7 +115,7 @@ def main() -> int:
     device = torch.device("cpu" if dry else "cuda")
     shapes = [(n, _shrunk(shape) if dry else shape, dt, ud) for n, shape, dt, ud in SHAPES]
     candidates = {k: v[:2] for k, v in CANDIDATES.items()} if dry else CANDIDATES
-    saved = dict(_triton.TILES), _triton._FLAT_WARPS
+    saved = dict(_triton.TILES), _triton._FLAT_WARPS, _triton._FLAT_PROGRAMS
     result: dict[str, Any] = {"shapes": {}, "best": {}}
     tensors = {}
     for name, shape, dtype, _ in shapes:
@@ -140,15 +144,16 @@ def main() -> int:
             apply(layout, config)
             total = 0.0
             for name, shape, _, unit_dim in shapes:
-                if layout_of(shape, unit_dim) != layout:
+                if layout != "programs" and layout_of(shape, unit_dim) != layout:
                     continue
                 ms = time_one(kernels, tensors[name], unit_dim)
-                result["shapes"][name]["runs"][str(config)] = ms
+                label = f"programs {config[2]}" if layout == "programs" else str(config)
+                result["shapes"][name]["runs"][label] = ms
                 total += ms
             totals.setdefault(layout, {})[str(config)] = total
             _triton.TILES.clear()
             _triton.TILES.update(saved[0])
-            _triton._FLAT_WARPS = saved[1]
+            _triton._FLAT_WARPS, _triton._FLAT_PROGRAMS = saved[1], saved[2]
             print(f"[tiles] {layout} {config}: {total:.3f} ms", file=sys.stderr, flush=True)
     for layout, found in totals.items():
         best = min(found, key=found.__getitem__)

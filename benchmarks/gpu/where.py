@@ -13,7 +13,8 @@ two synchronizations. From its device events, per step:
 * ``added_kernels``: the kernel names whose total time grew most against the baseline (µs per step).
 
 Then ``cProfile`` over ``k`` more steps of the monitored variants: the functions with the most own
-(``tottime``) time, in µs per step (inflated by cProfile itself: read the proportions).
+(``tottime``) time, in µs per step (inflated by cProfile itself: read the proportions); and, without a
+profiler, the host time of each ``watch.step()`` call over at least 32 steps (median, p90, most).
 
 Writes ``where.json`` and prints a Markdown summary. ``--dry-run``: CPU, toy sizes (no device events).
 """
@@ -91,6 +92,38 @@ def profile(rounds: Rounds, v: Variant, k: int) -> dict[str, Any]:
     return out
 
 
+class _TimedWatch:
+    """A watch whose ``step()`` calls are timed by the host clock (µs each), nothing else changed."""
+
+    def __init__(self, watch: Any) -> None:
+        self.watch = watch
+        self.calls: list[float] = []
+
+    def step(self, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        self.watch.step(**kwargs)
+        self.calls.append(1e6 * (time.perf_counter() - start))
+
+
+def step_calls(rounds: Rounds, v: Variant, k: int) -> dict[str, float]:
+    """The host time of each ``watch.step()`` over ``k`` steps of ``v``: median, 90th percentile, most
+    (no profiler: the quiet step's cost as the training thread pays it)."""
+    timed = _TimedWatch(v.watch)
+    with kernel_route(v.route):
+        rounds.sync()
+        for _ in range(k):
+            step(rounds.w, v.model, v.optimizer, rounds.x, rounds.y, timed)
+        rounds.sync()
+        v.watch.flush(60.0)  # type: ignore[union-attr]
+    calls = sorted(timed.calls)
+    return {
+        "median_us": calls[len(calls) // 2],
+        "p90_us": calls[min(len(calls) - 1, (9 * len(calls)) // 10)],
+        "max_us": calls[-1],
+        "steps": len(calls),
+    }
+
+
 def hot_functions(rounds: Rounds, v: Variant, k: int, top: int = 25) -> list[dict[str, Any]]:
     """cProfile's functions with the most own time over ``k`` steps of ``v``, µs per step."""
     prof = cProfile.Profile()
@@ -149,6 +182,7 @@ def model_report(w: Workload, device: torch.device, dry: bool) -> dict[str, Any]
             del out[v.name]["by_name_us"]
         for v in variants[2:]:
             out[v.name]["hot_functions"] = hot_functions(rounds, v, k)
+            out[v.name]["step_call"] = step_calls(rounds, v, max(k, 32))
         if governed.watch is not None:
             stats = governed.watch.statistics()
             out["governor"] = {
@@ -184,6 +218,12 @@ def markdown(report: dict[str, Any]) -> str:
                 + "; ".join(f"{n} {t:.0f}" for n, t in r[name].get("added_kernels_us", {}).items())
             )
         for name in VARIANTS[2:]:
+            call = r[name].get("step_call", {})
+            lines.append(
+                f"\n{name}, `watch.step()` host time: median {call.get('median_us', 0):.1f} µs, "
+                f"p90 {call.get('p90_us', 0):.1f}, most {call.get('max_us', 0):.1f} "
+                f"({call.get('steps', 0)} steps)"
+            )
             lines.append(f"\n{name}, own time (µs/step):")
             for row in r[name].get("hot_functions", [])[:15]:
                 lines.append(f"- {row['function']}: {row['own_us']:.0f} ({row['calls']:.1f} calls)")
