@@ -55,6 +55,7 @@ import compiled
 import launches
 import overhead
 import tables
+import tiles
 import torch
 from harness import SKIPPED, Budget, Recorder, run_child, tail
 from workloads import KERNEL_ENV, kernel_route, workloads
@@ -317,22 +318,9 @@ def cuda_tests(budget: Budget, result: dict[str, Any], dry: bool) -> None:
 def apply_tiles(path: Path) -> dict[str, Any]:
     """``tiles.py``'s best block shapes (``best`` in its JSON) set in ``streamwatch._triton`` for the
     sections that run in this process (the CUDA tests, a child process, keep the defaults)."""
-    from streamwatch import _triton
-
-    best = json.loads(path.read_text())["best"]
-    for layout, (units, positions, warps) in best.items():
-        if layout == "flat":
-            _triton._FLAT_WARPS = warps
-        elif layout == "programs":
-            _triton._FLAT_PROGRAMS = warps  # (the third entry: the programs per tensor)
-        else:
-            _triton.TILES[layout] = (units, positions, warps)
-    return {
-        "from": str(path),
-        "tiles": dict(_triton.TILES),
-        "flat_warps": _triton._FLAT_WARPS,
-        "programs": _triton._FLAT_PROGRAMS,
-    }
+    for layout, config in json.loads(path.read_text())["best"].items():
+        tiles.apply(layout, tuple(config))
+    return {"from": str(path)} | tiles.settings()
 
 
 def _terminated(signum: int, frame: Any) -> None:

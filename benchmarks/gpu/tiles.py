@@ -38,11 +38,11 @@ SHAPES: list[tuple[str, tuple[int, ...], torch.dtype, int | None]] = [
     ("cnn [64,64,32,32] bf16 NCHW, units dim 1", (64, 64, 32, 32), torch.bfloat16, 1),
     ("gpt2 fc grad [8,1024,3072] bf16, flat", (8, 1024, 3072), torch.bfloat16, None),
 ]
-CANDIDATES: dict[str, list[tuple[int, int, int]]] = {  # (each list starts with the default)
-    "units contiguous": [(64, 16, 4), (128, 8, 4), (64, 16, 8), (32, 32, 4), (128, 16, 8), (64, 32, 8)],
-    "positions contiguous": [(8, 128, 4), (8, 128, 8), (16, 128, 8), (4, 256, 4), (8, 256, 8), (2, 512, 4)],
-    "flat": [(0, 0, 4), (0, 0, 8), (0, 0, 16)],
-    "programs": [(0, 0, 1024), (0, 0, 2048), (0, 0, 4096)],  # _FLAT_PROGRAMS, on every shape
+CANDIDATES: dict[str, list[tuple[int, int, int]]] = {  # (timed after the current setting, :func:`current`)
+    "units contiguous": [(128, 8, 4), (64, 16, 8), (32, 32, 4), (128, 16, 8), (64, 32, 8)],
+    "positions contiguous": [(8, 128, 8), (16, 128, 8), (4, 256, 4), (8, 256, 8), (2, 512, 4)],
+    "flat": [(0, 0, 8), (0, 0, 16)],
+    "programs": [(0, 0, 2048), (0, 0, 4096)],  # _FLAT_PROGRAMS, on every shape
 }
 
 
@@ -91,13 +91,32 @@ def time_one(kernels: Any, x: torch.Tensor, unit_dim: int | None) -> float:
     return do_bench(once)
 
 
+def current(layout: str) -> tuple[int, int, int]:
+    """``layout``'s setting in ``streamwatch._triton`` now, as a candidate (see :data:`CANDIDATES`)."""
+    if layout == "flat":
+        return (0, 0, _triton._FLAT_WARPS)
+    if layout == "programs":
+        return (0, 0, _triton._FLAT_PROGRAMS)
+    return _triton.TILES[layout]
+
+
 def apply(layout: str, config: tuple[int, int, int]) -> None:
+    """Set ``layout``'s candidate ``config`` in ``streamwatch._triton`` (``run.py --tiles`` too)."""
     if layout == "flat":
         _triton._FLAT_WARPS = config[2]
     elif layout == "programs":
         _triton._FLAT_PROGRAMS = config[2]
     else:
         _triton.TILES[layout] = config
+
+
+def settings() -> dict[str, Any]:
+    """Every setting :func:`apply` changes, as they are now."""
+    return {
+        "tiles": dict(_triton.TILES),
+        "flat_warps": _triton._FLAT_WARPS,
+        "programs": _triton._FLAT_PROGRAMS,
+    }
 
 
 def main() -> int:
@@ -114,7 +133,9 @@ def main() -> int:
     dry = args.dry_run or not torch.cuda.is_available()
     device = torch.device("cpu" if dry else "cuda")
     shapes = [(n, _shrunk(shape) if dry else shape, dt, ud) for n, shape, dt, ud in SHAPES]
-    candidates = {k: v[:2] for k, v in CANDIDATES.items()} if dry else CANDIDATES
+    candidates = {k: [current(k)] + [c for c in v if c != current(k)] for k, v in CANDIDATES.items()}
+    if dry:
+        candidates = {k: v[:2] for k, v in candidates.items()}
     saved = dict(_triton.TILES), _triton._FLAT_WARPS, _triton._FLAT_PROGRAMS
     result: dict[str, Any] = {"shapes": {}, "best": {}}
     tensors = {}
