@@ -55,6 +55,23 @@ _INF = tl.constexpr(float("inf"))
 
 
 @triton.jit
+def _sums(v, s1, s2, s3, s4, sa, nz):
+    """Add a block of elements ``v`` (0 where a lane holds none) to a program's running sums and nonzero
+    count, which it returns. The main loops test nothing else per element: no NaN or ±inf test (a
+    non-finite element makes ``sa`` non-finite, and :func:`_nonfinite` then counts them in a second
+    pass) and no mask on min/max but in the last, partial block: a third of the instructions per element
+    the kernels had when every block counted everything (docs/performance.md, *The Triton kernels*)."""
+    sq = v * v
+    return s1 + v, s2 + sq, s3 + sq * v, s4 + sq * sq, sa + tl.abs(v), nz + (v != 0).to(tl.int32)
+
+
+@triton.jit
+def _nonfinite(v, nf, nan):
+    """Add a block's non-finite and NaN counts (lanes without an element hold 0)."""
+    return nf + ((v - v) != 0).to(tl.int32), nan + (v != v).to(tl.int32)  # (v − v: NaN at NaN and ±inf)
+
+
+@triton.jit
 def _store_partials(out, s1, s2, s3, s4, sa, nz, nf, nan, lo, hi):
     """Store one program's reduced values at ``out`` (a partials row)."""
     tl.store(out + C_SUM, s1.to(tl.float64))
@@ -67,26 +84,6 @@ def _store_partials(out, s1, s2, s3, s4, sa, nz, nf, nan, lo, hi):
     tl.store(out + C_SUMFOURTH, s4.to(tl.float64))
     tl.store(out + C_NONFINITE, nf.to(tl.float64))
     tl.store(out + C_NAN, nan.to(tl.float64))
-
-
-@triton.jit
-def _accumulate(v, m, s1, s2, s3, s4, sa, nz, nf, nan, lo, hi):
-    """Add a block of elements ``v`` (``m``: the lanes that hold one; the others hold 0) to a program's
-    accumulators, which it returns: the sums, the nonzero, non-finite and NaN counts, min and max."""
-    sq = v * v
-    isnan = v != v
-    return (
-        s1 + v,
-        s2 + sq,
-        s3 + sq * v,
-        s4 + sq * sq,
-        sa + tl.abs(v),
-        nz + (v != 0).to(tl.int32),
-        nf + ((v - v) != 0).to(tl.int32),  # NaN at NaN and ±inf (masked lanes hold 0)
-        nan + isnan.to(tl.int32),
-        tl.minimum(lo, tl.where(m & ~isnan, v, _INF)),
-        tl.maximum(hi, tl.where(m & ~isnan, v, -_INF)),
-    )
 
 
 @triton.jit
@@ -106,13 +103,15 @@ def flat_partials(
     """Partials of ``x[pid·per_program : …]`` (at most ``n`` elements in all) into row ``first + pid``.
     ``PACKED``: program ``pid`` reads chunk ``pid`` (``per_program`` = the chunk size) up to its
     ``valid[pid]`` elements. ``DIFF``: of ``x − minus`` element by element (an update: the weights after
-    the step and before it), the difference never stored."""
+    the step and before it), the difference never stored. Whole blocks are read without a mask, the
+    last, partial one with; non-finite elements are counted in a second pass, only when ``x`` has one."""
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * per_program
     if PACKED:  # noqa: SIM108 (a static branch on a constexpr, as Triton compiles it)
         end = start + tl.load(valid + pid)
     else:
         end = tl.minimum(start + per_program, n)
+    whole = start + (end - start) // BLOCK * BLOCK
     acc = tl.float64 if WIDE else tl.float32
     s1 = tl.zeros([BLOCK], acc)
     s2 = tl.zeros([BLOCK], acc)
@@ -122,28 +121,66 @@ def flat_partials(
     lo = tl.full([BLOCK], _INF, acc)
     hi = tl.full([BLOCK], -_INF, acc)
     nz = tl.zeros([BLOCK], tl.int32)
-    nf = tl.zeros([BLOCK], tl.int32)
-    nan = tl.zeros([BLOCK], tl.int32)
-    for off in range(start, end, BLOCK):
+    for off in range(start, whole, BLOCK):
         idx = off + tl.arange(0, BLOCK)
-        m = idx < end
-        v = tl.load(x + idx, mask=m, other=0.0).to(acc)
+        v = tl.load(x + idx).to(acc)
         if DIFF:
-            v = v - tl.load(minus + idx, mask=m, other=0.0).to(acc)
-        s1, s2, s3, s4, sa, nz, nf, nan, lo, hi = _accumulate(v, m, s1, s2, s3, s4, sa, nz, nf, nan, lo, hi)
+            v = v - tl.load(minus + idx).to(acc)
+        s1, s2, s3, s4, sa, nz = _sums(v, s1, s2, s3, s4, sa, nz)
+        lo = tl.minimum(lo, v)
+        hi = tl.maximum(hi, v)
+    idx = whole + tl.arange(0, BLOCK)  # the partial block (or none)
+    m = idx < end
+    v = tl.load(x + idx, mask=m, other=0.0).to(acc)
+    if DIFF:
+        v = v - tl.load(minus + idx, mask=m, other=0.0).to(acc)
+    s1, s2, s3, s4, sa, nz = _sums(v, s1, s2, s3, s4, sa, nz)
+    lo = tl.minimum(lo, tl.where(m, v, _INF))
+    hi = tl.maximum(hi, tl.where(m, v, -_INF))
+    total_abs = tl.sum(sa, 0)
+    nf_n = tl.sum(tl.zeros([BLOCK], tl.int32), 0)
+    nan_n = tl.sum(tl.zeros([BLOCK], tl.int32), 0)
+    if (total_abs != total_abs) | (total_abs == _INF):  # a NaN or ±inf (or a finite overflow): count them
+        nf = tl.zeros([BLOCK], tl.int32)
+        nan = tl.zeros([BLOCK], tl.int32)
+        lo = tl.full([BLOCK], _INF, acc)  # (min and max again, without NaN: the interpreter's minimum
+        hi = tl.full([BLOCK], -_INF, acc)  # keeps a NaN that a GPU's skips)
+        for off in range(start, end, BLOCK):
+            idx = off + tl.arange(0, BLOCK)
+            m = idx < end
+            v = tl.load(x + idx, mask=m, other=0.0).to(acc)
+            if DIFF:
+                v = v - tl.load(minus + idx, mask=m, other=0.0).to(acc)
+            nf, nan = _nonfinite(v, nf, nan)
+            lo = tl.minimum(lo, tl.where(m & (v == v), v, _INF))
+            hi = tl.maximum(hi, tl.where(m & (v == v), v, -_INF))
+        nf_n = tl.sum(nf, 0)
+        nan_n = tl.sum(nan, 0)
     _store_partials(
         partials + (first + pid).to(tl.int64) * NPART,
         tl.sum(s1, 0),
         tl.sum(s2, 0),
         tl.sum(s3, 0),
         tl.sum(s4, 0),
-        tl.sum(sa, 0),
+        total_abs,
         tl.sum(nz, 0),
-        tl.sum(nf, 0),
-        tl.sum(nan, 0),
+        nf_n,
+        nan_n,
         tl.min(lo, 0),
         tl.max(hi, 0),
     )
+
+
+@triton.jit
+def _bounded(v, bound_lo, bound_hi, tol_lo, tol_hi, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr):
+    """Whether each element is active against finite bounds: not NaN and farther than ``tol`` from each
+    bound there is (``HAS_LO``/``HAS_HI``), as the C kernel decides (NaN fails every comparison)."""
+    on = v == v
+    if HAS_LO:
+        on = on & (tl.abs(v - bound_lo) > tol_lo)
+    if HAS_HI:
+        on = on & (tl.abs(v - bound_hi) > tol_hi)
+    return on
 
 
 @triton.jit
@@ -176,7 +213,10 @@ def tile_partials(
     ``first + (b·T + t)·S + s``. With ``UNITS``, each of those units active at any of those positions —
     nonzero and not NaN, or with ``BOUNDED`` not NaN and farther than ``tol`` from each finite bound
     (``HAS_LO``/``HAS_HI``), as the C kernel decides — sets its (sample, unit) flag, and the program that
-    set it first adds 1 to ``counts[u]`` (integer atomics: exact, in any order)."""
+    set it first adds 1 to ``counts[u]`` (integer atomics: exact, in any order). As in
+    :func:`flat_partials`, whole blocks of positions are read without a position mask and non-finite
+    elements counted in a second pass only where there is one; unbounded activity is read off the
+    per-element nonzero counts (recounted without NaN in that pass)."""
     b = tl.program_id(0)
     t = tl.program_id(1)
     s = tl.program_id(2)
@@ -192,37 +232,64 @@ def tile_partials(
     lo = tl.full([BU, BP], _INF, acc)
     hi = tl.full([BU, BP], -_INF, acc)
     nz = tl.zeros([BU, BP], tl.int32)
-    nf = tl.zeros([BU, BP], tl.int32)
-    nan = tl.zeros([BU, BP], tl.int32)
-    active = tl.zeros([BU, BP], tl.int32)  # (reduced over positions once, after the loop)
+    active = tl.zeros([BU, BP], tl.int32)  # (bounded activity; reduced over positions once, at the end)
     p_start = s * per_split
     p_end = tl.minimum(p_start + per_split, P)
-    for p0 in range(p_start, p_end, BP):
+    whole = p_start + (p_end - p_start) // BP * BP
+    rm = um[:, None]  # (units past U: their lanes hold 0 and are left out of min, max and the counts)
+    for p0 in range(p_start, whole, BP):
         p = p0 + tl.arange(0, BP)
-        m = um[:, None] & (p < p_end)[None, :]
-        v = tl.load(rows + p.to(tl.int64)[None, :] * sp, mask=m, other=0.0).to(acc)
-        s1, s2, s3, s4, sa, nz, nf, nan, lo, hi = _accumulate(v, m, s1, s2, s3, s4, sa, nz, nf, nan, lo, hi)
-        if UNITS:
-            isnan = v != v
-            if BOUNDED:
-                on = m & ~isnan
-                if HAS_LO:
-                    on = on & (tl.abs(v - bound_lo) > tol_lo)
-                if HAS_HI:
-                    on = on & (tl.abs(v - bound_hi) > tol_hi)
-            else:
-                on = (v != 0) & ~isnan  # (masked lanes hold 0)
+        v = tl.load(rows + p.to(tl.int64)[None, :] * sp, mask=rm, other=0.0).to(acc)
+        s1, s2, s3, s4, sa, nz = _sums(v, s1, s2, s3, s4, sa, nz)
+        lo = tl.minimum(lo, v)
+        hi = tl.maximum(hi, v)
+        if UNITS and BOUNDED:
+            on = _bounded(v, bound_lo, bound_hi, tol_lo, tol_hi, HAS_LO, HAS_HI)
             active = tl.maximum(active, on.to(tl.int32))
+    p = whole + tl.arange(0, BP)  # the partial block of positions (or none)
+    m = rm & (p < p_end)[None, :]
+    v = tl.load(rows + p.to(tl.int64)[None, :] * sp, mask=m, other=0.0).to(acc)
+    s1, s2, s3, s4, sa, nz = _sums(v, s1, s2, s3, s4, sa, nz)
+    lo = tl.where(rm, tl.minimum(lo, tl.where(m, v, _INF)), _INF)
+    hi = tl.where(rm, tl.maximum(hi, tl.where(m, v, -_INF)), -_INF)
+    if UNITS:
+        if BOUNDED:
+            on = m & _bounded(v, bound_lo, bound_hi, tol_lo, tol_hi, HAS_LO, HAS_HI)
+            active = tl.maximum(active, on.to(tl.int32))
+        else:
+            active = (nz > 0).to(tl.int32)  # (a NaN counts as nonzero: recounted below)
+    total_abs = tl.sum(tl.sum(sa, 1), 0)
+    nf_n = tl.sum(tl.zeros([BU], tl.int32), 0)
+    nan_n = tl.sum(tl.zeros([BU], tl.int32), 0)
+    if (total_abs != total_abs) | (total_abs == _INF):  # a NaN or ±inf (or a finite overflow): count them
+        nf = tl.zeros([BU, BP], tl.int32)
+        nan = tl.zeros([BU, BP], tl.int32)
+        nonzero = tl.zeros([BU, BP], tl.int32)
+        lo = tl.full([BU, BP], _INF, acc)  # (min and max again, without NaN, as in flat_partials)
+        hi = tl.full([BU, BP], -_INF, acc)
+        for p0 in range(p_start, p_end, BP):
+            p = p0 + tl.arange(0, BP)
+            m = rm & (p < p_end)[None, :]
+            v = tl.load(rows + p.to(tl.int64)[None, :] * sp, mask=m, other=0.0).to(acc)
+            nf, nan = _nonfinite(v, nf, nan)
+            number = m & (v == v)
+            nonzero = tl.maximum(nonzero, (number & (v != 0)).to(tl.int32))
+            lo = tl.minimum(lo, tl.where(number, v, _INF))
+            hi = tl.maximum(hi, tl.where(number, v, -_INF))
+        nf_n = tl.sum(tl.sum(nf, 1), 0)
+        nan_n = tl.sum(tl.sum(nan, 1), 0)
+        if UNITS and not BOUNDED:
+            active = nonzero
     _store_partials(
         partials + (first + (b * tl.num_programs(1) + t) * tl.num_programs(2) + s).to(tl.int64) * NPART,
         tl.sum(tl.sum(s1, 1), 0),
         tl.sum(tl.sum(s2, 1), 0),
         tl.sum(tl.sum(s3, 1), 0),
         tl.sum(tl.sum(s4, 1), 0),
-        tl.sum(tl.sum(sa, 1), 0),
+        total_abs,
         tl.sum(tl.sum(nz, 1), 0),
-        tl.sum(tl.sum(nf, 1), 0),
-        tl.sum(tl.sum(nan, 1), 0),
+        nf_n,
+        nan_n,
         tl.min(tl.min(lo, 1), 0),
         tl.max(tl.max(hi, 1), 0),
     )

@@ -14,7 +14,9 @@ two synchronizations. From its device events, per step:
 
 Then ``cProfile`` over ``k`` more steps of the monitored variants: the functions with the most own
 (``tottime``) time, in µs per step (inflated by cProfile itself: read the proportions); and, without a
-profiler, the host time of each ``watch.step()`` call over at least 32 steps (median, p90, most).
+profiler, the host time of each ``watch.step()`` call over at least 32 steps (median, mean, p90, most),
+the boundary paths those steps took (quiet, dark, full) with their mean µs, and the garbage collector's
+time per step beside the baseline's.
 
 Writes ``where.json`` and prints a Markdown summary. ``--dry-run``: CPU, toy sizes (no device events).
 """
@@ -24,9 +26,11 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import gc
 import json
 import pstats
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -93,11 +97,33 @@ def profile(rounds: Rounds, v: Variant, k: int) -> dict[str, Any]:
 
 
 class _TimedWatch:
-    """A watch whose ``step()`` calls are timed by the host clock (µs each), nothing else changed."""
+    """A watch whose ``step()`` calls are timed by the host clock (µs each), and the boundary's paths
+    (quiet, dark, full) counted and timed, nothing else changed."""
+
+    PATHS = ("_quiet_step", "_dark_step", "_full_step")
 
     def __init__(self, watch: Any) -> None:
         self.watch = watch
         self.calls: list[float] = []
+        self.paths: dict[str, list[float]] = {name: [0, 0.0] for name in self.PATHS}
+        boundary = watch._boundary
+        for name in self.PATHS:
+            setattr(boundary, name, self._timed(name, getattr(boundary, name)))
+
+    def _timed(self, name: str, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.paths[name][0] += 1
+                self.paths[name][1] += 1e6 * (time.perf_counter() - start)
+
+        return timed
+
+    def restore(self) -> None:
+        for name in self.PATHS:
+            delattr(self.watch._boundary, name)
 
     def step(self, **kwargs: Any) -> None:
         start = time.perf_counter()
@@ -105,23 +131,65 @@ class _TimedWatch:
         self.calls.append(1e6 * (time.perf_counter() - start))
 
 
-def step_calls(rounds: Rounds, v: Variant, k: int) -> dict[str, float]:
-    """The host time of each ``watch.step()`` over ``k`` steps of ``v``: median, 90th percentile, most
-    (no profiler: the quiet step's cost as the training thread pays it)."""
+class _GcClock:
+    """Time spent in the garbage collector (``gc.callbacks``), and its collections by generation."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = [0, 0, 0]
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.collections[info["generation"]] += 1
+
+    def __enter__(self) -> _GcClock:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
+def step_calls(rounds: Rounds, v: Variant, k: int) -> dict[str, Any]:
+    """The host time of each ``watch.step()`` over ``k`` steps of ``v``: median, mean, 90th percentile,
+    most (no profiler: the quiet step's cost as the training thread pays it); which boundary paths those
+    steps took, with their mean µs; the garbage collector's time per step; the threads alive."""
     timed = _TimedWatch(v.watch)
-    with kernel_route(v.route):
-        rounds.sync()
-        for _ in range(k):
-            step(rounds.w, v.model, v.optimizer, rounds.x, rounds.y, timed)
-        rounds.sync()
-        v.watch.flush(60.0)  # type: ignore[union-attr]
+    try:
+        with kernel_route(v.route), _GcClock() as gc_clock:
+            rounds.sync()
+            for _ in range(k):
+                step(rounds.w, v.model, v.optimizer, rounds.x, rounds.y, timed)
+            rounds.sync()
+    finally:
+        timed.restore()
+    v.watch.flush(60.0)  # type: ignore[union-attr]
     calls = sorted(timed.calls)
     return {
         "median_us": calls[len(calls) // 2],
+        "mean_us": sum(calls) / len(calls),
         "p90_us": calls[min(len(calls) - 1, (9 * len(calls)) // 10)],
         "max_us": calls[-1],
         "steps": len(calls),
+        "paths": {n.strip("_"): {"calls": c, "mean_us": t / max(c, 1)} for n, (c, t) in timed.paths.items()},
+        "gc_us_per_step": 1e6 * gc_clock.seconds / k,
+        "gc_collections": gc_clock.collections,
+        "threads": sorted(t.name for t in threading.enumerate()),
     }
+
+
+def gc_per_step(rounds: Rounds, v: Variant, k: int) -> dict[str, Any]:
+    """The garbage collector's time per step of ``v`` (any variant, the baseline too), no profiler."""
+    with kernel_route(v.route), _GcClock() as gc_clock:
+        rounds.sync()
+        for _ in range(k):
+            step(rounds.w, v.model, v.optimizer, rounds.x, rounds.y, v.watch)
+        rounds.sync()
+    return {"gc_us_per_step": 1e6 * gc_clock.seconds / k, "gc_collections": gc_clock.collections}
 
 
 def hot_functions(rounds: Rounds, v: Variant, k: int, top: int = 25) -> list[dict[str, Any]]:
@@ -180,6 +248,7 @@ def model_report(w: Workload, device: torch.device, dry: bool) -> dict[str, Any]
             out[v.name]["added_total_us"] = sum(added.values())
         for v in variants:
             del out[v.name]["by_name_us"]
+        out["baseline"]["gc"] = gc_per_step(rounds, variants[0], max(k, 32))
         for v in variants[2:]:
             out[v.name]["hot_functions"] = hot_functions(rounds, v, k)
             out[v.name]["step_call"] = step_calls(rounds, v, max(k, 32))
@@ -221,8 +290,14 @@ def markdown(report: dict[str, Any]) -> str:
             call = r[name].get("step_call", {})
             lines.append(
                 f"\n{name}, `watch.step()` host time: median {call.get('median_us', 0):.1f} µs, "
-                f"p90 {call.get('p90_us', 0):.1f}, most {call.get('max_us', 0):.1f} "
-                f"({call.get('steps', 0)} steps)"
+                f"mean {call.get('mean_us', 0):.1f}, p90 {call.get('p90_us', 0):.1f}, "
+                f"most {call.get('max_us', 0):.1f} ({call.get('steps', 0)} steps); paths: "
+                + ", ".join(
+                    f"{p} {c['calls']} × {c['mean_us']:.1f} µs" for p, c in call.get("paths", {}).items()
+                )
+                + f"; gc {call.get('gc_us_per_step', 0):.1f} µs/step {call.get('gc_collections')}"
+                f" (baseline {r['baseline'].get('gc', {}).get('gc_us_per_step', 0):.1f}"
+                f" {r['baseline'].get('gc', {}).get('gc_collections')}); threads {call.get('threads')}"
             )
             lines.append(f"\n{name}, own time (µs/step):")
             for row in r[name].get("hot_functions", [])[:15]:
