@@ -231,8 +231,8 @@ class StepBoundary:
             sentinel = self.guard.sentinel
             if loss.ndim or not loss.is_floating_point() or type(loss) is not _Tensor:
                 return False  # (the full boundary checks and says what is wrong)
-            if sentinel is not None and not sentinel.takes_quiet_probes:
-                return False  # (a batch's flags in flight: the full boundary polls them)
+            if sentinel is not None and not (sentinel.takes_quiet_probes and sentinel.quiet_poll()):
+                return False  # (a failed step read from a batch's flags: the full boundary reports it)
             value = loss.detach()  # (a view: no kernel, no sync; read with the next record's copy)
             probe = value if sentinel is not None and self.guard.checks_loss else None
         elif isinstance(loss, _Tensor):

@@ -153,8 +153,8 @@ class NonFiniteGuard:
     @property
     def quiet_ready(self) -> bool:
         """Whether a quiet step may end without the full boundary, a device loss's probe waiting for its
-        batch allowed: no escalation, no trial, a sentinel with no gradient-norm check and no copy in
-        flight (:attr:`Sentinel.takes_quiet_probes`)."""
+        batch (or its copy in flight) allowed: no escalation, no trial, a sentinel with no gradient-norm
+        check and no failed step to report (:attr:`Sentinel.takes_quiet_probes`)."""
         sentinel = self.sentinel
         return (
             self.escalated_until is None

@@ -415,6 +415,7 @@ class Sentinel:
         self._since = 0.0  # when the first of ``_probes`` came
         self._carry: torch.Tensor | None = None  # (1,) bool on the device: every carried step finite
         self._carry_first = 0
+        self._found: list[int] = []  # failed steps a quiet step's poll read, for the next check
         self.grads_tripped = False
         """Whether the last :meth:`check` tripped on its gradients (CPU), its loss being finite or not
         checked: then what went bad is the gradient, not the loss."""
@@ -426,9 +427,18 @@ class Sentinel:
     @property
     def takes_quiet_probes(self) -> bool:
         """Whether a quiet step may hand this sentinel a device loss (:meth:`probe`) without the full
-        boundary: no gradient-norm check, and no copy of flags in flight (a full boundary polls those:
-        the step after a batch was queued takes it)."""
-        return not self.grad_norm and not self._pending
+        boundary: no gradient-norm check, and no failed step read by :meth:`quiet_poll` still to report
+        (copies in flight are fine: the quiet step polls them)."""
+        return not self.grad_norm and not self._found
+
+    def quiet_poll(self) -> bool:
+        """A quiet step's look at the batches in flight (``event.query()``: never waits): their slots are
+        freed as :meth:`check` would; False when one of them holds a failed step — kept for the next
+        :meth:`check`, which the full boundary then runs at once. Without it, each batch's copy made the
+        step after it (or a few, until the copy completed) a full boundary."""
+        if self._pending:
+            self._found.extend(self._poll())
+        return not self._found
 
     def probe(self, step: int, loss: torch.Tensor) -> None:
         """A quiet step's device loss (a 0-d view: no kernel, no sync), checked with its batch."""
@@ -441,12 +451,18 @@ class Sentinel:
         self._settle()
 
     def _settle(self) -> None:
-        self.idle = not self.grad_norm and not self._pending and not self._probes and self._carry is None
+        self.idle = (
+            not self.grad_norm
+            and not self._pending
+            and not self._probes
+            and self._carry is None
+            and not self._found
+        )
 
     def check(self, step: int, loss: torch.Tensor | float | None, grads: Iterable[torch.Tensor]) -> list[int]:
         """Check ``step``'s loss (and gradients, if ``grad_norm``); the steps now known to have failed."""
         probes: list[torch.Tensor] = []
-        tripped: list[int] = []
+        tripped, self._found = self._found, []  # (read by a quiet step's poll)
         if isinstance(loss, torch.Tensor):
             if loss.is_cpu:
                 if not math.isfinite(loss.item()):  # a CPU scalar: reading it waits for nothing
@@ -470,7 +486,7 @@ class Sentinel:
         waiting is allowed); the steps found to have failed."""
         if self._probes:
             self._queue()
-        tripped: list[int] = []
+        tripped, self._found = self._found, []
         while self._pending or self._carry is not None:
             for slot, _ in self._pending:
                 self._wait(self._events[slot])

@@ -16,6 +16,7 @@ import collections
 import math
 import random
 import time
+import types
 from collections.abc import Callable
 
 import pytest
@@ -639,3 +640,73 @@ def test_a_dark_pair_may_follow_a_device_loss() -> None:
     assert not dark_ready(torch.tensor([0.5], device="meta"))  # (shape [1]: read one call late)
     assert not dark_ready(torch.tensor(1, device="meta"))  # (an integer loss: the full boundary's)
     assert not dark_ready(torch.tensor(0.5, dtype=torch.float64))  # (a CPU float64: read by torch later)
+
+
+class _RingInFlight(Sentinel):
+    """A sentinel whose batches of ``meta`` probes are "copied" into a host ring at once, flags from
+    ``bad`` (the steps to report as failed), with events the test completes by hand: copies in flight
+    across quiet steps, observed on the CPU."""
+
+    def __init__(self, bad: set[int]) -> None:
+        super().__init__(grad_norm=False, batch=4, batch_seconds=math.inf)
+        self.bad = bad
+        self.done: list[bool] = [False] * self.slots
+        self._pinned, self._events = self._allocate()
+        self._free = list(range(self.slots))
+
+    def _allocate(self) -> tuple[torch.Tensor, list[object]]:
+        return torch.zeros((self.slots, self.batch + 1), dtype=torch.bool), [
+            types.SimpleNamespace(query=lambda slot=slot: self.done[slot]) for slot in range(self.slots)
+        ]
+
+    def _queue(self) -> None:
+        batch, self._probes = self._probes, []
+        steps = [step for step, _ in batch]
+        slot = self._free.pop()
+        self._pinned[slot, : len(steps)] = torch.tensor([step not in self.bad for step in steps])  # type: ignore[index]
+        self.done[slot] = False
+        self._pending.append((slot, steps))
+
+    def complete(self) -> None:
+        self.done = [True] * self.slots
+
+
+def test_a_device_loss_batch_in_flight_leaves_the_steps_quiet_and_a_failed_step_is_reported(
+    quiet_calls: collections.Counter[bool],
+) -> None:
+    """A batch's copy in flight no longer makes the next steps full boundaries: a quiet step polls the
+    events (no wait) and frees what completed. A failed step read that way ends the quiet run at once:
+    the full boundary reports it."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    watch = sw.observe(model, opt, every=1000, sentinel=("loss",))
+    sentinel = _RingInFlight(bad={6})
+    watch._boundary.guard.sentinel = sentinel
+    x, y = next(iter(_batches(1)))
+    loss, _ = _train(model, opt, x, y)
+    watch.step(loss=loss)  # step 0: sampled, a CPU loss
+
+    def device_step() -> None:
+        _train(model, opt, x, y)
+        watch.step(loss=torch.tensor(0.5, device="meta"))
+
+    for _ in range(5):  # steps 1-5: the batch of 1-4 goes into flight at step 4
+        device_step()
+    assert [steps for _, steps in sentinel._pending] == [[1, 2, 3, 4]]
+    assert quiet_calls == {True: 5}  # (step 5 polled a copy still in flight)
+    sentinel.complete()
+    device_step()  # step 6 polls: 1-4 were finite, their slot is free again
+    assert sentinel._pending == collections.deque()
+    assert quiet_calls == {True: 6}
+    for _ in range(2):  # steps 7-8: the batch of 5-8 (6 fails) in flight
+        device_step()
+    assert quiet_calls == {True: 8}
+    assert sentinel.quiet_poll()  # (not completed: nothing known yet)
+    sentinel.complete()
+    assert not sentinel.quiet_poll()  # completed: step 6 read, kept for the next check
+    assert not sentinel.takes_quiet_probes
+    assert sentinel.check(9, None, ()) == [6]  # (as the full boundary's check reports it)
+    assert sentinel.takes_quiet_probes
+    sentinel._probes.clear()
+    watch._boundary._outbox.steps.entries.clear()  # (meta values cannot be copied to the host)
+    watch.close()

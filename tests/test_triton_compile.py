@@ -42,3 +42,31 @@ def test_every_kernel_variant_compiles_to_a_cubin(arch: int, tmp_path: Path) -> 
     assert failed == {}
     assert len(results) == 30
     assert all(size > 1000 for size in results.values())  # a real cubin each
+
+
+INSTRUCTIONS = Path(__file__).parents[1] / "benchmarks" / "gpu" / "instructions.py"
+
+
+def test_the_main_loops_issue_few_instructions_per_element(tmp_path: Path) -> None:
+    """A budget like the launch budgets, in machine code: the SASS of each kernel's main loop for an H100
+    issues at most 20 instructions per element a thread reads (14–16 when written; 26–40 when every
+    block tested each element for NaN and ±inf and masked min/max). The eight float operations the
+    statistics need are in it: the count is of the real loop."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
+    out = tmp_path / "instructions.json"
+    done = subprocess.run(
+        [sys.executable, str(INSTRUCTIONS), "--arch", "90", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=110,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(out.read_text())["this"]
+    assert len(counts) == 4
+    for label, found in counts.items():
+        assert found["by_kind_per_element"]["float math"] >= 8.0, (label, found)
+        assert found["per_element"] <= 20.0, (label, found)
