@@ -5,7 +5,8 @@ Where the torch path (``_torchpath``) takes four launches per tensor and a few p
 boundary's ``cat``/``stack``/``index_select``, this path takes one launch per tensor and one per pack; every
 summary's partial sums go into one step-wide device arena (:class:`Arena`), and at the boundary one
 finalize reduces them, each summary's in a fixed order, into the step's table (float64, the schema's
-device order): deterministic, no float atomics, no host sync. Non-finite counts are exact and free.
+device order): deterministic, no float atomics, no host sync. Non-finite counts are exact; a tensor
+without NaN or ±inf pays nothing for them (a second pass reads the parts of a tensor that hold one).
 
 **Which tensors.** CUDA tensors of float16, bfloat16, float32 or float64 outside ``torch.compile`` (traced
 code keeps the torch path's plain ops, which Inductor fuses into its own kernels), when Triton imports and
