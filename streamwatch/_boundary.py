@@ -432,9 +432,11 @@ class StepBoundary:
                 now - self._outbox.last_record >= SCALAR_SECONDS
                 or self._outbox.steps.full
                 or self._alarm.crossed(checked.loss)
+                or self.guard.crossed()
             ):  # Between sampled steps, the cheap values (loss, lr, step time, throughput) still go out
-                # at least once a second, and at once for a loss past LossSpike's line: a scalar record,
-                # no layer rows (it ships the logged steps too).
+                # at least once a second, and at once for a loss past LossSpike's line (a CPU loss now, a
+                # device loss once the sentinel read its batch): a scalar record, no layer rows (it ships
+                # the logged steps too).
                 self._outbox.send(
                     self.step, self.start_step, seconds, checked, device, False, now, logged=logged
                 )

@@ -122,6 +122,8 @@ class NonFiniteGuard:
         alarm: Alarm | None = None,
     ) -> None:
         self.sentinel = Sentinel(grad_norm="grad_norm" in checks or auto_grad_norm) if checks else None
+        if self.sentinel is not None:
+            self.sentinel.alarm = alarm  # (a device loss's values meet LossSpike's line there)
         self.checks_loss = "loss" in checks
         # (grad-norm check seconds, step seconds) of the first steps, while an automatic grad-norm check
         # is on trial against the governor's budget; None when no trial runs
@@ -161,6 +163,11 @@ class NonFiniteGuard:
             and self._trial is None
             and (sentinel is None or sentinel.idle or sentinel.takes_quiet_probes)
         )
+
+    def crossed(self) -> bool:
+        """Whether a device loss read from the sentinel's batches passed LossSpike's line since the last
+        call: the boundary then sends the step log at once, as for a CPU loss past it."""
+        return self.sentinel is not None and bool(self.sentinel.take_crossed())
 
     def needs(self, loss: object) -> bool:
         """Whether the sentinel has anything to check at a step that ended with ``loss`` (checked): not

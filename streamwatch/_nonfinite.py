@@ -385,13 +385,18 @@ class Sentinel:
     :meth:`check` returns the steps whose check failed, as soon as that is known: at once on the CPU (or
     for a Python number), later on CUDA. There a step leaves a *probe* (the loss itself, a view: no
     kernel; with ``grad_norm``, the gradients' largest magnitude too), non-finite exactly when the step
-    failed. Probes are checked in batches, one ``isfinite`` over ``batch`` steps (or the steps of
-    ``batch_seconds``, whichever is first): a launch-bound step pays a few kernel launches per batch, not
-    per step. The batch's flags are copied without blocking into a pinned ring slot and read once its
-    event has completed (``event.query()``: the training thread never waits). When every slot is still
-    in flight (the host more than ``slots`` batches ahead of the device), the batch is folded into a
-    carry on the device and the whole range is reported at the step of its first member.
-    :meth:`drain` (at ``close()``) checks what is left, waiting for the device.
+    failed. Probes are checked in batches of ``batch`` steps (or the steps of ``batch_seconds``, whichever
+    is first): one ``stack`` of their values, copied without blocking into a pinned ring slot (float32)
+    and read once its event has completed (``event.query()``: the training thread never waits) — two
+    launches per batch, not per step. When every slot is still in flight (the host more than ``slots``
+    batches ahead of the device), the batch is folded into a carry on the device (the largest
+    magnitude: finite exactly when every value is) and the whole range is reported at the step of its
+    first member. :meth:`drain` (at ``close()``) checks what is left, waiting for the device.
+
+    The values read also give LossSpike's line a device loss: a finite loss past :attr:`alarm`'s line
+    (a probe of the loss alone, not carried) is kept in :meth:`take_crossed`, and the boundary sends
+    the step log at once, as it does for a CPU loss past the line (docs/detectors.md, *A spike is sent
+    at once*).
 
     Example:
         >>> sentinel = Sentinel(grad_norm=False)
@@ -407,15 +412,22 @@ class Sentinel:
         self.batch = batch
         self.batch_seconds = batch_seconds
         self.trips = 0
-        self._pinned: torch.Tensor | None = None  # (slots, batch + 1): a batch's flags, after a carry's
+        self._pinned: torch.Tensor | None = (
+            None  # (slots, batch + 1) float32: a batch's values, after a carry's
+        )
         self._events: list[Any] = []
         self._free: list[int] = []
         self._pending: collections.deque[tuple[int, list[int]]] = collections.deque()  # (slot, steps)
         self._probes: list[tuple[int, torch.Tensor]] = []  # (step, probe) not yet checked
         self._since = 0.0  # when the first of ``_probes`` came
-        self._carry: torch.Tensor | None = None  # (1,) bool on the device: every carried step finite
+        self._carry: torch.Tensor | None = None  # (1,) float32 on the device: the carried largest |value|
         self._carry_first = 0
         self._found: list[int] = []  # failed steps a quiet step's poll read, for the next check
+        self._crossed: list[int] = []  # steps whose device loss passed the alarm's line (take_crossed)
+        self._no_line: set[int] = set()  # steps whose probe is not the loss alone (or a carry): no line
+        self.alarm: Any = None
+        """The detectors' alarm (``_guard.Alarm``), whose ``line`` a device loss is compared with when its
+        batch is read; None: no comparison."""
         self.grads_tripped = False
         """Whether the last :meth:`check` tripped on its gradients (CPU), its loss being finite or not
         checked: then what went bad is the gradient, not the loss."""
@@ -429,7 +441,7 @@ class Sentinel:
         """Whether a quiet step may hand this sentinel a device loss (:meth:`probe`) without the full
         boundary: no gradient-norm check, and no failed step read by :meth:`quiet_poll` still to report
         (copies in flight are fine: the quiet step polls them)."""
-        return not self.grad_norm and not self._found
+        return not self.grad_norm and not self._found and not self._crossed
 
     def quiet_poll(self) -> bool:
         """A quiet step's look at the batches in flight (``event.query()``: never waits): their slots are
@@ -438,7 +450,20 @@ class Sentinel:
         step after it (or a few, until the copy completed) a full boundary."""
         if self._pending:
             self._found.extend(self._poll())
-        return not self._found
+        return not self._found and not self._crossed
+
+    def take_crossed(self) -> list[int]:
+        """The steps read since the last call whose device loss passed the alarm's line (training thread).
+
+        Example:
+            >>> sentinel = Sentinel(grad_norm=False)
+            >>> sentinel.take_crossed()
+            []
+        """
+        crossed, self._crossed = self._crossed, []
+        if crossed:
+            self._settle()
+        return crossed
 
     def probe(self, step: int, loss: torch.Tensor) -> None:
         """A quiet step's device loss (a 0-d view: no kernel, no sync), checked with its batch."""
@@ -457,6 +482,7 @@ class Sentinel:
             and not self._probes
             and self._carry is None
             and not self._found
+            and not self._crossed
         )
 
     def check(self, step: int, loss: torch.Tensor | float | None, grads: Iterable[torch.Tensor]) -> list[int]:
@@ -477,6 +503,8 @@ class Sentinel:
         if self._pending:  # earlier batches whose copy completed (frees their slots first)
             tripped.extend(self._poll())
         if probes:
+            if self.grad_norm:
+                self._no_line.add(step)  # (the loss's and the gradients' largest magnitude: no line)
             self._push(step, probes[0] if len(probes) == 1 else _largest(probes))
         self._settle()
         return self._count(tripped)
@@ -538,8 +566,8 @@ class Sentinel:
             self._queue()
 
     def _queue(self) -> None:
-        """One ``isfinite`` over the waiting probes (and the carry), copied without blocking into a free
-        pinned slot with an event; no free slot: folded into the carry."""
+        """The waiting probes' values in one ``stack`` (after the carry), copied without blocking into a
+        free pinned slot with an event; no free slot: folded into the carry."""
         if self._pinned is None:
             self._pinned, self._events = self._allocate()
             self._free = list(range(self.slots))
@@ -549,27 +577,31 @@ class Sentinel:
         if batch:
             device = batch[0][1].device
             probes = [p if p.device == device else p.to(device, non_blocking=True) for _, p in batch]
-            parts.append(torch.isfinite(torch.stack(probes)))
+            if any(p.dtype != probes[0].dtype for p in probes):  # (a loss whose dtype changed mid-batch)
+                probes = [p.float() for p in probes]
+            parts.append(torch.stack(probes))
         if self._carry is not None:
             parts.insert(0, self._carry if not parts else self._carry.to(parts[0].device, non_blocking=True))
             steps.insert(0, self._carry_first)
+            self._no_line.add(self._carry_first)  # (a carry's largest magnitude: no line)
         if not parts:
             return
-        finite = parts[0] if len(parts) == 1 else torch.cat(parts)
+        values = parts[0] if len(parts) == 1 else torch.cat(parts)  # (cat promotes to float32)
         if not self._free:
             if self._carry is None:
                 self._carry_first = steps[0]
-            self._carry = finite.all().reshape(1)
+            self._no_line.difference_update(steps)
+            self._carry = values.float().abs().amax().reshape(1)  # (amax keeps a NaN)
             return
         self._carry = None
         slot = self._free.pop()
-        self._pinned[slot, : len(steps)].copy_(finite, non_blocking=True)
-        self._record(self._events[slot], finite.device)  # after the copy, on its stream
+        self._pinned[slot, : len(steps)].copy_(values, non_blocking=True)
+        self._record(self._events[slot], values.device)  # after the copy, on its stream
         self._pending.append((slot, steps))
 
     def _allocate(self) -> tuple[torch.Tensor, list[Any]]:
         """The ring: ``slots`` pinned rows of flags and an event per slot (the device seam tests replace)."""
-        return torch.zeros((self.slots, self.batch + 1), dtype=torch.bool, pin_memory=True), [
+        return torch.zeros((self.slots, self.batch + 1), dtype=torch.float32, pin_memory=True), [
             torch.cuda.Event() for _ in range(self.slots)
         ]
 
@@ -580,16 +612,24 @@ class Sentinel:
         event.synchronize()
 
     def _poll(self) -> list[int]:
-        """Read the slots whose copy completed (in order); the steps whose flag says non-finite."""
+        """Read the slots whose copy completed (in order); the steps whose value is non-finite. Finite
+        losses past the alarm's line go to :meth:`take_crossed`."""
         found: list[int] = []
         pinned = self._pinned
+        line = math.inf if self.alarm is None else self.alarm.line
         while self._pending and pinned is not None:
             slot, steps = self._pending[0]
             if not self._events[slot].query():
                 break
             self._pending.popleft()
-            flags = pinned[slot, : len(steps)].tolist()
-            found.extend(step for step, finite in zip(steps, flags, strict=True) if not finite)
+            values = pinned[slot, : len(steps)].tolist()
+            for step, value in zip(steps, values, strict=True):
+                if not math.isfinite(value):
+                    found.append(step)
+                elif value > line and step not in self._no_line:
+                    self._crossed.append(step)
+            if self._no_line:
+                self._no_line.difference_update(steps)
             self._free.append(slot)
         return found
 

@@ -379,3 +379,36 @@ def test_unsampled_steps_keep_their_device_loss_and_logged_values_without_a_sync
         assert s.scalars["loss"] == pytest.approx(loss.item(), rel=1e-6)
         if s.step:
             assert s.scalars["log/double"] == pytest.approx(2 * loss.item(), rel=1e-6)
+
+
+def test_a_device_loss_past_the_spike_line_is_sent_within_a_sentinel_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CUDA loss is never read on the training thread, so LossSpike's line meets it when the sentinel
+    reads its batch (16 steps or 50 ms, then the copy): the step log goes out in a scalar record then,
+    LossSpike fires on the spike and sampling escalates — long before the next sampled step (100; the
+    record of step 50, judged by the flush at 55, posted the line)."""
+    import streamwatch._boundary as boundary
+    from tests.test_detectors import batches, mlp
+    from tests.test_spike_line import Arrivals
+
+    monkeypatch.setattr(boundary, "SCALAR_SECONDS", 1e9)  # (no once-a-second record: only the line's)
+    spike = 60
+    model = mlp().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    arrivals = Arrivals()
+    with sw.observe(model, opt, every=50) as watch:
+        watch.pipe(sw.source() | sw.sinks.callback(arrivals))
+        for i, (x, y) in enumerate(batches(100, spike_at=spike)):
+            loss = torch.nn.functional.cross_entropy(model(x.cuda()), y.cuda())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            watch.step(loss=loss)
+            if i == 55:
+                watch.flush()  # (the record of step 50's log judged: LossSpike's line posted)
+    carrying = [step for step, carried, rows in arrivals.records if spike in carried and not rows]
+    assert len(carrying) == 1, arrivals.records
+    assert spike < carrying[0] <= spike + 16 + 4, arrivals.records
+    assert watch.statistics().escalations >= 1
+    assert [s for s, _, rows in arrivals.records if rows and spike < s < 100]  # (escalated: sampled)

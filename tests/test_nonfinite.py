@@ -15,6 +15,7 @@ import logging
 import math
 import subprocess
 import threading
+import types
 import urllib.request
 import warnings
 from collections.abc import Callable
@@ -937,7 +938,7 @@ class _RingOnCpu(Sentinel):
 
     def _allocate(self) -> tuple[torch.Tensor, list[Any]]:
         self.fakes = [_FakeEvent() for _ in range(self.slots)]
-        return torch.zeros((self.slots, self.batch + 1), dtype=torch.bool), list(self.fakes)
+        return torch.zeros((self.slots, self.batch + 1), dtype=torch.float32), list(self.fakes)
 
     def _record(self, event: Any, device: torch.device) -> None:
         event.done = False
@@ -1002,6 +1003,56 @@ def test_the_device_ring_checks_at_once_when_the_batch_is_old() -> None:
         float(_largest([torch.tensor(1.0), torch.tensor(math.nan, dtype=torch.float16)]))
     )
     assert not math.isfinite(float(_largest([torch.tensor(-math.inf), big])))
+
+
+def test_the_device_ring_gives_a_device_loss_past_the_spike_line_to_take_crossed() -> None:
+    """The ring holds the probes' values (float32), so a batch read also compares each device loss with
+    LossSpike's line as it is then: a finite one past it is kept for ``take_crossed`` (the boundary sends
+    the step log at once); a non-finite one is a trip, not a crossing; a probe that is not the loss alone
+    (with the gradients' largest magnitude) and a carry (the largest magnitude of a range) are never
+    compared."""
+    alarm = types.SimpleNamespace(line=math.inf)
+    ring = _RingOnCpu(grad_norm=False, slots=1, batch=3, batch_seconds=math.inf)
+    ring.alarm = alarm
+    for step, value in enumerate([1.0, 5.0, 2.0]):  # step 1 would pass a line of 3, none is posted
+        ring._push(step, torch.tensor(value))
+    assert ring.complete() == []
+    assert ring.take_crossed() == []
+    alarm.line = 3.0
+    for step, value in enumerate([1.0, 5.0, math.inf], start=3):
+        ring._push(step, torch.tensor(value, dtype=torch.bfloat16))
+    assert [steps for _, steps in ring._pending] == [[3, 4, 5]]  # (in flight: nothing known yet)
+    assert ring.takes_quiet_probes
+    assert ring.complete() == [5]  # +inf: a trip
+    assert not ring.quiet_poll()  # step 4 passed the line: a quiet step stops for it
+    assert ring.take_crossed() == [4]
+    assert ring.take_crossed() == []
+    assert ring.quiet_poll()
+    # the gradient-norm check's probes (the loss's and the gradients' largest magnitude): no line
+    ring.set_grad_norm(True)
+    ring._check_grads = lambda step, grads, tripped: [torch.stack([g.abs().amax() for g in grads]).amax()]  # type: ignore[method-assign]
+    for step in (6, 7, 8):  # (gradients "on a device": their largest magnitude, 100, is the probe)
+        assert ring.check(step, None, [torch.tensor([100.0, -1.0])]) == []
+    assert ring._no_line == {6, 7, 8}
+    assert ring.complete() == []
+    assert ring.take_crossed() == []
+    assert ring._no_line == set()
+    ring.set_grad_norm(False)
+    # a full ring: the next batch is carried (its largest magnitude), never compared with the line
+    for step, value in enumerate([1.0, 9.0, 1.0, 1.0, 1.0, 1.0], start=9):
+        ring._push(step, torch.tensor(value))
+    assert [steps for _, steps in ring._pending] == [[9, 10, 11]]
+    assert ring._carry is not None
+    assert float(ring._carry) == 1.0
+    assert ring.complete() == []
+    assert ring.take_crossed() == [10]
+    ring._push(15, torch.tensor(1.0))
+    ring._push(16, torch.tensor(1.0))
+    ring._push(17, torch.tensor(4.0))
+    assert [steps for _, steps in ring._pending] == [[12, 15, 16, 17]]
+    assert ring.complete() == []
+    assert ring.take_crossed() == [17]
+    assert ring._no_line == set()
 
 
 def test_ranks_interleaved_in_one_record_stream_are_judged_each_on_its_own() -> None:

@@ -579,7 +579,7 @@ class _ProbesKept(Sentinel):
         self._pinned, self._events = self._allocate()  # (allocated once, at the first probe: here first)
 
     def _allocate(self) -> tuple[torch.Tensor, list[object]]:
-        return torch.zeros((self.slots, self.batch + 1), dtype=torch.bool), []
+        return torch.zeros((self.slots, self.batch + 1), dtype=torch.float32), []
 
     def _queue(self) -> None:
         batch, self._probes = self._probes, []
@@ -647,15 +647,16 @@ class _RingInFlight(Sentinel):
     ``bad`` (the steps to report as failed), with events the test completes by hand: copies in flight
     across quiet steps, observed on the CPU."""
 
-    def __init__(self, bad: set[int]) -> None:
+    def __init__(self, bad: set[int], high: set[int] = frozenset()) -> None:  # type: ignore[assignment]
         super().__init__(grad_norm=False, batch=4, batch_seconds=math.inf)
         self.bad = bad
+        self.high = high  # steps whose loss reads 100.0 (the others 0.5)
         self.done: list[bool] = [False] * self.slots
         self._pinned, self._events = self._allocate()
         self._free = list(range(self.slots))
 
     def _allocate(self) -> tuple[torch.Tensor, list[object]]:
-        return torch.zeros((self.slots, self.batch + 1), dtype=torch.bool), [
+        return torch.zeros((self.slots, self.batch + 1), dtype=torch.float32), [
             types.SimpleNamespace(query=lambda slot=slot: self.done[slot]) for slot in range(self.slots)
         ]
 
@@ -663,7 +664,8 @@ class _RingInFlight(Sentinel):
         batch, self._probes = self._probes, []
         steps = [step for step, _ in batch]
         slot = self._free.pop()
-        self._pinned[slot, : len(steps)] = torch.tensor([step not in self.bad for step in steps])  # type: ignore[index]
+        values = [math.nan if step in self.bad else 100.0 if step in self.high else 0.5 for step in steps]
+        self._pinned[slot, : len(steps)] = torch.tensor(values)  # type: ignore[index]
         self.done[slot] = False
         self._pending.append((slot, steps))
 
@@ -709,4 +711,45 @@ def test_a_device_loss_batch_in_flight_leaves_the_steps_quiet_and_a_failed_step_
     assert sentinel.takes_quiet_probes
     sentinel._probes.clear()
     watch._boundary._outbox.steps.entries.clear()  # (meta values cannot be copied to the host)
+    watch.close()
+
+
+def test_a_device_loss_past_the_spike_line_ends_the_quiet_run_with_a_scalar_record(
+    quiet_calls: collections.Counter[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device loss is compared with LossSpike's line when the sentinel reads its batch (no sync): a
+    quiet step that reads one past it stops, and that step's full boundary sends the step log in a
+    scalar record at once (the detectors judge the spike there), as for a CPU loss past the line."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    watch = sw.observe(model, opt, every=1000, sentinel=("loss",))
+    sentinel = _RingInFlight(bad=set(), high={3})
+    sentinel.alarm = watch._boundary.guard.alarm
+    watch._boundary.guard.sentinel = sentinel
+    x, y = next(iter(_batches(1)))
+    loss, _ = _train(model, opt, x, y)
+    watch.step(loss=loss)  # step 0: sampled, a CPU loss
+    sent: list[tuple[int, bool]] = []
+    monkeypatch.setattr(  # (what the boundary sends; meta values cannot be copied to the host)
+        watch._boundary._outbox, "send", lambda step, *args, **kwargs: sent.append((step, args[4]))
+    )
+    watch._boundary.guard.alarm.post_line(10.0)  # (as LossSpike posts it after a record)
+
+    def device_step() -> None:
+        _train(model, opt, x, y)
+        watch.step(loss=torch.tensor(0.5, device="meta"))
+
+    for _ in range(5):  # steps 1-5: the batch of 1-4 (step 3's loss 100) in flight from step 4
+        device_step()
+    assert quiet_calls == {True: 5}
+    assert sent == []
+    sentinel.complete()
+    device_step()  # step 6 reads the batch: step 3 passed the line
+    assert quiet_calls == {True: 5, False: 1}
+    assert sent == [(6, False)]  # a scalar record (no layer rows) at once, shipping steps 1-5's values
+    device_step()
+    assert quiet_calls == {True: 6, False: 1}  # (and quiet again)
+    sentinel._probes.clear()
+    watch._boundary._outbox.steps.entries.clear()
+    monkeypatch.undo()
     watch.close()
