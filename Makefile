@@ -66,21 +66,15 @@ bench: env
 bench-divergence: env
 	$(PY) benchmarks/divergence/run.py $(DIVERGENCE_ARGS)
 
-# The GPU check (benchmarks/gpu/run.py, about 5 minutes on one GPU): environment, CUDA tests, launch counts,
-# overhead ratios, a compiled model, into $(GPU_OUT) (results.json, results.md, log.txt); then where a step's
-# time goes (where.py: where.json, ~1 minute) and the Triton block shapes (tiles.py: tiles.json, ~1 minute).
-# OLD_KERNELS=REV: tiles.py also times REV's kernels (--old), and instructions.py counts both (no GPU needed).
-# DRY_RUN=1: every part on the CPU at toy sizes, in about a minute (CI runs it).
+# The GPU check (benchmarks/gpu/all.sh, about 7 minutes on one GPU): environment, CUDA tests, launch counts,
+# overhead ratios, a compiled model (run.py: results.json, results.md, log.txt); where a step's time goes
+# (where.py), the Triton main loops' instructions per element (instructions.py, no GPU needed) and block
+# shapes (tiles.py), all into $(GPU_OUT). OLD_KERNELS=REV: tiles.py and instructions.py also take REV's
+# kernels. DRY_RUN=1: every part on the CPU at toy sizes, in about a minute (CI runs it). On a GPU machine
+# run benchmarks/gpu/all.sh with its own python3 instead: .venv's torch is the CPU build.
 OLD_KERNELS ?=
 bench-gpu: env
-	PYTHONPATH=. $(PY) benchmarks/gpu/run.py --out $(GPU_OUT) $(if $(DRY_RUN),--dry-run)
-	PYTHONPATH=. $(PY) benchmarks/gpu/where.py --out $(GPU_OUT) $(if $(DRY_RUN),--dry-run) > $(GPU_OUT)/where.md
-	$(if $(OLD_KERNELS),git show $(OLD_KERNELS):streamwatch/_triton_kernels.py > $(GPU_OUT)/old_kernels.py)
-	$(PY) benchmarks/gpu/instructions.py --json $(GPU_OUT)/instructions.json \
-		$(if $(OLD_KERNELS),--old $(GPU_OUT)/old_kernels.py) > $(GPU_OUT)/instructions.md
-	$(if $(DRY_RUN),TRITON_INTERPRET=1 STREAMWATCH_KERNEL=triton) PYTHONPATH=. $(PY) benchmarks/gpu/tiles.py \
-		--out $(GPU_OUT) --budget 90 $(if $(DRY_RUN),--dry-run) $(if $(OLD_KERNELS),--old $(GPU_OUT)/old_kernels.py) \
-		> $(GPU_OUT)/tiles.txt
+	DRY_RUN=$(DRY_RUN) PY=$(PY) benchmarks/gpu/all.sh $(GPU_OUT) $(OLD_KERNELS)
 
 clean:
 	rm -rf $(VENV) $(DEMO_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .benchmarks
