@@ -386,7 +386,7 @@ class Sentinel:
     for a Python number), later on CUDA. There a step leaves a *probe* (the loss itself, a view: no
     kernel; with ``grad_norm``, the gradients' largest magnitude too), non-finite exactly when the step
     failed. Probes are checked in batches of ``batch`` steps (or the steps of ``batch_seconds``, whichever
-    is first): one ``stack`` of their values, copied without blocking into a pinned ring slot (float32)
+    is first): one ``stack`` of their values, copied without blocking into a pinned ring slot (float64)
     and read once its event has completed (``event.query()``: the training thread never waits) — two
     launches per batch, not per step. When every slot is still in flight (the host more than ``slots``
     batches ahead of the device), the batch is folded into a carry on the device (the largest
@@ -412,15 +412,15 @@ class Sentinel:
         self.batch = batch
         self.batch_seconds = batch_seconds
         self.trips = 0
-        self._pinned: torch.Tensor | None = (
-            None  # (slots, batch + 1) float32: a batch's values, after a carry's
-        )
+        # (slots, batch + 1) float64 (any probe's value exactly, a float64 gradient's 1e300 too): a batch's
+        # values, after a carry's
+        self._pinned: torch.Tensor | None = None
         self._events: list[Any] = []
         self._free: list[int] = []
         self._pending: collections.deque[tuple[int, list[int]]] = collections.deque()  # (slot, steps)
         self._probes: list[tuple[int, torch.Tensor]] = []  # (step, probe) not yet checked
         self._since = 0.0  # when the first of ``_probes`` came
-        self._carry: torch.Tensor | None = None  # (1,) float32 on the device: the carried largest |value|
+        self._carry: torch.Tensor | None = None  # (1,) on the device: the carried steps' largest |value|
         self._carry_first = 0
         self._found: list[int] = []  # failed steps a quiet step's poll read, for the next check
         self._crossed: list[int] = []  # steps whose device loss passed the alarm's line (take_crossed)
@@ -586,12 +586,12 @@ class Sentinel:
             self._no_line.add(self._carry_first)  # (a carry's largest magnitude: no line)
         if not parts:
             return
-        values = parts[0] if len(parts) == 1 else torch.cat(parts)  # (cat promotes to float32)
+        values = parts[0] if len(parts) == 1 else torch.cat(parts)  # (cat promotes the dtypes)
         if not self._free:
             if self._carry is None:
                 self._carry_first = steps[0]
             self._no_line.difference_update(steps)
-            self._carry = values.float().abs().amax().reshape(1)  # (amax keeps a NaN)
+            self._carry = values.abs().amax().reshape(1)  # (amax keeps a NaN)
             return
         self._carry = None
         slot = self._free.pop()
@@ -600,8 +600,8 @@ class Sentinel:
         self._pending.append((slot, steps))
 
     def _allocate(self) -> tuple[torch.Tensor, list[Any]]:
-        """The ring: ``slots`` pinned rows of flags and an event per slot (the device seam tests replace)."""
-        return torch.zeros((self.slots, self.batch + 1), dtype=torch.float32, pin_memory=True), [
+        """The ring: ``slots`` pinned rows of values and an event per slot (the device seam tests replace)."""
+        return torch.zeros((self.slots, self.batch + 1), dtype=torch.float64, pin_memory=True), [
             torch.cuda.Event() for _ in range(self.slots)
         ]
 

@@ -938,7 +938,7 @@ class _RingOnCpu(Sentinel):
 
     def _allocate(self) -> tuple[torch.Tensor, list[Any]]:
         self.fakes = [_FakeEvent() for _ in range(self.slots)]
-        return torch.zeros((self.slots, self.batch + 1), dtype=torch.float32), list(self.fakes)
+        return torch.zeros((self.slots, self.batch + 1), dtype=torch.float64), list(self.fakes)
 
     def _record(self, event: Any, device: torch.device) -> None:
         event.done = False
@@ -1014,8 +1014,8 @@ def test_the_device_ring_gives_a_device_loss_past_the_spike_line_to_take_crossed
     alarm = types.SimpleNamespace(line=math.inf)
     ring = _RingOnCpu(grad_norm=False, slots=1, batch=3, batch_seconds=math.inf)
     ring.alarm = alarm
-    for step, value in enumerate([1.0, 5.0, 2.0]):  # step 1 would pass a line of 3, none is posted
-        ring._push(step, torch.tensor(value))
+    for step, value in enumerate([1.0, 5.0, 1e300]):  # step 1 would pass a line of 3, none is posted
+        ring._push(step, torch.tensor(value, dtype=torch.float64))  # (1e300: finite, read exactly)
     assert ring.complete() == []
     assert ring.take_crossed() == []
     alarm.line = 3.0

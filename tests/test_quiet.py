@@ -579,7 +579,7 @@ class _ProbesKept(Sentinel):
         self._pinned, self._events = self._allocate()  # (allocated once, at the first probe: here first)
 
     def _allocate(self) -> tuple[torch.Tensor, list[object]]:
-        return torch.zeros((self.slots, self.batch + 1), dtype=torch.float32), []
+        return torch.zeros((self.slots, self.batch + 1), dtype=torch.float64), []
 
     def _queue(self) -> None:
         batch, self._probes = self._probes, []
@@ -656,7 +656,7 @@ class _RingInFlight(Sentinel):
         self._free = list(range(self.slots))
 
     def _allocate(self) -> tuple[torch.Tensor, list[object]]:
-        return torch.zeros((self.slots, self.batch + 1), dtype=torch.float32), [
+        return torch.zeros((self.slots, self.batch + 1), dtype=torch.float64), [
             types.SimpleNamespace(query=lambda slot=slot: self.done[slot]) for slot in range(self.slots)
         ]
 
