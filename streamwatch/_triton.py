@@ -287,7 +287,7 @@ class Arena:
             )
             return Row(self.partials, self.partials, self.partials, arena=self, part=row)
         samples, units, positions, sb, su, sp = layout
-        bu, bp, warps = _tile(su, sp, units, positions)
+        bu, bp, warps, fold = _tile(su, sp, units, positions)
         tiles = -(-units // bu)
         # positions split over programs until there are about _FLAT_PROGRAMS (a batch of 8 sequences
         # of 1024 tokens would be 48 programs otherwise: a GPU mostly idle)
@@ -327,6 +327,8 @@ class Arena:
             HAS_HI=has_hi,
             BU=bu,
             BP=bp,
+            FOLD=fold,
+            EVEN_U=units % bu == 0,
             num_warps=warps,
         )
         return Row(
@@ -431,15 +433,19 @@ def _merge(dims: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _tile(su: int, sp: int, units: int, positions: int) -> tuple[int, int, int]:
-    """Block shape ``(BU, BP)`` and warps for a ``[B, U, P]`` layout (:data:`TILES`)."""
+def _tile(su: int, sp: int, units: int, positions: int) -> tuple[int, int, int, int]:
+    """Block shape ``(BU, BP)``, warps and ``FOLD`` for a ``[B, U, P]`` layout (:data:`TILES`): which
+    dimension each thread adds its own elements along (1: units, 2: positions, 0: neither), the
+    contiguous one."""
     if positions == 1:
-        return TILES["one position"]
+        return (*TILES["one position"], 0)
     if sp == 1:
-        return TILES["positions contiguous"]
+        bu, bp, warps = TILES["positions contiguous"]
+        return bu, bp, warps, 2 if bp % 8 == 0 else 0  # (8: the most elements a thread loads at once)
     if su == 1:
-        return TILES["units contiguous"]
-    return TILES["strided"]
+        bu, bp, warps = TILES["units contiguous"]
+        return bu, bp, warps, 1 if bu % 8 == 0 else 0
+    return (*TILES["strided"], 0)
 
 
 def summarize_values(x: torch.Tensor, unit_dim: int | None = None) -> torch.Tensor:

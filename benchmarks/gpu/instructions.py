@@ -25,6 +25,7 @@ import importlib.util
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -42,13 +43,13 @@ CASES: list[tuple[str, str, dict[str, Any], int]] = [
     (
         "tile, units contiguous (64×16), bf16",
         "tile_partials",
-        {"WIDE": False, "UNITS": True, **_NO_BOUNDS, "BU": 64, "BP": 16, "su": 1},
+        {"WIDE": False, "UNITS": True, **_NO_BOUNDS, "BU": 64, "BP": 16, "FOLD": 1, "EVEN_U": True, "su": 1},
         4,
     ),
     (
         "tile, positions contiguous (8×128), bf16",
         "tile_partials",
-        {"WIDE": False, "UNITS": True, **_NO_BOUNDS, "BU": 8, "BP": 128, "sp": 1},
+        {"WIDE": False, "UNITS": True, **_NO_BOUNDS, "BU": 8, "BP": 128, "FOLD": 2, "EVEN_U": True, "sp": 1},
         4,
     ),
     (
@@ -97,12 +98,13 @@ def load_kernels(path: Path | None) -> Any:
     return module
 
 
-def sass_of(kernels: Any, kernel: str, constexprs: dict[str, Any], warps: int, arch: int) -> str:
+def compiled(kernels: Any, kernel: str, constexprs: dict[str, Any], warps: int, arch: int) -> Any:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     fn = getattr(kernels, kernel)
+    constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}  # (an older copy has fewer)
     dtype = "fp32" if constexprs.get("PACKED") else _DTYPE[kernel]
     signature = {k: v.replace("X", dtype) for k, v in SIGNATURES[kernel].items()}
     signature |= dict.fromkeys(constexprs, "constexpr")
@@ -112,8 +114,30 @@ def sass_of(kernels: Any, kernel: str, constexprs: dict[str, Any], warps: int, a
         if name in _DIVISIBLE and name not in constexprs
     }
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
-    return str(compiled.asm["sass"])
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+
+
+def registers(cubin: bytes) -> int:
+    """Registers per thread of a cubin's kernel (``cuobjdump --dump-resource-usage``, from Triton's wheel)."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True)
+    found = re.search(r"REG:(\d+)", out.stdout)
+    if found is None:
+        raise ValueError(f"no register count in cuobjdump's output: {out.stdout[-500:]} {out.stderr[-500:]}")
+    return int(found.group(1))
+
+
+def warps_per_sm(regs: int, warps: int) -> int:
+    """Warps an SM of compute capability 9.0 holds at once for a kernel of ``regs`` registers per thread
+    and ``warps`` warps per program (64 K registers, allocated 8 per thread at a time; 64 warps at most):
+    what bounds the loads in flight."""
+    per_program = -(-regs // 8) * 8 * 32 * warps
+    return min(64, (65536 // per_program) * warps)
 
 
 def main_loop(sass: str) -> list[str]:
@@ -149,7 +173,9 @@ def kind(line: str) -> str:
 def count(kernels: Any, arch: int) -> dict[str, dict[str, Any]]:
     out = {}
     for label, kernel, constexprs, warps in CASES:
-        loop = main_loop(sass_of(kernels, kernel, constexprs, warps, arch))
+        done = compiled(kernels, kernel, constexprs, warps, arch)
+        loop = main_loop(str(done.asm["sass"]))
+        regs = registers(done.asm["cubin"])
         block = constexprs.get("BLOCK") or constexprs["BU"] * constexprs["BP"]
         per_thread = block / (32 * warps)
         kinds = collections.Counter(kind(line) for line in loop)
@@ -158,6 +184,8 @@ def count(kernels: Any, arch: int) -> dict[str, dict[str, Any]]:
             "elements_per_thread": per_thread,
             "per_element": len(loop) / per_thread,
             "by_kind_per_element": {k: n / per_thread for k, n in sorted(kinds.items())},
+            "registers": regs,
+            "warps_per_sm": warps_per_sm(regs, warps),
         }
     return out
 
@@ -175,15 +203,22 @@ def main() -> int:
     result = {"this": count(load_kernels(None), args.arch)}
     if args.old is not None:
         result["old"] = count(load_kernels(args.old), args.arch)
-    print(f"Main loop of each kernel, SASS for sm_{args.arch}: instructions per element a thread reads\n")
-    head = "| kernel | " + (" old | " if "old" in result else "") + "this | this, by kind |"
+    print(
+        f"Main loop of each kernel, SASS for sm_{args.arch}: instructions per element a thread reads; "
+        "registers per thread and the warps an SM holds at once (of 64)\n"
+    )
+    head = "| kernel | " + ("old | " if "old" in result else "") + "this | this, by kind |"
     print(head)
     print("| --- | " + ("--- | " if "old" in result else "") + "--- | --- |")
+
+    def cell(found: dict[str, Any]) -> str:
+        return f"{found['per_element']:.1f}; {found['registers']} reg, {found['warps_per_sm']} warps"
+
     for label in result["this"]:
         this = result["this"][label]
-        old = f" {result['old'][label]['per_element']:.1f} |" if "old" in result else ""
+        old = f" {cell(result['old'][label])} |" if "old" in result else ""
         kinds = ", ".join(f"{k} {n:.1f}" for k, n in this["by_kind_per_element"].items())
-        print(f"| {label} |{old} {this['per_element']:.1f} | {kinds} |")
+        print(f"| {label} |{old} {cell(this)} | {kinds} |")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

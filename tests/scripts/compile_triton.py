@@ -46,14 +46,24 @@ SIGNATURES = {
 }
 
 
-def tiles() -> list[tuple[int, int]]:
-    """``_triton.TILES``' block shapes ``(units, positions)``."""
+_STRIDES = {"one position": (1, 1, 1), "positions contiguous": (7, 1, 64), "units contiguous": (1, 7, 64)}
+"""A ``(su, sp, positions)`` of each layout, for ``_triton._tile`` (any other is "strided")."""
+
+
+def tiles() -> list[tuple[int, int, int]]:
+    """``_triton.TILES``' block shapes ``(units, positions)`` with the ``FOLD`` each layout takes (as
+    ``_triton._tile`` gives it)."""
     from streamwatch import _triton
 
-    return sorted({(units, positions) for units, positions, _ in _triton.TILES.values()})
+    found = set()
+    for layout in _triton.TILES:
+        su, sp, positions = _STRIDES.get(layout, (7, 7, 64))
+        units, block_positions, _, fold = _triton._tile(su, sp, 64, positions)
+        found.add((units, block_positions, fold))
+    return sorted(found)
 
 
-_NO_BOUNDS = {"HAS_LO": False, "HAS_HI": False, "BU": 32, "BP": 32}
+_NO_BOUNDS = {"HAS_LO": False, "HAS_HI": False, "BU": 32, "BP": 32, "FOLD": 2, "EVEN_U": False}
 
 
 def variants() -> list[tuple[str, str, dict[str, object]]]:
@@ -63,15 +73,16 @@ def variants() -> list[tuple[str, str, dict[str, object]]]:
     for dtype in ("fp32", "bf16", "fp16", "fp64"):
         wide = dtype == "fp64"
         out.append(("flat_partials", dtype, {"WIDE": wide, "PACKED": False, "DIFF": False, "BLOCK": 1024}))
-        for bu, bp in tiles():
-            out.append(
-                (
-                    "tile_partials",
-                    dtype,
-                    {"WIDE": wide, "UNITS": True, "BOUNDED": False, "HAS_LO": False, "HAS_HI": False}
-                    | {"BU": bu, "BP": bp},
+        for bu, bp, fold in tiles():
+            for even in (True, False):
+                out.append(
+                    (
+                        "tile_partials",
+                        dtype,
+                        {"WIDE": wide, "UNITS": True, "BOUNDED": False, "HAS_LO": False, "HAS_HI": False}
+                        | {"BU": bu, "BP": bp, "FOLD": fold, "EVEN_U": even},
+                    )
                 )
-            )
     for dtype in ("fp32", "fp64"):  # packs: float32, or float64 for float64 tensors
         for diff in (False, True):
             wide = dtype == "fp64"
@@ -85,6 +96,8 @@ def variants() -> list[tuple[str, str, dict[str, object]]]:
             "HAS_HI": hi,
             "BU": 32,
             "BP": 32,
+            "FOLD": 1,
+            "EVEN_U": True,
         }
         out.append(("tile_partials", "fp32", flags))
     out.append(("tile_partials", "fp32", {"WIDE": False, "UNITS": False, "BOUNDED": False} | _NO_BOUNDS))
