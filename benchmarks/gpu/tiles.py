@@ -23,6 +23,7 @@ import importlib.util
 import json
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +53,29 @@ def layout_of(shape: tuple[int, ...], unit_dim: int | None) -> str:
     return "units contiguous" if unit_dim == len(shape) - 1 else "positions contiguous"
 
 
+class _Launcher:
+    """Another copy's kernel, launched as ``kernel[grid](...)``: the keyword arguments it does not take
+    (constexprs added since) are left out."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.names = set(fn.arg_names) | {"num_warps", "num_stages"}
+
+    def __getitem__(self, grid: Any) -> Any:
+        launch = self.fn[grid]
+        return lambda *args, **kwargs: launch(*args, **{k: v for k, v in kwargs.items() if k in self.names})
+
+
 class _Module:
     """A stand-in ``Kernels`` whose ``module`` is another copy of the kernels."""
 
     def __init__(self, module: Any) -> None:
-        self.module = module
+        self.module = types.SimpleNamespace(
+            **{
+                name: _Launcher(getattr(module, name))
+                for name in ("flat_partials", "tile_partials", "finalize")
+            }
+        )
         self.failed = None
 
 
