@@ -273,7 +273,7 @@ def tile_partials(
     :func:`flat_partials`, whole blocks of positions are read without a position mask, each thread adds
     its own elements along the contiguous dimension (``FOLD``, :func:`_folded`) into one running value
     per statistic, and non-finite elements are counted in a second pass only where there is one;
-    unbounded activity is read off the per-element nonzero counts (recounted without NaN in that pass).
+    unbounded activity is read off the per-unit nonzero counts (recounted without NaN in that pass).
     ``EVEN_U``: ``U`` is a multiple of ``BU`` (no unit mask)."""
     b = tl.program_id(0)
     t = tl.program_id(1)
