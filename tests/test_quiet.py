@@ -692,30 +692,32 @@ def test_a_device_loss_batch_in_flight_leaves_the_steps_quiet_and_a_failed_step_
         _train(model, opt, x, y)
         watch.step(loss=torch.tensor(0.5, device="meta"))
 
-    for _ in range(5):  # steps 1-5: the batch of 1-4 goes into flight at step 4
-        device_step()
-    assert [steps for _, steps in sentinel._pending] == [[1, 2, 3, 4]]
-    assert quiet_calls == {True: 5}  # (step 5 polled a copy still in flight)
-    sentinel.complete()
-    device_step()  # step 6 polls: 1-4 were finite, their slot is free again
-    assert sentinel._pending == collections.deque()
-    assert quiet_calls == {True: 6}
-    for _ in range(2):  # steps 7-8: the batch of 5-8 (6 fails) in flight
-        device_step()
-    assert quiet_calls == {True: 8}
-    assert sentinel.quiet_poll()  # (not completed: nothing known yet)
-    sentinel.complete()
-    assert not sentinel.quiet_poll()  # completed: step 6 read, kept for the next check
-    assert not sentinel.takes_quiet_probes
-    assert sentinel.check(9, None, ()) == [6]  # (as the full boundary's check reports it)
-    assert sentinel.takes_quiet_probes
-    sentinel._probes.clear()
-    watch._boundary._outbox.steps.entries.clear()  # (meta values cannot be copied to the host)
-    watch.close()
+    try:
+        for _ in range(5):  # steps 1-5: the batch of 1-4 goes into flight at step 4
+            device_step()
+        assert [steps for _, steps in sentinel._pending] == [[1, 2, 3, 4]]
+        assert quiet_calls == {True: 5}  # (step 5 polled a copy still in flight)
+        sentinel.complete()
+        device_step()  # step 6 polls: 1-4 were finite, their slot is free again
+        assert sentinel._pending == collections.deque()
+        assert quiet_calls == {True: 6}
+        for _ in range(2):  # steps 7-8: the batch of 5-8 (6 fails) in flight
+            device_step()
+        assert quiet_calls == {True: 8}
+        assert sentinel.quiet_poll()  # (not completed: nothing known yet)
+        sentinel.complete()
+        assert not sentinel.quiet_poll()  # completed: step 6 read, kept for the next check
+        assert not sentinel.takes_quiet_probes
+        assert sentinel.check(9, None, ()) == [6]  # (as the full boundary's check reports it)
+        assert sentinel.takes_quiet_probes
+    finally:
+        sentinel._probes.clear()
+        watch._boundary._outbox.steps.entries.clear()  # (meta values cannot be copied to the host)
+        watch.close()
 
 
 def test_a_device_loss_past_the_spike_line_ends_the_quiet_run_with_a_scalar_record(
-    quiet_calls: collections.Counter[bool], monkeypatch: pytest.MonkeyPatch
+    quiet_calls: collections.Counter[bool],
 ) -> None:
     """A device loss is compared with LossSpike's line when the sentinel reads its batch (no sync): a
     quiet step that reads one past it stops, and that step's full boundary sends the step log in a
@@ -729,27 +731,30 @@ def test_a_device_loss_past_the_spike_line_ends_the_quiet_run_with_a_scalar_reco
     x, y = next(iter(_batches(1)))
     loss, _ = _train(model, opt, x, y)
     watch.step(loss=loss)  # step 0: sampled, a CPU loss
+    assert watch.flush()  # (its record judged: LossSpike posts no line after it that could replace ours)
     sent: list[tuple[int, bool]] = []
-    monkeypatch.setattr(  # (what the boundary sends; meta values cannot be copied to the host)
-        watch._boundary._outbox, "send", lambda step, *args, **kwargs: sent.append((step, args[4]))
-    )
+    outbox = watch._boundary._outbox
+    real_send = outbox.send
+    outbox.send = lambda step, *args, **kwargs: sent.append((step, args[4]))  # type: ignore[method-assign]
     watch._boundary.guard.alarm.post_line(10.0)  # (as LossSpike posts it after a record)
 
     def device_step() -> None:
         _train(model, opt, x, y)
         watch.step(loss=torch.tensor(0.5, device="meta"))
 
-    for _ in range(5):  # steps 1-5: the batch of 1-4 (step 3's loss 100) in flight from step 4
+    try:
+        for _ in range(5):  # steps 1-5: the batch of 1-4 (step 3's loss 100) in flight from step 4
+            device_step()
+        assert quiet_calls == {True: 5}
+        assert sent == []
+        sentinel.complete()
+        device_step()  # step 6 reads the batch: step 3 passed the line
+        assert quiet_calls == {True: 5, False: 1}
+        assert sent == [(6, False)]  # a scalar record (no layer rows) at once, shipping steps 1-5's values
         device_step()
-    assert quiet_calls == {True: 5}
-    assert sent == []
-    sentinel.complete()
-    device_step()  # step 6 reads the batch: step 3 passed the line
-    assert quiet_calls == {True: 5, False: 1}
-    assert sent == [(6, False)]  # a scalar record (no layer rows) at once, shipping steps 1-5's values
-    device_step()
-    assert quiet_calls == {True: 6, False: 1}  # (and quiet again)
-    sentinel._probes.clear()
-    watch._boundary._outbox.steps.entries.clear()
-    monkeypatch.undo()
-    watch.close()
+        assert quiet_calls == {True: 6, False: 1}  # (and quiet again)
+    finally:  # (what the boundary sends is captured: meta values cannot be copied to the host)
+        sentinel._probes.clear()
+        outbox.steps.entries.clear()
+        outbox.send = real_send  # type: ignore[method-assign]
+        watch.close()
