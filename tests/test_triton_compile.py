@@ -23,13 +23,14 @@ pytest.importorskip("triton")
 SCRIPT = Path(__file__).parent / "scripts" / "compile_triton.py"
 
 
-@pytest.mark.parametrize("arch", [80, 90])
-def test_every_kernel_variant_compiles_to_a_cubin(arch: int, tmp_path: Path) -> None:
+def compile_in_child(script: Path, args: list[str], tmp_path: Path) -> str:
+    """Run ``script`` (it compiles kernels) in a child process without ``TRITON_INTERPRET``, its Triton
+    cache in ``tmp_path`` (never under the home folder); its standard output."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")  # (never under the home folder)
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--arch", str(arch)],
+        [sys.executable, str(script), *args],
         capture_output=True,
         text=True,
         env=env,
@@ -37,7 +38,13 @@ def test_every_kernel_variant_compiles_to_a_cubin(arch: int, tmp_path: Path) -> 
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    return done.stdout
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_every_kernel_variant_compiles_to_a_cubin(arch: int, tmp_path: Path) -> None:
+    stdout = compile_in_child(SCRIPT, ["--arch", str(arch)], tmp_path)
+    results = json.loads(stdout.strip().splitlines()[-1])
     failed = {name: result for name, result in results.items() if not isinstance(result, int)}
     assert failed == {}
     assert len(results) == 46
@@ -54,19 +61,8 @@ def test_the_main_loops_issue_few_instructions_per_element(tmp_path: Path) -> No
     registers per thread, so that an SM holds at least 20 warps (it held 16 at 112–127 registers, when
     each thread kept every statistic per element). The eight float operations the statistics need are in
     the loop: the count is of the real loop."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
     out = tmp_path / "instructions.json"
-    done = subprocess.run(
-        [sys.executable, str(INSTRUCTIONS), "--arch", "90", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=110,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    compile_in_child(INSTRUCTIONS, ["--arch", "90", "--json", str(out)], tmp_path)
     counts = json.loads(out.read_text())["this"]
     assert len(counts) == 4
     for label, found in counts.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import signal
 import subprocess
@@ -10,7 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -85,3 +86,14 @@ def free_device() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def load_kernels_file(path: Path) -> Any:
+    """Another copy of ``streamwatch/_triton_kernels.py`` (``git show REV:...``) as a module of its own
+    (``tiles.py --old``, ``instructions.py --old``)."""
+    spec = importlib.util.spec_from_file_location("_other_triton_kernels", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot load {path} as a module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import json
 import os
 import re
@@ -36,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 
 from compile_triton import SIGNATURES  # noqa: E402
+from harness import load_kernels_file  # noqa: E402
 
 _NO_BOUNDS = {"BOUNDED": False, "HAS_LO": False, "HAS_HI": False}
 CASES: list[tuple[str, str, dict[str, Any], int]] = [
@@ -90,12 +90,7 @@ def load_kernels(path: Path | None) -> Any:
         from streamwatch import _triton_kernels
 
         return _triton_kernels
-    spec = importlib.util.spec_from_file_location("_other_triton_kernels", path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"instructions.py: cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_kernels_file(path)
 
 
 def compiled(kernels: Any, kernel: str, constexprs: dict[str, Any], warps: int, arch: int) -> Any:

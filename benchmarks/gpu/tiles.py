@@ -19,7 +19,6 @@ two candidates per layout, timed once by the host clock — proof that the scrip
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from harness import load_kernels_file
 
 from streamwatch import _triton
 
@@ -77,15 +77,6 @@ class _Module:
             }
         )
         self.failed = None
-
-
-def load_old(path: Path) -> Any:
-    spec = importlib.util.spec_from_file_location("_old_triton_kernels", path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"tiles.py: cannot load {path} as a module")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def do_bench(fn: Any, warmup: int = 5, rep: int = 25) -> float:
@@ -171,7 +162,7 @@ def main() -> int:
             "runs": {},
         }
     if args.old is not None:
-        old = _Module(load_old(args.old))
+        old = _Module(load_kernels_file(args.old))
         for name, shape, _, unit_dim in shapes:
             ms = time_one(old, tensors[name], unit_dim)
             result["shapes"][name]["runs"]["old kernels, " + str(_tile_now(shape, unit_dim))] = ms
