@@ -195,7 +195,15 @@ def summarize_into(
         unit_dim = unit_dim_for(prepared, channel_last)
     kernel, triton = state.kernel, state.triton
     readable = kernel.readable(prepared) if kernel is not None else None
-    if triton is not None and triton.accepts(prepared) and not torch.compiler.is_compiling():
+    if (
+        triton is not None
+        and triton.accepts(prepared)
+        and triton.op is not None
+        and torch.compiler.is_compiling()
+    ):
+        row = triton.traced_row(prepared, unit_dim=unit_dim, bounds=bounds)  # (the registered op: no break)
+        state.buffer.add(key, prepared.numel(), row, replace=replace)
+    elif triton is not None and triton.accepts(prepared) and not torch.compiler.is_compiling():
         try:
             row = state.buffer.triton_arena(triton, prepared.device).summarize(
                 prepared, unit_dim=unit_dim, bounds=bounds

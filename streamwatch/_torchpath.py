@@ -100,7 +100,8 @@ class Row:
         samples: the batch size behind ``unit_counts``.
         part: this row's Gram matrix in ``gram``; for an ``arena`` row, its index there.
         arena: the Triton path's step arena (``_triton.Arena``) that holds this row's partial sums, or
-            None; ``gram``, ``low`` and ``high`` are then placeholders.
+            None; ``gram``, ``low`` and ``high`` are then placeholders. A row summarised in compiled code
+            holds its own partials in ``gram`` (its arena a ``_triton.TracedArena``).
     """
 
     gram: torch.Tensor
@@ -536,8 +537,8 @@ def device_values(rows: Iterable[Row], counted: bool) -> torch.Tensor:
 
 def _with_arenas(rows: list[Row], counted: bool) -> torch.Tensor:
     """:func:`device_values` of a step with rows the Triton path summarised: each arena's rows finalized
-    in one launch (float64); rows of the torch path beside them (traced code) joined by one ``cat`` and
-    put back in order by one ``index_select``."""
+    in one launch (float64; the rows from compiled code after one ``cat`` of their partials); rows of the
+    torch path beside them joined by one ``cat`` and put back in order by one ``index_select``."""
     groups: dict[int, list[int]] = {}  # id(arena) or 0 (torch rows) -> positions in rows
     for i, row in enumerate(rows):
         groups.setdefault(0 if row.arena is None else id(row.arena), []).append(i)
@@ -547,10 +548,9 @@ def _with_arenas(rows: list[Row], counted: bool) -> torch.Tensor:
         if key == 0:
             tables.append(device_values(members, counted).view(len(members), -1).to(torch.float64))
         else:
-            arena = members[0].arena
-            every = [r.part for r in members] == list(range(len(arena.segments)))
+            arena = members[0].arena  # (an Arena, or the TracedArena of rows from compiled code)
             try:
-                tables.append(arena.table(counted, None if every else members))
+                tables.append(arena.table(counted, members))
             except Exception as exc:  # (this step's record is lost, counted; the torch path from now on)
                 arena.kernels.give_up(exc)
                 raise

@@ -8,11 +8,13 @@ finalize reduces them, each summary's in a fixed order, into the step's table (f
 device order): deterministic, no float atomics, no host sync. Non-finite counts are exact; a tensor
 without NaN or ±inf pays nothing for them (a second pass reads the parts of a tensor that hold one).
 
-**Which tensors.** CUDA tensors of float16, bfloat16, float32 or float64 outside ``torch.compile`` (traced
-code keeps the torch path's plain ops, which Inductor fuses into its own kernels), when Triton imports and
-compiles. ``STREAMWATCH_KERNEL=torch`` forces the torch path; ``STREAMWATCH_KERNEL=triton`` makes CPU
-tensors take these kernels too, which only works under the Triton interpreter (``TRITON_INTERPRET=1``):
-the tests' route to check the kernels without a GPU.
+**Which tensors.** CUDA tensors of float16, bfloat16, float32 or float64, when Triton imports and
+compiles. Inside ``torch.compile`` an arena's bookkeeping cannot run at every call, so traced code calls
+the registered op ``streamwatch::partials`` instead (:meth:`Kernels.traced_row`): dynamo sees one op,
+AOT autograd hands Inductor the kernel, and the partials are an output of the graph that
+:class:`TracedArena` finalizes at the step's end. ``STREAMWATCH_KERNEL=torch`` forces the torch path;
+``STREAMWATCH_KERNEL=triton`` makes CPU tensors take these kernels too, which only works under the
+Triton interpreter (``TRITON_INTERPRET=1``): the tests' route to check the kernels without a GPU.
 
 **Falling back.** Triton is imported lazily, on the first CUDA model observed. If it is missing, too old
 (before 3.0), or fails to compile a kernel (it needs a C compiler the first time), streamwatch warns once
@@ -29,13 +31,15 @@ Example:
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import shutil
 import tempfile
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import Any, NamedTuple
 
 import torch
 
@@ -171,11 +175,25 @@ class Kernels:
         self.module = module
         self.version = triton.__version__
         self.failed: str | None = None  # why a launch failed; then nothing takes these kernels again
+        self.op = _register(module)  # streamwatch::partials, for compiled code (None: torch before 2.6)
+        self.traced = TracedArena(self)
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Whether ``x`` takes these kernels (CUDA, or any device under ``STREAMWATCH_KERNEL=triton``),
         which no tensor does once a launch failed."""
         return self.failed is None and x.dtype in DTYPES and (x.device.type == "cuda" or forced())
+
+    def traced_row(
+        self, x: torch.Tensor, unit_dim: int | None = None, bounds: tuple[float, float] | None = None
+    ) -> Row:
+        """:meth:`Arena.summarize` for code ``torch.compile`` traces (where an arena's Python bookkeeping
+        cannot run at every call): the registered op ``streamwatch::partials``, which Inductor turns into
+        a launch of the same kernel from its own code, with no graph break. The row's partials are an
+        output of the graph; :attr:`traced` finalizes the step's rows in one launch."""
+        partials, counts, _ = self.op(x, unit_dim, None if bounds is None else [bounds[0], bounds[1]])
+        if unit_dim is None:
+            return Row(partials, partials, partials, arena=self.traced)
+        return Row(partials, partials, partials, unit_counts=counts, samples=x.shape[0], arena=self.traced)
 
     def give_up(self, exc: BaseException) -> None:
         """A launch failed (a specialisation compiled at its first use that would not compile, say):
@@ -231,7 +249,7 @@ class Arena:
         self._used = 0  # partials rows taken this step
         self._units_used = 0
         self._lock = threading.Lock()
-        self._index: dict[tuple[int, ...], torch.Tensor] = {}
+        self._index: dict[tuple[int, ...], torch.Tensor] = {}  # segment starts and lengths on the device
 
     def _take(self, parts: Sequence[int], units: int = 0) -> tuple[int, int, int]:
         """Room for summaries of ``parts`` partials each (and ``units`` counts): (first partials row,
@@ -259,87 +277,14 @@ class Arena:
     ) -> Row:
         """The :class:`Row` of a dense, non-empty tensor (any strides), in one launch; with ``unit_dim``,
         also per-unit activity (active: nonzero, or away from the saturation ``bounds``)."""
-        layout = _layout(x, unit_dim)
-        if layout is None:  # positions no single stride reaches: one copy first
-            x = x.contiguous()
-            layout = _layout(x, unit_dim)
-            assert layout is not None
-        wide = x.dtype == torch.float64
-        k = self.kernels.module
-        if unit_dim is None and x.is_contiguous():
-            n = x.numel()
-            per = _FLAT_BLOCK * -(-n // (_FLAT_BLOCK * _FLAT_PROGRAMS))
-            programs = -(-n // per)
-            first, row, _ = self._take([programs])
-            k.flat_partials[(programs,)](
-                x,
-                x,
-                x,
-                n,
-                per,
-                self.partials,
-                first,
-                WIDE=wide,
-                PACKED=False,
-                DIFF=False,
-                BLOCK=_FLAT_BLOCK,
-                num_warps=_FLAT_WARPS,
-            )
-            return Row(self.partials, self.partials, self.partials, arena=self, part=row)
-        samples, units, positions, sb, su, sp = layout
-        bu, bp, warps, fold = _tile(su, sp, units, positions)
-        tiles = -(-units // bu)
-        # positions split over programs until there are about _FLAT_PROGRAMS (a batch of 8 sequences
-        # of 1024 tokens would be 48 programs otherwise: a GPU mostly idle)
-        splits = max(1, min(-(-positions // bp), _FLAT_PROGRAMS // (samples * tiles)))
-        per_split = bp * -(-positions // (bp * splits))
-        splits = -(-positions // per_split)
-        first, row, offset = self._take(
-            [samples * tiles * splits], units * (1 + samples) if unit_dim is not None else 0
-        )
-        lo, hi = bounds if bounds is not None else (0.0, 0.0)
-        has_lo, has_hi = (
-            bounds is not None and abs(lo) != float("inf"),
-            bounds is not None and abs(hi) != float("inf"),
-        )
+        reading = _reading(x, unit_dim)
+        units = reading.units if unit_dim is not None else 0
+        first, row, offset = self._take([reading.programs], units * (1 + reading.samples))
         counts = self.units[offset : offset + units] if unit_dim is not None else None
         flags = self.units[offset + units :] if unit_dim is not None else self.units  # (sample, unit)
-        k.tile_partials[(samples, tiles, splits)](
-            x,
-            units,
-            positions,
-            sb,
-            su,
-            sp,
-            per_split,
-            self.partials,
-            first,
-            counts if counts is not None else self.units,
-            flags,
-            lo if has_lo else 0.0,
-            hi if has_hi else 0.0,
-            _ATOL + _RTOL * abs(lo) if has_lo else 0.0,
-            _ATOL + _RTOL * abs(hi) if has_hi else 0.0,
-            WIDE=wide,
-            UNITS=counts is not None,
-            BOUNDED=bounds is not None,
-            HAS_LO=has_lo,
-            HAS_HI=has_hi,
-            BU=bu,
-            BP=bp,
-            FOLD=fold,
-            EVEN_U=units % bu == 0,
-            num_warps=warps,
-        )
-        return Row(
-            self.partials,
-            self.partials,
-            self.partials,
-            unit_counts=counts,
-            samples=samples,
-            arena=self,
-            part=row,
-        )
+        _launch(self.kernels.module, _as_is, reading, self.partials, first, counts, flags, bounds)
+        p = self.partials
+        return Row(p, p, p, unit_counts=counts, samples=reading.samples, arena=self, part=row)
 
     def summarize_packed(
         self, pack: Packing, reverse: bool = False, minus: Packing | None = None
@@ -371,27 +316,9 @@ class Arena:
     def table(self, counted: bool, rows: Sequence[Row] | None = None) -> torch.Tensor:
         """``(len(rows), NCOL)`` (``NCOL - 1`` unless ``counted``) float64: the device values of
         ``rows`` (this arena's; default all its rows in order), in one finalize launch."""
-        ncol = NCOL if counted else NCOL - 1
         parts = [r.part for r in rows] if rows is not None else list(range(len(self.segments)))
         segments = [self.segments[p] for p in parts]
-        out = torch.empty(len(parts), ncol, dtype=torch.float64, device=self.device)
-        if not parts:
-            return out
-        starts = self._device_index(tuple(s for s, _ in segments))
-        lengths = self._device_index(tuple(c for _, c in segments))
-        self.kernels.module.finalize[(len(parts),)](
-            self.partials, starts, lengths, out, NCOL=ncol, BLOCK=_FINAL_BLOCK
-        )
-        return out
-
-    def _device_index(self, values: tuple[int, ...]) -> torch.Tensor:
-        found = self._index.get(values)
-        if found is None:
-            if len(self._index) >= _CACHED:
-                self._index.clear()
-            host = torch.tensor(values, dtype=torch.int64)
-            found = self._index[values] = host.to(self.device, non_blocking=True)
-        return found
+        return _finalize(self.kernels.module, self.partials, segments, counted, self._index)
 
     def reset(self) -> None:
         """Forget this step's rows (the buffers stay; the next step's kernels overwrite them in order)."""
@@ -399,6 +326,255 @@ class Arena:
             if self._units_used:
                 self.units[: self._units_used].zero_()
             self.segments, self._used, self._units_used = [], 0, 0
+
+
+class TracedArena:
+    """The rows summarised inside ``torch.compile``'d code: each holds its own partials (an output of the
+    graph, from the registered op ``streamwatch::partials``), and :meth:`table` joins them with one
+    ``cat`` and finalizes them in one launch. One per :class:`Kernels`; ``_torchpath.device_values``
+    asks it for its rows' values as it asks an :class:`Arena`.
+
+    Example (CPU tensors need ``STREAMWATCH_KERNEL=triton`` and ``TRITON_INTERPRET=1``)::
+
+        kernels = load()
+        rows = [kernels.traced_row(torch.ones(3)), kernels.traced_row(torch.zeros(2, 4), unit_dim=1)]
+        kernels.traced.table(False, rows)  # (2, 8), as Arena.table gives
+    """
+
+    def __init__(self, kernels: Kernels) -> None:
+        self.kernels = kernels
+        self._index: dict[tuple[int, ...], torch.Tensor] = {}  # segment starts and lengths on the device
+
+    def table(self, counted: bool, rows: Sequence[Row]) -> torch.Tensor:
+        """``(len(rows), NCOL)`` (``NCOL - 1`` unless ``counted``) float64: the device values of ``rows``
+        (this arena's), in one ``cat`` and one finalize launch."""
+        parts = [r.gram for r in rows]
+        device = parts[0].device
+        if any(p.device != device for p in parts):  # (several devices: model parallel)
+            parts = [p.to(device) for p in parts]
+        segments, start = [], 0
+        for p in parts:
+            segments.append((start, p.shape[0]))
+            start += p.shape[0]
+        partials = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return _finalize(self.kernels.module, partials, segments, counted, self._index)
+
+
+class _Reading(NamedTuple):
+    """How one tensor is read: ``x`` (copied contiguous where no single stride walks its positions), the
+    grid of programs (each writes one partials row), positions per program (``per``), and for the tile
+    kernel the ``[B, U, P]`` layout (:func:`_layout`) and block (:func:`_tile`); ``layout`` None: the flat
+    kernel."""
+
+    x: torch.Tensor
+    grid: tuple[int, ...]
+    per: int
+    layout: tuple[int, int, int, int, int, int] | None = None
+    tile: tuple[int, int, int, int] | None = None
+
+    @property
+    def programs(self) -> int:
+        return math.prod(self.grid)
+
+    @property
+    def samples(self) -> int:
+        return self.layout[0] if self.layout is not None else 0
+
+    @property
+    def units(self) -> int:
+        return self.layout[1] if self.layout is not None else 0
+
+
+def _reading(x: torch.Tensor, unit_dim: int | None) -> _Reading:
+    """How the kernels read ``x`` (with ``unit_dim``: per unit too)."""
+    if unit_dim is None and x.is_contiguous():
+        n = x.numel()
+        per = _FLAT_BLOCK * -(-n // (_FLAT_BLOCK * _FLAT_PROGRAMS))
+        return _Reading(x, (-(-n // per),), per)
+    layout = _layout(x, unit_dim)
+    if layout is None:  # positions no single stride reaches: one copy first
+        x = x.contiguous()
+        layout = _layout(x, unit_dim)
+        assert layout is not None
+    samples, units, positions, _, su, sp = layout
+    tile = _tile(su, sp, units, positions)
+    tiles = -(-units // tile[0])
+    # positions split over programs until there are about _FLAT_PROGRAMS (a batch of 8 sequences
+    # of 1024 tokens would be 48 programs otherwise: a GPU mostly idle)
+    splits = max(1, min(-(-positions // tile[1]), _FLAT_PROGRAMS // (samples * tiles)))
+    per_split = tile[1] * -(-positions // (tile[1] * splits))
+    return _Reading(x, (samples, tiles, -(-positions // per_split)), per_split, layout, tile)
+
+
+def _as_is(kernel: Any) -> Any:
+    """A kernel launched directly (eager code; ``torch.library.wrap_triton`` in a registered op)."""
+    return kernel
+
+
+def _launch(
+    k: ModuleType,
+    wrap: Callable[[Any], Any],
+    reading: _Reading,
+    partials: torch.Tensor,
+    first: int,
+    counts: torch.Tensor | None,
+    flags: torch.Tensor,
+    bounds: tuple[float, float] | None,
+) -> None:
+    """Launch the kernel that reads ``reading`` into ``partials`` from row ``first``; ``counts``: its
+    per-unit activity counts (None: not taken), ``flags`` its (sample, unit) flags, both zeroed."""
+    x = reading.x
+    wide = x.dtype == torch.float64
+    if reading.layout is None:
+        wrap(k.flat_partials)[reading.grid](
+            x,
+            x,
+            x,
+            x.numel(),
+            reading.per,
+            partials,
+            first,
+            WIDE=wide,
+            PACKED=False,
+            DIFF=False,
+            BLOCK=_FLAT_BLOCK,
+            num_warps=_FLAT_WARPS,
+        )
+        return
+    assert reading.tile is not None
+    _, units, positions, sb, su, sp = reading.layout
+    bu, bp, warps, fold = reading.tile
+    lo, hi = bounds if bounds is not None else (0.0, 0.0)
+    has_lo = bounds is not None and abs(lo) != float("inf")
+    has_hi = bounds is not None and abs(hi) != float("inf")
+    wrap(k.tile_partials)[reading.grid](
+        x,
+        units,
+        positions,
+        sb,
+        su,
+        sp,
+        reading.per,
+        partials,
+        first,
+        counts if counts is not None else flags,
+        flags,
+        lo if has_lo else 0.0,
+        hi if has_hi else 0.0,
+        _ATOL + _RTOL * abs(lo) if has_lo else 0.0,
+        _ATOL + _RTOL * abs(hi) if has_hi else 0.0,
+        WIDE=wide,
+        UNITS=counts is not None,
+        BOUNDED=bounds is not None,
+        HAS_LO=has_lo,
+        HAS_HI=has_hi,
+        BU=bu,
+        BP=bp,
+        FOLD=fold,
+        EVEN_U=units % bu == 0,
+        num_warps=warps,
+    )
+
+
+def _finalize(
+    k: ModuleType,
+    partials: torch.Tensor,
+    segments: Sequence[tuple[int, int]],
+    counted: bool,
+    index: dict[tuple[int, ...], torch.Tensor],
+) -> torch.Tensor:
+    """``(len(segments), NCOL)`` (``NCOL - 1`` unless ``counted``) float64: each segment ``(first row,
+    rows)`` of ``partials`` reduced in order, in one launch; ``index`` caches the segments' device
+    copies (layouts repeat every step)."""
+    ncol = NCOL if counted else NCOL - 1
+    out = torch.empty(len(segments), ncol, dtype=torch.float64, device=partials.device)
+    if not segments:
+        return out
+    starts = _device_index(index, partials.device, tuple(s for s, _ in segments))
+    lengths = _device_index(index, partials.device, tuple(c for _, c in segments))
+    k.finalize[(len(segments),)](partials, starts, lengths, out, NCOL=ncol, BLOCK=_FINAL_BLOCK)
+    return out
+
+
+def _device_index(
+    index: dict[tuple[int, ...], torch.Tensor], device: torch.device, values: tuple[int, ...]
+) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``, remembered in ``index`` (copied without waiting)."""
+    found = index.get(values)
+    if found is None:
+        if len(index) >= _CACHED:
+            index.clear()
+        host = torch.tensor(values, dtype=torch.int64)
+        found = index[values] = host.to(device, non_blocking=True)
+    return found
+
+
+def _partials(
+    x: torch.Tensor, unit_dim: int | None, bounds: list[float] | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The registered op ``streamwatch::partials``: ``x``'s partials (one row per program) and, with
+    ``unit_dim``, its per-unit activity counts and (sample, unit) flags (else one unread element each),
+    in one launch (and two zero fills with ``unit_dim``). Traced into a compiled graph as the kernel
+    itself (``wrap_triton``): Inductor launches it from its own code."""
+    reading = _reading(x, unit_dim)
+    partials, counts, flags = _outputs(reading, unit_dim)
+    pair = (bounds[0], bounds[1]) if bounds is not None else None
+    taken = counts if unit_dim is not None else None
+    _launch(_op_module(), torch.library.wrap_triton, reading, partials, 0, taken, flags, pair)
+    return partials, counts, flags
+
+
+def _partials_fake(
+    x: torch.Tensor, unit_dim: int | None, bounds: list[float] | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``streamwatch::partials``' outputs, not computed (what dynamo traces with)."""
+    return _outputs(_reading(x, unit_dim), unit_dim)
+
+
+def _outputs(reading: _Reading, unit_dim: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``streamwatch::partials``' outputs, allocated: partials, counts and flags."""
+    device = reading.x.device
+    partials = torch.empty(reading.programs, NCOL + 1, dtype=torch.float64, device=device)
+    if unit_dim is None:  # (pointers the kernel is given and never reads)
+        return (
+            partials,
+            torch.empty(1, dtype=torch.int32, device=device),
+            torch.empty(1, dtype=torch.int32, device=device),
+        )
+    counts = torch.zeros(reading.units, dtype=torch.int32, device=device)
+    return partials, counts, torch.zeros(reading.samples * reading.units, dtype=torch.int32, device=device)
+
+
+_op: Any = None
+"""``streamwatch::partials`` once registered (:func:`_register`); None before, False if it failed."""
+_op_modules: list[ModuleType] = []
+
+
+def _op_module() -> ModuleType:
+    """The kernels the registered op launches (the latest :class:`Kernels`' module)."""
+    return _op_modules[-1]
+
+
+def _register(module: ModuleType) -> Any:
+    """Register ``streamwatch::partials`` (once per process) to launch ``module``'s kernels; None where
+    this torch has no ``torch.library.triton_op`` (before 2.6) or refuses it (warned once): compiled
+    code then traces the torch path, and eager code still takes the kernels."""
+    global _op
+    _op_modules[:] = [module]
+    if _op is None and hasattr(torch.library, "triton_op") and hasattr(torch.library, "wrap_triton"):
+        try:
+            op: Any = torch.library.triton_op("streamwatch::partials", _partials, mutates_args=())
+            op.register_fake(_partials_fake)
+            _op = op
+        except Exception as exc:  # (an API that changed under us: only compiled code loses the kernels)
+            warnings.warn(
+                f"streamwatch: could not register the Triton kernels for compiled code ({exc!r}); "
+                "activations inside torch.compile are summarised with torch ops",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            _op = False
+    return _op or None
 
 
 def _layout(x: torch.Tensor, unit_dim: int | None) -> tuple[int, int, int, int, int, int] | None:

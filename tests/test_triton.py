@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -418,3 +419,86 @@ def test_training_is_bit_identical_on_the_kernels(monkeypatch: pytest.MonkeyPatc
     assert got.keys() == want.keys()
     differ = [name for name in want if not torch.equal(got[name], want[name])]
     assert differ == []
+
+
+def compiled_and_eager_records(compile_model: bool) -> tuple[list[sw.StepRecord], list[torch.fx.GraphModule]]:
+    """Two steps of a small MLP (the first compiles, the second runs the compiled forward), every step
+    recorded (exact non-finite counts, per-unit activity), its forward compiled (whole: ``fullgraph``)
+    or not; the records and the graphs dynamo made."""
+    torch._dynamo.reset()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
+        graphs.append(gm)
+        if DEVICE.type == "cuda":  # Inductor: the op becomes a launch of the kernel from its own code
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, inputs)
+        return gm.forward  # (the interpreter runs the kernels: Inductor's code for them needs a GPU)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).to(
+        DEVICE
+    )
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 12, generator=gen).to(DEVICE), torch.randint(0, 4, (32,), generator=gen).to(DEVICE)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = sw.sinks.collect()
+    with sw.observe(model, optimizer, sinks=[records], every=1, stats=("nonfinite", "dead")) as watch:
+        forward = torch.compile(model, backend=backend, fullgraph=True) if compile_model else model
+        for _ in range(2):
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(forward(x), y)
+            loss.backward()
+            optimizer.step()
+            watch.step(loss=loss)
+    assert watch.statistics().hook_errors == 0
+    torch._dynamo.reset()
+    return records.items, graphs
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_a_compiled_model_is_summarised_by_the_registered_op_as_in_eager_mode() -> None:
+    """Under ``torch.compile(fullgraph=True)`` (no graph break) each activation is summarised by the
+    registered op ``streamwatch::partials`` (the same kernels; Inductor launches them from its own code
+    on a GPU), and every row the compiled run records — sums, extremes, exact non-finite counts,
+    per-unit activity — equals eager mode's (the compiled forward records no output gradients: a tensor
+    hook would break the graph)."""
+    got, graphs = compiled_and_eager_records(True)
+    want, _ = compiled_and_eager_records(False)
+    ops = [n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.streamwatch.partials.default]
+    assert len(graphs) == 1
+    assert len(ops) == 5  # one per activation: 3 Linear, ReLU, Tanh
+    assert len(got) == len(want) == 2
+    for a, b in zip(got, want, strict=True):
+        rows = {key: i for i, key in enumerate(b.keys)}
+        assert {key.kind for key in a.keys} == {key.kind for key in b.keys} - {"output_grad"}
+        picked = [rows[key] for key in a.keys]
+        np.testing.assert_allclose(
+            np.asarray(a.table), np.asarray(b.table)[picked], rtol=1e-5, atol=1e-5, equal_nan=True
+        )
+    assert float(np.nansum(got[-1].column("active"))) > 0  # (per-unit activity was taken)
+
+
+def test_a_refused_registration_leaves_compiled_code_on_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """If torch will not register ``streamwatch::partials``, one warning says so and only compiled code
+    loses the kernels: eager code still takes them."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no custom ops today")
+
+    loaded = _triton.load()
+    assert loaded is not None
+    monkeypatch.setattr(_triton, "_op", None)
+    monkeypatch.setattr(torch.library, "triton_op", refuse)
+    with pytest.warns(
+        RuntimeWarning, match="no custom ops today.*inside torch.compile are summarised with torch"
+    ):
+        kernels = _triton.Kernels(loaded.module)
+    assert kernels.op is None
+    assert _triton.Kernels(loaded.module).op is None  # (warned once: not retried)
+    x = torch.arange(6.0, device=DEVICE)
+    arena = _triton.Arena(kernels, DEVICE)
+    assert float(arena.table(False, [arena.summarize(x)])[0, 0]) == 15.0

@@ -70,3 +70,17 @@ def test_the_main_loops_issue_few_instructions_per_element(tmp_path: Path) -> No
         assert found["per_element"] <= 20.0, (label, found)
         assert found["registers"] <= 100, (label, found)
         assert found["warps_per_sm"] >= 20, (label, found)
+
+
+TRACED = Path(__file__).parent / "scripts" / "traced_triton.py"
+
+
+def test_compiled_code_launches_the_kernels_itself_without_copying_the_tensor(tmp_path: Path) -> None:
+    """Under ``torch.compile`` an observed model's activations are summarised by the registered op
+    ``streamwatch::partials``: the graph holds the kernel itself (one ``triton_kernel_wrapper_functional``
+    per activation, which Inductor launches from its own code), with no graph break, and torch's analysis
+    of the kernel finds that it writes only its own outputs, so the activation is not copied for it."""
+    result = json.loads(compile_in_child(TRACED, [], tmp_path).strip().splitlines()[-1])
+    assert result["graphs"] == 1
+    assert result["graph_breaks"] == 0
+    assert result["kernels"] == [{"kernel": "tile_partials", "clones": ["counts", "flags", "partials"]}] * 3

@@ -4,7 +4,9 @@ Run by ``run.py`` in a child process, killed whole at the section's time budget 
 interrupted from inside). The child prints one line, ``COMPILED-RESULT {json}``:
 
 * ``explain_plain`` / ``explain_observed``: ``torch._dynamo.explain``'s graph breaks in one forward of the
-  model unobserved and observed (a sampled step), with the first reasons;
+  model unobserved and observed (a sampled step), with the first reasons, and ``partials_ops``: the
+  activations summarised in the graph by the registered Triton op ``streamwatch::partials`` (0 where
+  the torch path's ops are traced: no Triton, or the dry run's CPU);
 * ``graph_breaks``: ``torch._dynamo.utils.counters["graph_break"]`` summed over the compiled training
   steps (forward, backward, optimizer step, ``watch.step()``), with the first reasons, and dynamo's
   ``stats`` counters (``unique_graphs``, ...);
@@ -54,9 +56,17 @@ def explain(w: Workload, model: torch.nn.Module, x: torch.Tensor) -> dict[str, A
     torch._dynamo.reset()
     counters.clear()
     explained = torch._dynamo.explain(lambda x: _forward(w, model, x))(x)
+    op = getattr(getattr(torch.ops, "streamwatch", None), "partials", None)
     return {
         "graph_breaks": explained.graph_break_count,
         "reasons": [_line(reason.reason) for reason in explained.break_reasons][:10],
+        # activations summarised by the registered Triton op (0: the torch path's ops are traced)
+        "partials_ops": sum(
+            1
+            for gm in explained.graphs
+            for node in gm.graph.nodes
+            if op is not None and node.target is op.default
+        ),
     }
 
 
