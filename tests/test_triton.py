@@ -422,9 +422,9 @@ def test_training_is_bit_identical_on_the_kernels(monkeypatch: pytest.MonkeyPatc
 
 
 def compiled_and_eager_records(compile_model: bool) -> tuple[list[sw.StepRecord], list[torch.fx.GraphModule]]:
-    """Two steps of a small MLP (the first compiles, the second runs the compiled forward), every step
-    recorded (exact non-finite counts, per-unit activity), its forward compiled (whole: ``fullgraph``)
-    or not; the records and the graphs dynamo made."""
+    """Three steps of a small MLP (the first compiles, the second runs the compiled forward, the third
+    a smaller batch), every step recorded (exact non-finite counts, per-unit activity), its forward
+    compiled (whole: ``fullgraph``) or not; the records and the graphs dynamo made."""
     torch._dynamo.reset()
     graphs: list[torch.fx.GraphModule] = []
 
@@ -446,9 +446,9 @@ def compiled_and_eager_records(compile_model: bool) -> tuple[list[sw.StepRecord]
     records = sw.sinks.collect()
     with sw.observe(model, optimizer, sinks=[records], every=1, stats=("nonfinite", "dead")) as watch:
         forward = torch.compile(model, backend=backend, fullgraph=True) if compile_model else model
-        for _ in range(2):
+        for batch in (32, 32, 5):  # (a new batch size: dynamo compiles again, the shapes symbolic)
             optimizer.zero_grad()
-            loss = nn.functional.cross_entropy(forward(x), y)
+            loss = nn.functional.cross_entropy(forward(x[:batch]), y[:batch])
             loss.backward()
             optimizer.step()
             watch.step(loss=loss)
@@ -462,14 +462,14 @@ def test_a_compiled_model_is_summarised_by_the_registered_op_as_in_eager_mode() 
     """Under ``torch.compile(fullgraph=True)`` (no graph break) each activation is summarised by the
     registered op ``streamwatch::partials`` (the same kernels; Inductor launches them from its own code
     on a GPU), and every row the compiled run records — sums, extremes, exact non-finite counts,
-    per-unit activity — equals eager mode's (the compiled forward records no output gradients: a tensor
-    hook would break the graph)."""
+    per-unit activity — equals eager mode's, with a static and with a symbolic batch size (the compiled
+    forward records no output gradients: a tensor hook would break the graph)."""
     got, graphs = compiled_and_eager_records(True)
     want, _ = compiled_and_eager_records(False)
     ops = [n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.streamwatch.partials.default]
-    assert len(graphs) == 1
-    assert len(ops) == 5  # one per activation: 3 Linear, ReLU, Tanh
-    assert len(got) == len(want) == 2
+    assert len(graphs) == 2  # (the second with a symbolic batch size)
+    assert len(ops) == 2 * 5  # one per activation: 3 Linear, ReLU, Tanh
+    assert len(got) == len(want) == 3
     for a, b in zip(got, want, strict=True):
         rows = {key: i for i, key in enumerate(b.keys)}
         assert {key.kind for key in a.keys} == {key.kind for key in b.keys} - {"output_grad"}
