@@ -5,39 +5,27 @@ bad input gives one clear error line and exit status 2, never a traceback."""
 from __future__ import annotations
 
 import math
-import os
 import re
 import signal
 import socket
-import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from streamwatch.cli import build_parser
+from tests import cli
+from tests.cli import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _streamwatch(*args: str, cwd: Path) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "streamwatch", *args],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        # Ctrl-C reaches the demo even when this suite runs as a background job (which a shell starts
-        # with SIGINT ignored, and a child would inherit: Python then installs no handler)
-        preexec_fn=_default_sigint,
-    )
+_streamwatch = cli.streamwatch
 
 
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+@pytest.fixture(autouse=True)
+def _no_child_left() -> Iterator[None]:
+    yield
+    cli.reap()  # (a test that failed or timed out part way: its demo killed, not left running)
 
 
 @pytest.mark.timeout(120)

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,8 +26,10 @@ from streamwatch.cli import main
 from streamwatch.sinks import RunFile, read_run
 from streamwatch.sinks._runformat import FORMAT, VERSION
 from streamwatch.testing import table
+from tests import cli
 
-ROOT = Path(__file__).resolve().parents[1]
+_streamwatch = cli.streamwatch
+_env = cli.env
 HEADER = json.dumps({"format": FORMAT, "version": VERSION, "columns": ["count"], "created": 0.0})
 DEEP = "[" * 100_000
 
@@ -61,19 +63,10 @@ def _assert_one_error_line(code: int, err: str, command: str | None) -> str:
     return lines[0]
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-
-
-def _streamwatch(*args: str, cwd: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "streamwatch", *args],
-        cwd=cwd,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+@pytest.fixture(autouse=True)
+def _no_child_left() -> Iterator[None]:
+    yield
+    cli.reap()  # (a test that failed or timed out part way: its child killed, not left running)
 
 
 def _write_run(path: Path, steps: int) -> Path:
