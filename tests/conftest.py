@@ -56,3 +56,20 @@ def train() -> training.Train:
                 train(model, opt, watch, 3, shape=(16, 6), seed=1)  # 16 samples, 6 features, 3 classes
     """
     return training.train
+
+
+_ENVIRONMENT = {k: v for k, v in os.environ.items() if k.startswith(("STREAMWATCH_", "TRITON_"))}
+"""streamwatch's and Triton's environment variables as the session began (``TRITON_INTERPRET`` set above)."""
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Collecting must not change streamwatch's or Triton's environment: ``--doctest-modules`` imports
+    every file under the test paths (``tests/scripts/`` included), and a variable one of them set at
+    import reached every test and every child process after it (``STREAMWATCH_KERNEL=triton`` once sent
+    the command-line tests' demos through the Triton interpreter, which timed them out)."""
+    now = {k: v for k, v in os.environ.items() if k.startswith(("STREAMWATCH_", "TRITON_"))}
+    if now != _ENVIRONMENT:
+        changed = sorted(k for k in now.keys() | _ENVIRONMENT.keys() if now.get(k) != _ENVIRONMENT.get(k))
+        raise pytest.UsageError(
+            f"importing the tests changed the environment: {changed}; set it in a function"
+        )

@@ -21,8 +21,6 @@ from triton.backends.compiler import GPUTarget
 
 import streamwatch as sw
 
-os.environ["STREAMWATCH_KERNEL"] = "triton"  # (CPU tensors take the kernels' route: traced, never run)
-
 
 class _Driver:
     def get_current_target(self) -> GPUTarget:
@@ -34,6 +32,8 @@ class _Captured(Exception):
 
 
 def main() -> None:
+    # (set here, not at import: pytest's doctest collection imports this file, and its children inherit)
+    os.environ["STREAMWATCH_KERNEL"] = "triton"  # (CPU tensors take the kernels' route: traced, never run)
     triton.runtime.driver.set_active(_Driver())
     graphs: list[torch.fx.GraphModule] = []
 
