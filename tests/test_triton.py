@@ -502,3 +502,60 @@ def test_a_refused_registration_leaves_compiled_code_on_the_torch_path(
     x = torch.arange(6.0, device=DEVICE)
     arena = _triton.Arena(kernels, DEVICE)
     assert float(arena.table(False, [arena.summarize(x)])[0, 0]) == 15.0
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_a_failed_finalize_in_compiled_code_hands_over_to_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When the finalize of the compiled rows fails, as any kernel failure does: one warning, that
+    step's record lost and counted (``failed_steps``, the hook error reported at ``close``), and from
+    the next step on the torch path: dynamo guards on the kernels' state, so the next forward is traced
+    again, without the op, and recorded."""
+    kernels = _triton.load()
+    assert kernels is not None
+    monkeypatch.setattr(kernels, "failed", None)  # (restored for the tests after this one)
+    finalize = kernels.module.finalize
+
+    class Broken:
+        def __getitem__(self, grid: object) -> Any:
+            def launch(*_: object, **__: object) -> None:
+                raise RuntimeError("would not compile")
+
+            return launch
+
+    torch._dynamo.reset()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
+        graphs.append(gm)
+        if DEVICE.type == "cuda":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, inputs)
+        return gm.forward
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(DEVICE)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(32, 8).to(DEVICE)
+    records = sw.sinks.collect()
+    watch = sw.observe(model, optimizer, sinks=[records], every=1, taps=("activation",))
+    forward = torch.compile(model, backend=backend, fullgraph=True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(3):
+            monkeypatch.setattr(kernels.module, "finalize", Broken() if step == 1 else finalize)
+            optimizer.zero_grad()
+            forward(x).sum().backward()
+            optimizer.step()
+            watch.step()
+    with pytest.raises(sw.PipelineError, match="would not compile"):
+        watch.close()
+    assert len([w for w in seen if "a Triton kernel failed" in str(w.message)]) == 1
+    ops = [sum(n.target is torch.ops.streamwatch.partials.default for n in gm.graph.nodes) for gm in graphs]
+    assert ops == [3, 0]  # (traced again, on the torch path)
+    assert [r.step for r in records.items] == [0, 2]
+    assert len(records.items[-1].keys) == 3  # (every activation, on the torch path)
+    assert watch.statistics().failed_steps == 1
+    torch._dynamo.reset()
