@@ -11,6 +11,9 @@ interrupted from inside). The child prints one line, ``COMPILED-RESULT {json}``:
   steps (forward, backward, optimizer step, ``watch.step()``), with the first reasons, and dynamo's
   ``stats`` counters (``unique_graphs``, ...);
 * ``recompile_reasons``: the guards that failed, by code name (``torch._dynamo.utils.guard_failures``);
+* ``kernels_in_a_step``: one more compiled training step under ``torch.profiler``: its device kernels
+  in all and streamwatch's by name (``tile_partials``/``flat_partials`` launched by Inductor's code
+  for the registered op, ``finalize``);
 * ``first_step_s`` (compiling the forward and the backward), ``step_ms`` of the later steps, and the
   watch's statistics (``hook_errors``, ``skipped``: tensor hooks inside the compiled forward are skipped
   and counted there).
@@ -21,6 +24,7 @@ generation), the same path in seconds.
 
 from __future__ import annotations
 
+import collections
 import json
 import sys
 import time
@@ -48,6 +52,29 @@ def _line(text: Any, most: int = 400) -> str:
 def _forward(w: Workload, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     with torch.autocast(x.device.type, dtype=w.autocast or torch.bfloat16, enabled=w.autocast is not None):
         return model(x)
+
+
+OURS = ("tile_partials", "flat_partials", "finalize")
+"""streamwatch's Triton kernels by name (Inductor may add a suffix to a user kernel's name)."""
+
+
+def kernels_in_a_step(run: Any, device: torch.device) -> dict[str, Any]:
+    """The device kernels one call of ``run`` (a compiled training step) launches under
+    ``torch.profiler``: how many in all, and streamwatch's by name (the Triton kernels Inductor launches
+    for the registered op ``streamwatch::partials``, and the step's finalize). Empty counts on the CPU."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as prof:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    names = collections.Counter(
+        e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    ours = {name: n for name, n in sorted(names.items()) if name.startswith(OURS)}
+    return {"kernels": sum(names.values()), "streamwatch": ours}
 
 
 def explain(w: Workload, model: torch.nn.Module, x: torch.Tensor) -> dict[str, Any]:
@@ -123,6 +150,7 @@ def child(dry: bool) -> dict[str, Any]:
         out["recompile_reasons"] = _recompiles()
         out["first_step_s"] = times[0]
         out["step_ms"] = [1e3 * t for t in times[1:]]
+        out["kernels_in_a_step"] = kernels_in_a_step(lambda: step(w, compiled, opt, x, y, watch), device)
     finally:
         watch.close()
     stats = watch.statistics()

@@ -184,6 +184,14 @@ def overhead(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def _kernels(found: Any) -> str:
+    """``kernels_in_a_step`` as ``name ×n, ... / total``."""
+    if not isinstance(found, dict):
+        return "—"
+    ours = ", ".join(f"{name} ×{n}" for name, n in (found.get("streamwatch") or {}).items()) or "none"
+    return f"{ours} / {found.get('kernels')}"
+
+
 def compile_table(data: dict[str, Any]) -> list[str]:
     status, r = _result(data, "compiled")
     if "graph_breaks" not in r:
@@ -200,6 +208,7 @@ def compile_table(data: dict[str, Any]) -> list[str]:
         breaks("explain_plain"),
         breaks("explain_observed"),
         (r.get("explain_observed") or {}).get("partials_ops"),
+        _kernels(r.get("kernels_in_a_step")),
         r.get("graph_breaks"),
         _num(r.get("first_step_s"), 1),
         ", ".join(_num(t, 1) for t in r.get("step_ms", [])),
@@ -212,6 +221,7 @@ def compile_table(data: dict[str, Any]) -> list[str]:
         "breaks, forward unobserved",
         "breaks, forward observed",
         "streamwatch::partials in the forward",
+        "streamwatch kernels / all kernels in a step",
         "graph breaks, training steps",
         "first step s",
         "later steps ms",
