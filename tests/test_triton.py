@@ -421,10 +421,13 @@ def test_training_is_bit_identical_on_the_kernels(monkeypatch: pytest.MonkeyPatc
     assert differ == []
 
 
-def compiled_and_eager_records(compile_model: bool) -> tuple[list[sw.StepRecord], list[torch.fx.GraphModule]]:
+def compiled_and_eager_records(
+    compile_model: bool, observed: bool = True
+) -> tuple[list[sw.StepRecord], list[torch.fx.GraphModule], dict[str, torch.Tensor]]:
     """Three steps of a small MLP (the first compiles, the second runs the compiled forward, the third
-    a smaller batch), every step recorded (exact non-finite counts, per-unit activity), its forward
-    compiled (whole: ``fullgraph``) or not; the records and the graphs dynamo made."""
+    a smaller batch), every step recorded (exact non-finite counts, per-unit activity) unless not
+    ``observed``, its forward compiled (whole: ``fullgraph``) or not; the records, the graphs dynamo made
+    and the training state at the end (parameters, gradients, RNG)."""
     torch._dynamo.reset()
     graphs: list[torch.fx.GraphModule] = []
 
@@ -444,17 +447,28 @@ def compiled_and_eager_records(compile_model: bool) -> tuple[list[sw.StepRecord]
     x, y = torch.randn(32, 12, generator=gen).to(DEVICE), torch.randint(0, 4, (32,), generator=gen).to(DEVICE)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     records = sw.sinks.collect()
-    with sw.observe(model, optimizer, sinks=[records], every=1, stats=("nonfinite", "dead")) as watch:
-        forward = torch.compile(model, backend=backend, fullgraph=True) if compile_model else model
-        for batch in (32, 32, 5):  # (a new batch size: dynamo compiles again, the shapes symbolic)
-            optimizer.zero_grad()
-            loss = nn.functional.cross_entropy(forward(x[:batch]), y[:batch])
-            loss.backward()
-            optimizer.step()
+    watch = (
+        sw.observe(model, optimizer, sinks=[records], every=1, stats=("nonfinite", "dead"))
+        if observed
+        else None
+    )
+    forward = torch.compile(model, backend=backend, fullgraph=True) if compile_model else model
+    for batch in (32, 32, 5):  # (a new batch size: dynamo compiles again, the shapes symbolic)
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(forward(x[:batch]), y[:batch])
+        loss.backward()
+        optimizer.step()
+        if watch is not None:
             watch.step(loss=loss)
-    assert watch.statistics().hook_errors == 0
+    if watch is not None:
+        watch.close()
+        assert watch.statistics().hook_errors == 0
     torch._dynamo.reset()
-    return records.items, graphs
+    state = {f"param {n}": p.detach().clone() for n, p in model.named_parameters()}
+    state |= {f"grad {n}": p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    state["rng"] = torch.get_rng_state()
+    state["training"] = torch.tensor([m.training for m in model.modules()])
+    return records.items, graphs, state
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
@@ -463,9 +477,14 @@ def test_a_compiled_model_is_summarised_by_the_registered_op_as_in_eager_mode() 
     registered op ``streamwatch::partials`` (the same kernels; Inductor launches them from its own code
     on a GPU), and every row the compiled run records — sums, extremes, exact non-finite counts,
     per-unit activity — equals eager mode's, with a static and with a symbolic batch size (the compiled
-    forward records no output gradients: a tensor hook would break the graph)."""
-    got, graphs = compiled_and_eager_records(True)
-    want, _ = compiled_and_eager_records(False)
+    forward records no output gradients: a tensor hook would break the graph). Training is bit-identical
+    to the same compiled model's unobserved (parameters, gradients, RNG state, training flags)."""
+    got, graphs, state = compiled_and_eager_records(True)
+    want, _, _ = compiled_and_eager_records(False)
+    _, _, unobserved = compiled_and_eager_records(True, observed=False)
+    assert state.keys() == unobserved.keys()
+    for name, value in state.items():
+        assert torch.equal(value, unobserved[name]), name
     ops = [n for gm in graphs for n in gm.graph.nodes if n.target is torch.ops.streamwatch.partials.default]
     assert len(graphs) == 2  # (the second with a symbolic batch size)
     assert len(ops) == 2 * 5  # one per activation: 3 Linear, ReLU, Tanh
