@@ -117,6 +117,7 @@ class StepBoundary:
         clock: Callable[[], float],
     ) -> None:
         self.state = state
+        self._memory = state.memory
         self._taps = taps
         self._outbox = outbox
         self._tx = sender
@@ -127,6 +128,8 @@ class StepBoundary:
         self._cadence = cadence
         self._governor = governor
         self.guard = guard
+        if guard.sentinel is not None:  # (the losses its batches keep: copied once CUDA graphs overwrote one)
+            guard.sentinel.memory = state.memory
         self._alarm = guard.alarm or Alarm(state)  # (its line: LossSpike's; inf without one)
         self._metrics = metrics
         self._step_metrics: tuple[Any, ...] = ()
@@ -234,6 +237,8 @@ class StepBoundary:
             if sentinel is not None and not (sentinel.takes_quiet_probes and sentinel.quiet_poll()):
                 return False  # (a failed step read from a batch's flags: the full boundary reports it)
             value = loss.detach()  # (a view: no kernel, no sync; read with the next record's copy)
+            if self._memory.copy:  # (CUDA graphs overwrote a kept loss once: a copy from now on)
+                value = value.clone()
             probe = value if sentinel is not None and self.guard.checks_loss else None
         elif isinstance(loss, _Tensor):
             read = self._read_f32  # (inline, not _loss_value: a Python call costs µs on a cold step)

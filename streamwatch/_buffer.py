@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from streamwatch._cudagraphs import overwritten
 from streamwatch._kernel import NSTATS, FusedKernel
 from streamwatch._record import NO_DEVICE_DATA, NO_EDGES, PendingRecord
 from streamwatch._summary import Row
@@ -152,7 +153,10 @@ class StepBuffer:
         "latest",
         "order",
         "samples",
+        "traced",
         "unit_counts",
+        "unit_more",
+        "unit_sizes",
         "units",
     )
 
@@ -164,6 +168,11 @@ class StepBuffer:
     extras: dict[tuple[Hashable, str], torch.Tensor]  # opt-in metric values by (key, stat); last one wins
     # key -> (first row, its per-unit counts: a device tensor, or an offset into the fused rows' arena)
     unit_counts: dict[Hashable, tuple[int, torch.Tensor | int]]
+    # key -> later device rows whose per-unit counts add to the first's, added at seal (not where they
+    # are made: in compiled code that sum would make one graph read another's output, CUDA graphs' memory)
+    unit_more: dict[Hashable, list[int]]
+    unit_sizes: dict[Hashable, int]  # key -> units of its first device row's counts
+    traced: list[int]  # rows summarised inside torch.compile'd code (outputs of a graph), in order
     latest: dict[Hashable, int]  # row index of replaceable keys
     order: list[int]  # each row's position in the step's execution (explicit: rows may be laid out ahead)
     device: torch.device | None
@@ -211,19 +220,25 @@ class StepBuffer:
         index = self._append(key, count, replace)
         if index is not None:
             self.device_rows[index] = row
+            if torch.compiler.is_compiling():
+                self.traced.append(index)
             return
         index = len(self.keys) - 1
         self.device_rows[index] = row
+        if torch.compiler.is_compiling():
+            self.traced.append(index)
         if self.device is None:
             self.device = row.gram.device
         counts = row.unit_counts
         if counts is None:
             return
-        seen = self.unit_counts.get(key)
-        if seen is None:
+        # (the first row's counts are not read here: in compiled code dynamo would make them an input of
+        # this pass's graph, the output of an earlier pass that CUDA graphs may have overwritten)
+        if key not in self.unit_counts:
             self.unit_counts[key] = (index, counts)
-        elif isinstance(seen[1], torch.Tensor) and seen[1].shape == counts.shape:
-            self.unit_counts[key] = (seen[0], seen[1] + counts)
+            self.unit_sizes[key] = counts.numel()
+        elif self.unit_sizes.get(key) == counts.numel():
+            self.unit_more.setdefault(key, []).append(index)
         else:  # the same key with another unit count (a module reused on other shapes): not comparable
             return
         self.units[index] = counts.numel()
@@ -317,6 +332,63 @@ class StepBuffer:
         self.units[index] = n_units
         self.samples[index] = layout[0]
 
+    def drop_overwritten(self) -> int:
+        """Drop the rows compiled code summarised whose memory CUDA graphs have reused since, and the
+        opt-in values in such memory; how many rows and values were dropped.
+
+        ``torch.compile(mode="reduce-overhead")`` replays CUDA graphs whose outputs live in one memory
+        pool: a new pass of the model (the next micro-batch of a step with gradient accumulation, an
+        evaluation pass) overwrites the outputs of the last one and makes reading them raise. A row of
+        such a pass is dropped here, before :meth:`seal` reads the step's rows; the rows of the same
+        key from the passes still readable (the last one) stay. Reading a data pointer launches nothing.
+
+        Example:
+            >>> buffer = StepBuffer()
+            >>> buffer.drop_overwritten()  # (nothing summarised in compiled code)
+            0
+        """
+        if not self.traced:
+            return 0
+        dead = {i for i in self.traced if i in self.device_rows and overwritten(self.device_rows[i].gram)}
+        stale = [name for name, value in self.extras.items() if overwritten(value)]
+        for name in stale:
+            del self.extras[name]
+        if dead:
+            self._drop(dead)
+        self.traced = []
+        return len(dead) + len(stale)
+
+    def _drop(self, dead: set[int]) -> None:
+        """Remove the device rows ``dead`` from the step (the other rows keep their order)."""
+        keep = [i for i in range(len(self.keys)) if i not in dead]
+        new = {old: i for i, old in enumerate(keep)}
+        if any(i not in self.device_rows and new[i] != i for i in keep):  # host rows move up
+            self.host[: len(keep)] = self.host[keep]
+        self.keys = [self.keys[i] for i in keep]
+        self.counts = [self.counts[i] for i in keep]
+        self.units = [self.units[i] for i in keep]
+        self.samples = [self.samples[i] for i in keep]
+        positions = sorted(self.order[i] for i in keep)
+        rank = {position: i for i, position in enumerate(positions)}
+        self.order = [rank[self.order[i]] for i in keep]
+        self.latest = {key: new[i] for key, i in self.latest.items() if i in new}
+        units: dict[Hashable, tuple[int, torch.Tensor | int]] = {}
+        more: dict[Hashable, list[int]] = {}
+        for key, (first, value) in self.unit_counts.items():
+            if isinstance(value, int):  # (a host row's: never from compiled code)
+                units[key] = (new[first], value)
+                continue
+            alive = [i for i in (first, *self.unit_more.get(key, ())) if i in new]
+            if alive:  # (the first live row's counts lead; the others add to them at seal)
+                units[key] = (new[alive[0]], self.device_rows[alive[0]].unit_counts)  # type: ignore[assignment]
+                if len(alive) > 1:
+                    more[key] = [new[i] for i in alive[1:]]
+        self.device_rows = {new[i]: row for i, row in self.device_rows.items() if i in new}
+        self.unit_counts, self.unit_more = units, more
+        self.unit_sizes = {key: self.unit_sizes[key] for key in units if key in self.unit_sizes}
+        if not self.device_rows:
+            self.device = None
+
     def add_extra(self, key: Hashable, stat: str, value: torch.Tensor) -> None:
         """An opt-in metric's value for ``key`` (a 0-d or 1-d tensor on any device; read at the worker,
         never here). A later value of the same ``(key, stat)`` in a step replaces the earlier one."""
@@ -399,6 +471,7 @@ class StepBuffer:
         self._arena_used = 0
         self.keys, self.order, self.counts, self.units, self.samples = [], [], [], [], []
         self.device_rows, self.extras, self.unit_counts, self.latest = {}, {}, {}, {}
+        self.unit_more, self.unit_sizes, self.traced = {}, {}, []
         self.device = None
         for arena in self.arenas.values():  # (the Triton path's: its copy above was enqueued first)
             arena.reset()
@@ -427,9 +500,15 @@ class StepBuffer:
                     extra.append(value.detach().reshape(()))
                     names.append(name)
         if self.device_rows or self.device is not None:
-            vectors = [v for _, v in self.unit_counts.values() if isinstance(v, torch.Tensor)]
-            host_units = [(first, v) for first, v in self.unit_counts.values() if isinstance(v, int)]
-            unit_rows = [first for first, v in self.unit_counts.values() if isinstance(v, torch.Tensor)]
+            vectors, unit_rows, host_units = [], [], []
+            for key, (first, v) in self.unit_counts.items():
+                if isinstance(v, int):
+                    host_units.append((first, v))
+                    continue
+                for later in self.unit_more.get(key, ()):  # (a repeated key: its calls' counts added)
+                    v = v + self.device_rows[later].unit_counts  # type: ignore[operator]
+                vectors.append(v)
+                unit_rows.append(first)
         else:  # every row from the fused kernel: unit counts are arena offsets
             vectors, unit_rows = [], []
             host_units = list(self.unit_counts.values())  # type: ignore[arg-type]
@@ -479,6 +558,7 @@ class StepBuffer:
         """Forget the current step's rows (the host table is reused)."""
         self.keys, self.order, self.counts, self.units, self.samples = [], [], [], [], []
         self.device_rows, self.extras, self.unit_counts, self.latest = {}, {}, {}, {}
+        self.unit_more, self.unit_sizes, self.traced = {}, {}, []
         self.device = None
         if self._arena_used:
             self.arena[: self._arena_used] = 0

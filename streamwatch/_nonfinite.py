@@ -42,6 +42,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import torch
 
+from streamwatch._cudagraphs import GraphMemory, overwritten
 from streamwatch._exceptions import NonFiniteError
 from streamwatch._families import FIRST_NONFINITE_INFO, FIRST_NONFINITE_STEP
 from streamwatch._pipeline import Sink
@@ -425,6 +426,9 @@ class Sentinel:
         self._found: list[int] = []  # failed steps a quiet step's poll read, for the next check
         self._crossed: list[int] = []  # steps whose device loss passed the alarm's line (take_crossed)
         self._no_line: set[int] = set()  # steps whose probe is not the loss alone (or a carry): no line
+        self.memory: GraphMemory | None = None
+        """The Watch's account of values CUDA graphs overwrote: a kept probe is copied once one was
+        (``_cudagraphs``); None: kept as a view."""
         self.alarm: Any = None
         """The detectors' alarm (``_guard.Alarm``), whose ``line`` a device loss is compared with when its
         batch is read; None: no comparison."""
@@ -494,7 +498,8 @@ class Sentinel:
                 if not math.isfinite(loss.item()):  # a CPU scalar: reading it waits for nothing
                     tripped.append(step)
             else:
-                probes.append(loss.detach().reshape(()))
+                probe = loss.detach().reshape(())
+                probes.append(probe if self.memory is None else self.memory.keep(probe))
         elif loss is not None and not math.isfinite(loss):
             tripped.append(step)
         self.grads_tripped = False
@@ -572,6 +577,11 @@ class Sentinel:
             self._pinned, self._events = self._allocate()
             self._free = list(range(self.slots))
         batch, self._probes = self._probes, []
+        if batch and self.memory is not None:  # (probes a later pass of CUDA graphs overwrote: unread)
+            kept = [(step, probe) for step, probe in batch if not overwritten(probe)]
+            if len(kept) < len(batch):
+                self.memory.found(len(batch) - len(kept), "losses the sentinel kept")
+                batch = kept
         steps = [step for step, _ in batch]
         parts: list[torch.Tensor] = []
         if batch:

@@ -33,6 +33,7 @@ import torch
 
 from streamwatch._buffer import SlotPool
 from streamwatch._channel import OverflowPolicy, Sender
+from streamwatch._cudagraphs import overwritten
 from streamwatch._logbook import Value
 from streamwatch._param_taps import ParamTaps
 from streamwatch._record import SKIPPED_UPDATE, STEP_VALUE, PendingRecord
@@ -180,7 +181,7 @@ class Outbox:
                 value = read_loss(loss, read)  # (one C call for a plain 0-d float32)
                 loss = loss.item() if value is None else value
             else:
-                loss = loss.detach().reshape(())
+                loss = self.state.memory.keep(loss.detach().reshape(()))
         self.steps.add(step, now, seconds, loss, checked.batch_size, self.learning_rates(), logged)
 
     def release_optimizer(self) -> None:
@@ -239,6 +240,8 @@ class Outbox:
             if loss.is_cpu:  # read at once, nothing to wait for (as float32, like a device loss)
                 scalar = loss.detach()
                 host["loss"] = float(scalar if scalar.dtype == torch.float32 else scalar.to(torch.float32))
+            elif overwritten(loss):  # (a pass of CUDA graphs after the step's own made it)
+                state.memory.found(1, "losses")
             else:
                 device["loss"] = loss.detach().reshape(()).to(torch.float32)
         if checked.accuracy is not None:
@@ -253,16 +256,18 @@ class Outbox:
             name = _LR_NAMES[i] if i < len(_LR_NAMES) else f"lr/{i}"
             if type(lr) is float:  # (a tensor lr stays on its device)
                 host[name] = lr
-            elif lr is not None:
-                _put_value(name, lr, host, device)
+            elif lr is not None and not _put_value(name, lr, host, device):
+                state.memory.found(1, "learning rates")
         if logged:
-            _put_values(logged, "log/", host, device)
+            state.memory.found(_put_values(logged, "log/", host, device), "logged values")
         steps = self._ship_steps(device) if self.steps.entries else ()
         found_inf = self._taps.found_inf
         if found_inf is not None:  # a fused step a GradScaler skipped: the worker drops its update rows
             self._taps.found_inf = None
             device[SKIPPED_UPDATE] = found_inf
         buffer = state.buffer
+        if buffer.traced:  # (rows from compiled code: a later pass of CUDA graphs may have overwritten some)
+            state.memory.found(buffer.drop_overwritten(), "rows and values of compiled code")
         if buffer.device is not None and buffer.device.type == "cuda" and self._stream is None:
             self._stream = torch.cuda.Stream(buffer.device)
             self.pool = SlotPool(self._tx.statistics().capacity + 2)
@@ -299,6 +304,7 @@ class Outbox:
         ``device`` (``STEP_VALUE``-named: one copy with the record's)."""
         wall, perf = time.time(), time.perf_counter()
         shipped = []
+        lost = 0  # device values a later pass of CUDA graphs overwrote
         for i, (step, at, seconds, loss, batch_size, lrs, values) in enumerate(self.steps.take()):
             host: dict[str, float] = {"step_seconds": seconds}
             if batch_size is not None:
@@ -306,21 +312,23 @@ class Outbox:
                 if seconds > 0:
                     host["samples_per_second"] = batch_size / seconds
             prefix = f"{STEP_VALUE}{i}/"
-            if loss is not None:
-                _put_value("loss", loss, host, device, prefix)
+            if loss is not None and not _put_value("loss", loss, host, device, prefix):
+                lost += 1
             if lrs is not None:
                 for group, lr in enumerate(lrs):
-                    if lr is not None:
-                        _put_value(
-                            _LR_NAMES[group] if group < len(_LR_NAMES) else f"lr/{group}",
-                            lr,
-                            host,
-                            device,
-                            prefix,
-                        )
+                    if lr is not None and not _put_value(
+                        _LR_NAMES[group] if group < len(_LR_NAMES) else f"lr/{group}",
+                        lr,
+                        host,
+                        device,
+                        prefix,
+                    ):
+                        lost += 1
             if values:
-                _put_values(values, "log/", host, device, prefix)
+                lost += _put_values(values, "log/", host, device, prefix)
             shipped.append((step, wall - (perf - at), host))
+        if lost:
+            self.state.memory.found(lost, "values of unsampled steps")
         return shipped
 
     def ship_rest(self, start_step: int, timeout: float | None) -> None:
@@ -336,15 +344,19 @@ class Outbox:
 
 def _put_value(
     name: str, value: object, host: dict[str, float], device: dict[str, torch.Tensor], prefix: str = ""
-) -> None:
-    """One value into the record: a number or a CPU tensor on the host, a device tensor for the copy."""
+) -> bool:
+    """One value into the record: a number or a CPU tensor on the host, a device tensor for the copy;
+    False if it was not (a device tensor a later pass of CUDA graphs overwrote: ``_cudagraphs``)."""
     if isinstance(value, torch.Tensor):
         if value.is_cpu:
             host[name] = float(value.detach().reshape(()).to(torch.float32))
+        elif overwritten(value):
+            return False
         else:
             device[f"{prefix}{name}"] = value.detach().reshape(()).to(torch.float32)
     else:
         host[name] = float(value)  # type: ignore[arg-type]
+    return True
 
 
 def _put_values(
@@ -353,6 +365,6 @@ def _put_values(
     host: dict[str, float],
     device: dict[str, torch.Tensor],
     prefix: str = "",
-) -> None:
-    for name, value in values.items():
-        _put_value(f"{into}{name}", value, host, device, prefix)
+) -> int:
+    """:func:`_put_value` of each of ``values``, named ``into`` + its name; how many were not put."""
+    return sum(not _put_value(f"{into}{name}", value, host, device, prefix) for name, value in values.items())

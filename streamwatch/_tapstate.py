@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from streamwatch._buffer import StepBuffer
+from streamwatch._cudagraphs import GraphMemory
 from streamwatch._kernel import FusedKernel
 from streamwatch._record import SeriesKey
 from streamwatch._summary import summarize, unit_dim_for
@@ -111,6 +112,11 @@ class TapState:
     # pass arming its hooks) or fails on the training thread sets it to 0
     quiet: int = 0
     packings: Packings = field(default_factory=Packings)  # summarize_many's, by layout
+    # values CUDA graphs overwrote before they were read (dropped, counted in ``skipped``)
+    memory: GraphMemory = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.memory = GraphMemory(self.skipped)
 
     def skip(self, reason: str) -> None:
         """Count something not summarised, by ``reason``. In code ``torch.compile`` traces, only noted

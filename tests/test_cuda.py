@@ -412,3 +412,61 @@ def test_a_device_loss_past_the_spike_line_is_sent_within_a_sentinel_batch(
     assert spike < carrying[0] <= spike + 16 + 4, arrivals.records
     assert watch.statistics().escalations >= 1
     assert [s for s, _, rows in arrivals.records if rows and spike < s < 100]  # (escalated: sampled)
+
+
+# Importing inductor imports torch.utils.mkldnn, which uses the deprecated torch.jit.script_method.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:streamwatch.*CUDA graphs:RuntimeWarning")
+def test_cuda_graphs_with_gradient_accumulation_and_the_loss_in_the_graph_lose_nothing_uncounted() -> None:
+    """``torch.compile(mode="reduce-overhead")`` over the forward and the loss, two micro-batches a step,
+    every fourth step sampled: CUDA graphs hand each pass's memory to the next, so the first micro-batch's
+    rows and the earlier steps' losses are overwritten before the step's end unless streamwatch copied
+    them (``streamwatch/_cudagraphs.py``). Training runs on, no step fails, every step's loss comes back,
+    and each sampled step's activation rows hold one or both micro-batches, as ``skipped["cuda_graphs"]``
+    says — never a mix it does not count."""
+    model, opt = make()
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    data = [
+        (
+            torch.randn(32, 64, device="cuda", generator=generator),
+            torch.randint(0, 10, (32,), device="cuda", generator=generator),
+        )
+        for _ in range(2)
+    ]
+    records = sw.sinks.collect()
+    losses: list[float] = []
+    with sw.observe(model, opt, sinks=[records], every=4) as watch:
+
+        def forward_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(model(x), y)
+
+        compiled = torch.compile(forward_loss, mode="reduce-overhead")
+        for _ in range(12):
+            for x, y in data:
+                loss = compiled(x, y)
+                loss.backward()
+            losses.append(float(loss.detach().clone()))  # (the last micro-batch's: what watch.step gets)
+            opt.step()
+            opt.zero_grad()
+            watch.step(loss=loss)
+        stats = watch.statistics()
+    assert stats.hook_errors == 0
+    assert stats.failed_steps == 0
+    steps = [s for r in records.items for s in r.every_step()]
+    assert [s.step for s in steps] == list(range(12))
+    missing = [s.step for s in steps if "loss" not in s.scalars]
+    assert len(missing) <= stats.skipped.get("cuda_graphs", 0)
+    for s in steps:
+        if "loss" in s.scalars:
+            assert s.scalars["loss"] == pytest.approx(losses[s.step], rel=1e-5)
+    sampled = [r for r in records.items if any(k.kind == "activation" for k in r.keys)]
+    assert [r.step for r in sampled] == [0, 4, 8]
+    dropped = stats.skipped.get("cuda_graphs", 0) - len(missing)
+    for record in sampled:
+        index = record.keys.index(sw.SeriesKey("train", "0", "activation", ""))
+        assert record.column("count")[index] in (32 * 128, 2 * 32 * 128)
+    one_pass = sum(
+        r.column("count")[r.keys.index(sw.SeriesKey("train", "0", "activation", ""))] == 32 * 128
+        for r in sampled
+    )
+    assert (one_pass > 0) == (dropped > 0)

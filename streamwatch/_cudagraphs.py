@@ -1,0 +1,108 @@
+"""Values streamwatch keeps past the pass that made them, under CUDA graphs that reuse their memory.
+
+``torch.compile(mode="reduce-overhead")`` replays CUDA graphs whose outputs live in one memory pool. When
+a new pass starts (the next step's forward, the next micro-batch of a step with gradient accumulation,
+an evaluation pass), cudagraph trees hand the last pass's memory to it and mark the storage of every
+output still alive: reading one raises ("accessing tensor output of CUDAGraphs that has been overwritten
+by a subsequent run"). streamwatch keeps such outputs past their pass in three places:
+
+- the step buffer's rows from compiled code (its partial sums are outputs of the graph), read at the
+  step's end: a row of an earlier micro-batch is dropped (``StepBuffer.drop_overwritten``), the rows of
+  the pass still readable (the last one) stay;
+- the device loss of an unsampled step, kept as a 0-d view until the next record (the step log) and the
+  sentinel's batch: an overwritten one is dropped, and from then on device losses are copied (one small
+  kernel a step), so the rest of the run loses nothing;
+- opt-in metric values and values given to ``watch.log``, dropped the same way.
+
+Whatever is dropped is counted in ``statistics().skipped["cuda_graphs"]`` and warned about once.
+Telling an overwritten tensor needs no launch and no sync: :func:`overwritten` reads its data pointer.
+
+Example:
+    >>> import torch
+    >>> memory = GraphMemory({})
+    >>> loss = torch.tensor(0.5)
+    >>> memory.keep(loss) is loss  # (a view is kept until something was overwritten)
+    True
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+
+__all__ = ["REASON", "GraphMemory", "overwritten"]
+
+REASON = "cuda_graphs"
+"""The ``statistics().skipped`` reason of values CUDA graphs overwrote before streamwatch read them."""
+
+
+def overwritten(x: torch.Tensor) -> bool:
+    """Whether ``x``'s memory was handed to a later pass of the CUDA graphs that made it (reading it
+    raises). No launch, no sync: only the data pointer is read.
+
+    Example:
+        >>> overwritten(torch.ones(2))
+        False
+    """
+    fake = sys.modules.get("torch._subclasses.fake_tensor")  # (loaded wherever there are fake tensors)
+    if fake is not None and isinstance(x, fake.FakeTensor):  # (no memory: its data pointer warns)
+        return False
+    try:
+        x.data_ptr()
+    except RuntimeError as exc:  # (torch's words: "accessing tensor output of CUDAGraphs that has been
+        return "CUDAGraphs" in str(exc)  # overwritten by a subsequent run"; a tensor without storage: no)
+    return False
+
+
+class GraphMemory:
+    """One Watch's account of values CUDA graphs overwrote (training thread only).
+
+    Args:
+        skipped: the Watch's skip counts (``TapState.skipped``), where the lost values are counted.
+
+    Attributes:
+        copy: device losses are copied when kept past their step (set at the first value lost).
+        lost: values lost so far.
+
+    Example:
+        >>> skipped = {}
+        >>> memory = GraphMemory(skipped)
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True):
+        ...     memory.found(3, "rows")
+        >>> skipped, memory.copy
+        ({'cuda_graphs': 3}, True)
+    """
+
+    def __init__(self, skipped: dict[str, int]) -> None:
+        self._skipped = skipped
+        self.copy = False
+        self.lost = 0
+
+    def keep(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (a detached device tensor) to keep past its step: a copy once CUDA graphs overwrote a
+        kept value, else ``x`` itself (a view: no launch)."""
+        return x.clone() if self.copy else x
+
+    def found(self, n: int, what: str) -> None:
+        """``n`` values (``what``: rows, losses, ...) were overwritten before they were read: count them,
+        copy device losses from now on, and warn the first time."""
+        if n <= 0:
+            return
+        first = not self.lost
+        self.lost += n
+        self._skipped[REASON] = self._skipped.get(REASON, 0) + n
+        self.copy = True
+        if first:
+            warnings.warn(
+                f"streamwatch: {n} {what} made by CUDA graphs (torch.compile mode='reduce-overhead') were "
+                "overwritten by a later pass before streamwatch read them; they are skipped and counted in "
+                f"statistics().skipped[{REASON!r}]. From now on device losses are copied when kept (one "
+                "small kernel a step). Rows of compiled code cover only a step's last forward pass: with "
+                "several passes in a step (gradient accumulation), compile with "
+                "mode='max-autotune-no-cudagraphs' to record every one (docs/observe.md#torchcompile)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
