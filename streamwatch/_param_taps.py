@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +32,11 @@ from streamwatch._record import SeriesKey
 from streamwatch._tapstate import TapState, guarded, summarize_into, summarize_many, summarize_pack
 from streamwatch._torchpath import GROUP_ELEMENTS, Packing, Packings, batches
 
-__all__ = ["NO_HOOK", "ParamTaps", "place_in_backward"]
+__all__ = ["NO_HOOK", "UNSEEN_FORWARD", "ParamTaps", "place_in_backward"]
+
+UNSEEN_FORWARD = "unseen_forward"
+"""The ``statistics().skipped`` reason of sampled steps whose forward pass no hook saw (compiled code that
+ran a graph traced without them)."""
 
 
 def _has_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -106,6 +111,7 @@ class ParamTaps:
         self._before_params: list[tuple[str, str, nn.Parameter]] = []
         self._grads_after: list[tuple[SeriesKey, nn.Parameter]] | None = None
         self._closure = False  # the optimizer step under way was given a closure
+        self._warned_unseen = False  # _unseen_forward warned
         self.params_taken = False
         self.grads_taken = False  # this step's gradients are summarised (at the optimizer's pre-step)
         self.grad_registrations: list[Callable[[], Any]] = []
@@ -206,6 +212,27 @@ class ParamTaps:
             elif self._other_params:
                 self.summarize_params(self._other_params)
 
+    def _unseen_forward(self) -> None:
+        """The optimizer steps gradients of a forward pass no hook of this Watch saw, on a step that samples
+        the forward side: compiled code ran a graph traced without the hooks. Counted (``skipped``) and
+        warned about once; nothing else to do from here (docs/observe.md#torchcompile)."""
+        if not any(param.grad is not None for _, _, param in self.params):
+            return  # (no forward at all: nothing was missed)
+        self.state.skip(UNSEEN_FORWARD)
+        if self._warned_unseen:
+            return
+        self._warned_unseen = True
+        warnings.warn(
+            "streamwatch: the model's forward pass ran without streamwatch's hooks, so this step has no "
+            "activations (counted in statistics().skipped['unseen_forward']). A compiled graph traced "
+            "without them ran instead: dynamo reuses a graph compiled for another instance of the model's "
+            "class, or compiled before observe(), because by default it does not check module hooks. "
+            "Call observe() before any instance of the class runs compiled, or call torch._dynamo.reset() "
+            "after observe() (docs/observe.md#torchcompile)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
     def _split(
         self, optimizer: Any
     ) -> tuple[list[tuple[str, str, nn.Parameter]], list[tuple[SeriesKey, nn.Parameter]]]:
@@ -225,6 +252,8 @@ class ParamTaps:
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         state = self.state
         state.times.optimizer_start = state.times.clock()
+        if state.forward and not state.seen and not _has_closure(args, kwargs):
+            self._unseen_forward()
         on = state.on
         if on.get("param_grad") or on.get("update") or on.get("param"):
             params, grads = self._split(optimizer)

@@ -66,6 +66,7 @@ from streamwatch._torchhooks import (
     CHECKPOINT_BACKWARD,
     CHECKPOINT_FORWARD,
     HookGroup,
+    HookGuards,
     call_slot_free,
     hold_call_slot,
     holds_call_slot,
@@ -170,6 +171,8 @@ class TapSet:
         # Under torch.compile, installing and removing hooks would change what dynamo guards on and
         # recompile the graph: once a hook runs while compiling, every hook stays in for good.
         self.static = False
+        self.guards = HookGuards()  # dynamo checks module hooks while the Watch is open (once it is loaded)
+        self.guards.hold()
         self.parameters = ParamTaps(state, params, optimizer, state.taps)  # the parameter kinds' taps
         try:
             self._install(model, modules, params, optimizer)
@@ -296,6 +299,8 @@ class TapSet:
         if self._leaf_hooks:
             self._release_leaves()
         self.parameters.new_step()
+        state.seen = False
+        self.guards.hold()  # (dynamo loaded since the last boundary: its hook check goes on now)
         has = self._has_group  # (a group without registrations stays empty: with an optimizer,
         wanted = (  # param_grad's, whose gradients are read at its pre-step hook)
             has[0] and (static or state.forward),
@@ -332,6 +337,7 @@ class TapSet:
         def tap(module: nn.Module, leaves: Iterable[tuple[str, Any]]) -> None:
             if state.paused:
                 return
+            state.seen = True
             grad = torch.is_grad_enabled()
             train = (module.training or (grad and state.root_training)) and (
                 grad or in_checkpoint(CHECKPOINT_FORWARD)
@@ -415,6 +421,7 @@ class TapSet:
     # -- parameters -------------------------------------------------------------------------------------
 
     def _root_forward_start(self, module: nn.Module, args: Any) -> None:
+        self.state.seen = True
         if torch.compiler.is_compiling():
             self.state.compiled = True  # every hook stays in from the next step boundary on
             return
@@ -473,6 +480,7 @@ class TapSet:
             self.clip = None
         self._root_out()
         self._release_leaves()
+        self.guards.release()
         for group in _GROUPS:
             self._set_group(group, False)
         self._registrations = {group: [] for group in self._registrations}

@@ -98,6 +98,7 @@ class TapState:
     # mode inside it (a frozen BatchNorm) is part of the training step, not an evaluation pass
     root_training: bool = False
     compiled: bool = False  # a hook ran inside torch.compile: hooks stay installed (TapSet.static)
+    seen: bool = False  # a forward-side hook or the root module's call ran since the last full boundary
     # reasons compiled code skipped something for this step (``skip``), counted by TapSet.arm
     skipped_in_graph: dict[str, bool] = field(default_factory=dict)
     timed: bool = True  # the step samples something: its parts are timed, the optimizer hooks are in

@@ -10,6 +10,11 @@
 * **Backward and checkpointing** (:func:`recomputing`, :func:`in_checkpoint`): whether a forward runs
   inside a backward pass (``torch._C._current_graph_task_id``; absent: never), and whether a
   re-entrant checkpoint's ``forward``/``backward`` is on the stack (its code objects; absent: never).
+* **Dynamo's hook guards** (:class:`HookGuards`): by default dynamo does not check that a module whose
+  hooks were empty when it compiled a graph still has none (``torch._dynamo.config``'s
+  ``skip_nnmodule_hook_guards``), so a graph compiled for another instance of an observed model's class
+  runs the observed one without streamwatch's hooks. While a Watch is open that check is on (once dynamo
+  is loaded: streamwatch never imports it), and the setting goes back when the last Watch closes.
 
 Example:
     >>> import functools, torch
@@ -41,6 +46,7 @@ __all__ = [
     "CHECKPOINT_BACKWARD",
     "CHECKPOINT_FORWARD",
     "HookGroup",
+    "HookGuards",
     "call_slot_free",
     "entries_of",
     "hold_call_slot",
@@ -216,3 +222,50 @@ class HookGroup:
                 handle.remove()
             self.handles = []
         self.on = on
+
+
+_DYNAMO_CONFIG = "torch._dynamo.config"
+_SKIP_HOOK_GUARDS = "skip_nnmodule_hook_guards"
+
+
+class HookGuards:
+    """Dynamo's guards on empty module hooks, on while a Watch that asked is open (one per Watch).
+
+    A graph dynamo compiled for a module with no hooks is reused for another instance of its class that
+    has hooks unless dynamo checks them (``skip_nnmodule_hook_guards=False``): streamwatch's hooks would
+    then never run in the observed model's compiled forward (``tests/test_observe_compile.py``). The
+    check costs a length test per hook dictionary of a compiled module at each call of its graph.
+
+    Example:
+        >>> guards = HookGuards()
+        >>> guards.hold()  # (nothing while dynamo is not loaded: it is never imported here)
+        >>> guards.release()
+    """
+
+    _holders = 0
+    _turned = False  # streamwatch turned the check on (and turns it off when the last holder goes)
+
+    def __init__(self) -> None:
+        self.held = False
+
+    def hold(self) -> None:
+        """Turn the check on for this Watch, if dynamo is loaded (else nothing: :meth:`hold` again later)."""
+        config = sys.modules.get(_DYNAMO_CONFIG)
+        if self.held or config is None or not hasattr(config, _SKIP_HOOK_GUARDS):
+            return
+        self.held = True
+        HookGuards._holders += 1
+        if getattr(config, _SKIP_HOOK_GUARDS):
+            setattr(config, _SKIP_HOOK_GUARDS, False)
+            HookGuards._turned = True
+
+    def release(self) -> None:
+        """This Watch closes: the setting goes back when no other Watch holds it."""
+        if not self.held:
+            return
+        self.held = False
+        HookGuards._holders -= 1
+        config = sys.modules.get(_DYNAMO_CONFIG)
+        if not HookGuards._holders and HookGuards._turned and config is not None:
+            setattr(config, _SKIP_HOOK_GUARDS, True)
+            HookGuards._turned = False

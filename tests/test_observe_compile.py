@@ -7,6 +7,7 @@ model must still train and be recorded.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -154,3 +155,87 @@ def test_a_compiled_forward_is_compiled_once_not_at_every_step() -> None:
         assert counters["frames"]["ok"] <= 2
         assert watch.statistics().skipped["compiled_grad_hook"] == 6  # once per step
         assert watch.statistics().hook_errors == 0
+
+
+class _Twin(nn.Sequential):
+    """Not the observed class: its compiled graphs never stand in for the observed model's."""
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("other", ["compiled after observe", "compiled before observe"])
+def test_another_compiled_instance_of_the_class_does_not_run_the_observed_model_unseen(other: str) -> None:
+    """Dynamo by default does not check that a module's empty hook dictionaries stay empty, so a graph it
+    compiled for another ``nn.Sequential`` (a reference or teacher model) would run the observed one
+    without streamwatch's hooks: no activation, silently. While a Watch is open the check is on, and a
+    graph compiled before ``observe()`` is caught: each such step is counted and warned about once."""
+    x, y = batch()
+    import torch._dynamo.config as config
+
+    assert config.skip_nnmodule_hook_guards  # (torch's default)
+    twin = torch.compile(make_model(), backend="aot_eager")  # the same class as the observed model
+    if other == "compiled before observe":
+        twin(x)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = sw.sinks.collect()
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        sw.observe(model, optimizer, every=1, sinks=[records]) as watch,
+    ):
+        warnings.simplefilter("always")
+        assert not config.skip_nnmodule_hook_guards
+        compiled = torch.compile(model, backend="aot_eager")
+        for step in range(3):
+            if step == 2 and other == "compiled before observe":
+                torch._dynamo.reset()  # what the warning says to do
+            nn.functional.cross_entropy(compiled(x), y).backward()
+            twin(x)
+            optimizer.step()
+            optimizer.zero_grad()
+            watch.step()
+        skipped = watch.statistics().skipped.get("unseen_forward", 0)
+    assert config.skip_nnmodule_hook_guards  # (back as it was)
+    seen = [any(key.kind == "activation" for key in record.keys) for record in records.items]
+    said = [w for w in caught if "without streamwatch's hooks" in str(w.message)]
+    if other == "compiled after observe":
+        assert seen == [True, True, True]
+        assert (skipped, said) == (0, [])
+    else:
+        assert seen == [False, False, True]
+        assert skipped == 2
+        assert len(said) == 1
+    # the activations recorded are the observed model's own (trained two steps), not the twin's
+    reference = make_model()
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(2):
+        nn.functional.cross_entropy(reference(x), y).backward()
+        reference_opt.step()
+        reference_opt.zero_grad()
+    record = records.items[-1]
+    index = record.keys.index(SeriesKey("train", "0", "activation", ""))
+    with torch.no_grad():
+        expected, twins = reference[0](x), make_model()[0](x)
+    assert record.column("sum")[index] == pytest.approx(float(expected.double().sum()), rel=1e-5)
+    assert record.column("sum")[index] != pytest.approx(float(twins.double().sum()), rel=1e-3)
+
+
+def test_dynamo_checks_module_hooks_while_a_watch_is_open_and_a_users_setting_stays() -> None:
+    import torch._dynamo.config as config
+
+    from streamwatch._torchhooks import HookGuards
+
+    first, second = HookGuards(), HookGuards()
+    first.hold()
+    second.hold()
+    assert not config.skip_nnmodule_hook_guards
+    first.release()
+    assert not config.skip_nnmodule_hook_guards  # (the second Watch still open)
+    second.release()
+    assert config.skip_nnmodule_hook_guards
+    config.skip_nnmodule_hook_guards = False  # the user's own choice: left as it is
+    try:
+        first.hold()
+        first.release()
+        assert not config.skip_nnmodule_hook_guards
+    finally:
+        config.skip_nnmodule_hook_guards = True
