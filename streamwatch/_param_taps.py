@@ -214,8 +214,9 @@ class ParamTaps:
 
     def _unseen_forward(self) -> None:
         """The optimizer steps gradients of a forward pass no hook of this Watch saw, on a step that samples
-        the forward side: compiled code ran a graph traced without the hooks. Counted (``skipped``) and
-        warned about once; nothing else to do from here (docs/observe.md#torchcompile)."""
+        the forward side: compiled code ran a graph traced without the hooks, or the loop called
+        ``model.forward`` (no module hook runs). Counted (``skipped``) and warned about once; nothing else
+        to do from here (docs/observe.md#torchcompile)."""
         if not any(param.grad is not None for _, _, param in self.params):
             return  # (no forward at all: nothing was missed)
         self.state.skip(UNSEEN_FORWARD)
@@ -223,12 +224,13 @@ class ParamTaps:
             return
         self._warned_unseen = True
         warnings.warn(
-            "streamwatch: the model's forward pass ran without streamwatch's hooks, so this step has no "
-            "activations (counted in statistics().skipped['unseen_forward']). A compiled graph traced "
-            "without them ran instead: dynamo reuses a graph compiled for another instance of the model's "
-            "class, or compiled before observe(), because by default it does not check module hooks. "
-            "Call observe() before any instance of the class runs compiled, or call torch._dynamo.reset() "
-            "after observe() (docs/observe.md#torchcompile)",
+            "streamwatch: the optimizer steps gradients of a forward pass that no streamwatch hook saw, so "
+            "this step has no activations (counted in statistics().skipped['unseen_forward']). Either the "
+            "forward was called as model.forward(x), which skips every module hook: call model(x); or a "
+            "compiled graph traced without the hooks ran: dynamo reuses a graph compiled for another "
+            "instance of the model's class, or compiled before observe(), since by default it does not "
+            "check module hooks. Call observe() before any instance of the class runs compiled, or "
+            "torch._dynamo.reset() after observe() (docs/observe.md#torchcompile)",
             RuntimeWarning,
             stacklevel=2,
         )

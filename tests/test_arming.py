@@ -484,3 +484,35 @@ def test_a_group_torch_refuses_half_way_leaves_none_of_its_hooks_in() -> None:
 
 def _refused() -> None:
     raise RuntimeError("refused")
+
+
+@pytest.mark.parametrize("call", ["model(x)", "model.forward(x)"])
+def test_a_forward_no_hook_saw_is_counted_and_warned_about_once(call: str) -> None:
+    """``model.forward(x)`` skips the model's own hooks (a container's children still run theirs): on a
+    one-module model the sampled steps whose optimizer steps such a forward's gradients are counted
+    (``skipped["unseen_forward"]``) and warned about once, never a silent step without activations. An
+    optimizer step with no gradient at all (no forward) is not."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch()
+    records = sw.sinks.collect()
+    with sw.observe(model, opt, every=2, sinks=[records]) as watch:
+        opt.step()  # (no forward, no gradient: nothing was missed)
+        watch.step()
+        for _ in range(4):
+            outputs = model(x) if call == "model(x)" else model.forward(x)
+            nn.functional.cross_entropy(outputs, y).backward()
+            if call == "model.forward(x)" and watch.statistics().steps == 2:
+                with pytest.warns(RuntimeWarning, match=r"called as model.forward\(x\)"):
+                    opt.step()
+            else:
+                opt.step()
+            opt.zero_grad()
+            watch.step()
+        skipped = watch.statistics().skipped.get("unseen_forward", 0)
+    activations = [any(k.kind == "activation" for k in r.keys) for r in records.items]
+    if call == "model(x)":
+        assert (skipped, activations) == (0, [False, True, True])
+    else:  # (steps 2 and 4 are sampled: every=2)
+        assert (skipped, activations) == (2, [False, False, False])
