@@ -70,10 +70,12 @@ class GraphMemory:
         >>> skipped = {}
         >>> memory = GraphMemory(skipped)
         >>> import warnings
-        >>> with warnings.catch_warnings(record=True):
+        >>> with warnings.catch_warnings(record=True) as said:
+        ...     warnings.simplefilter("always")
         ...     memory.found(3, "rows")
-        >>> skipped, memory.copy
-        ({'cuda_graphs': 3}, True)
+        ...     memory.found(1, "losses")  # (warned once)
+        >>> skipped, memory.copy, len(said)
+        ({'cuda_graphs': 4}, True, 1)
     """
 
     def __init__(self, skipped: dict[str, int]) -> None:
