@@ -419,6 +419,7 @@ class StepBoundary:
         logged = self.logbook.take()
         failed = True
         try:
+            state.drain()  # (rows compiled code made since the last backward pass)
             device: dict[str, torch.Tensor] = {}
             if self._step_metrics:
                 self._run_step_metrics(device)

@@ -213,27 +213,27 @@ class StepBuffer:
         self.samples.append(0)
         return None
 
-    def add(self, key: Hashable, count: int, row: Row, replace: bool = False) -> None:
+    def add(self, key: Hashable, count: int, row: Row, replace: bool = False, traced: bool = False) -> None:
         """Append one row summarised with torch ops; with ``replace``, a later row of the same key
         overwrites the earlier one (accumulated gradients: the last, complete one counts) instead of
-        merging."""
+        merging. ``traced``: the row's tensors are outputs of a compiled graph (:meth:`drop_overwritten`)."""
         index = self._append(key, count, replace)
         if index is not None:
             self.device_rows[index] = row
-            if torch.compiler.is_compiling():
+            if traced:
                 self.traced.append(index)
             return
         index = len(self.keys) - 1
         self.device_rows[index] = row
-        if torch.compiler.is_compiling():
+        if traced:
             self.traced.append(index)
         if self.device is None:
             self.device = row.gram.device
         counts = row.unit_counts
         if counts is None:
             return
-        # (the first row's counts are not read here: in compiled code dynamo would make them an input of
-        # this pass's graph, the output of an earlier pass that CUDA graphs may have overwritten)
+        # (a later row's counts are added at seal, not here: no op on an earlier pass's output, which CUDA
+        # graphs may have overwritten)
         if key not in self.unit_counts:
             self.unit_counts[key] = (index, counts)
             self.unit_sizes[key] = counts.numel()

@@ -73,6 +73,7 @@ from streamwatch._torchhooks import (
     in_checkpoint,
     recomputing,
     release_call_slot,
+    remove_grad_hook,
 )
 
 __all__ = ["DEFAULT_CADENCE", "DEFAULT_TAPS", "KINDS", "TapSet"]
@@ -176,6 +177,10 @@ class TapSet:
         self.parameters = ParamTaps(state, params, optimizer, state.taps)  # the parameter kinds' taps
         try:
             self._install(model, modules, params, optimizer)
+            self._drain_params = [param for _, _, param in params]
+            self._drain_handle: tuple[torch.Tensor, RemovableHandle] | None = None
+            self._arms = 0
+            self._keep_draining(True)
         except BaseException:
             self.remove()  # all or nothing: a registration that failed half-way leaves no hook behind
             raise
@@ -268,6 +273,30 @@ class TapSet:
         if self._entry is None and self._root_handle is None and model is not None:
             self._root_in(model)
 
+    def _keep_draining(self, wanted: bool) -> None:
+        """Move the rows compiled code made into the step buffer after each backward pass
+        (``TapState.drain``), from a hook on the first observed parameter that takes a gradient: in from
+        the start (a model compiled before its first step runs its first micro-batches before any
+        boundary), kept once compiled code ran a hook, else taken out at the next boundary (a Python
+        call per backward saved). A model first compiled later goes without it for that one step."""
+        handle = self._drain_handle
+        if wanted and handle is None:
+            trainable = [param for param in self._drain_params if param.requires_grad]
+            if trainable:
+                self._drain_handle = (
+                    trainable[0],
+                    trainable[0].register_post_accumulate_grad_hook(self._drain),
+                )
+        elif not wanted and handle is not None:
+            remove_grad_hook(*handle)
+            self._drain_handle = None
+
+    def _drain(self, param: torch.Tensor) -> None:
+        try:
+            self.state.drain()
+        except Exception as exc:  # never into the user's backward
+            self.state.fail(exc)
+
     def _set_group(self, group: str, on: bool) -> None:
         hooks = self._groups[group]
         if on and not hooks.on and group == "param_grad":
@@ -301,6 +330,8 @@ class TapSet:
         self.parameters.new_step()
         state.seen = False
         self.guards.hold()  # (dynamo loaded since the last boundary: its hook check goes on now)
+        self._arms += 1
+        self._keep_draining(state.compiled or self._arms == 1)  # (the first arming is step 0's)
         has = self._has_group  # (a group without registrations stays empty: with an optimizer,
         wanted = (  # param_grad's, whose gradients are read at its pre-step hook)
             has[0] and (static or state.forward),
@@ -481,6 +512,9 @@ class TapSet:
         self._root_out()
         self._release_leaves()
         self.guards.release()
+        if getattr(self, "_drain_handle", None) is not None:
+            self._keep_draining(False)
+        self._drain_params = []
         for group in _GROUPS:
             self._set_group(group, False)
         self._registrations = {group: [] for group in self._registrations}

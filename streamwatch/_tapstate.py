@@ -115,9 +115,31 @@ class TapState:
     packings: Packings = field(default_factory=Packings)  # summarize_many's, by layout
     # values CUDA graphs overwrote before they were read (dropped, counted in ``skipped``)
     memory: GraphMemory = field(init=False)
+    # rows compiled code made (key, count, row, replace), moved into the buffer outside the graph (drain)
+    inbox: list[tuple[SeriesKey, int, Row, bool]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.memory = GraphMemory(self.skipped)
+
+    def drain(self) -> None:
+        """Move the rows compiled code made into the step buffer, outside any graph: after each backward
+        pass (a hook on one parameter's accumulated gradient, ``TapSet``) and at the step's end.
+
+        In a graph, a row only joins :attr:`inbox`, empty whenever a pass begins: dynamo guards on what a
+        graph reads of the Python state, and a graph that read the step's rows (their number) would be
+        compiled again for every micro-batch of a step, past dynamo's limit of 8 variants, after which
+        the model runs uncompiled.
+
+        Example:
+            >>> state = TapState()
+            >>> state.drain(); len(state.buffer)
+            0
+        """
+        inbox = self.inbox
+        if inbox:
+            for key, count, row, replace in inbox:
+                self.buffer.add(key, count, row, replace=replace, traced=True)
+            inbox.clear()
 
     def skip(self, reason: str) -> None:
         """Count something not summarised, by ``reason``. In code ``torch.compile`` traces, only noted
@@ -209,7 +231,7 @@ def summarize_into(
         and torch.compiler.is_compiling()
     ):
         row = triton.traced_row(prepared, unit_dim=unit_dim, bounds=bounds)  # (the registered op: no break)
-        state.buffer.add(key, prepared.numel(), row, replace=replace)
+        state.inbox.append((key, prepared.numel(), row, replace))
     elif triton is not None and triton.accepts(prepared) and not torch.compiler.is_compiling():
         try:
             row = state.buffer.triton_arena(triton, prepared.device).summarize(
@@ -225,7 +247,10 @@ def summarize_into(
         state.buffer.add_host(kernel, key, prepared, unit_dim=unit_dim, bounds=bounds, replace=replace)
     else:
         row = summarize(prepared, unit_dim=unit_dim, count_nonfinite=state.count_nonfinite, bounds=bounds)
-        state.buffer.add(key, prepared.numel(), row, replace=replace)
+        if torch.compiler.is_compiling():  # (the step's rows are not read in a graph: see TapState.drain)
+            state.inbox.append((key, prepared.numel(), row, replace))
+        else:
+            state.buffer.add(key, prepared.numel(), row, replace=replace)
     if state.kind_metrics:  # opt-in tensor metrics (histograms, p-norms) on this step's tensors
         for metric in state.kind_metrics.get(key.kind, ()):
             state.call(metric, state.buffer, key, prepared)

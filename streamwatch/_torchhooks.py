@@ -54,6 +54,7 @@ __all__ = [
     "in_checkpoint",
     "recomputing",
     "release_call_slot",
+    "remove_grad_hook",
 ]
 
 _SLOT = "_compiled_call_impl"
@@ -269,3 +270,21 @@ class HookGuards:
         if not HookGuards._holders and HookGuards._turned and config is not None:
             setattr(config, _SKIP_HOOK_GUARDS, True)
             HookGuards._turned = False
+
+
+def remove_grad_hook(param: torch.Tensor, handle: Any) -> None:
+    """Remove a post-accumulate-grad hook, and the parameter's hook table with it when that leaves it
+    empty: torch's backward calls into a parameter's table whenever it has one, empty or not.
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.ones(1))
+        >>> remove_grad_hook(p, p.register_post_accumulate_grad_hook(lambda p: None))
+        >>> p._post_accumulate_grad_hooks is None
+        True
+    """
+    handle.remove()
+    if not getattr(param, "_post_accumulate_grad_hooks", None):
+        try:
+            param._post_accumulate_grad_hooks = None  # type: ignore[assignment]
+        except (AttributeError, RuntimeError):  # (a torch that keeps it elsewhere: an empty table stays)
+            pass

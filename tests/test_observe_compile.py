@@ -135,19 +135,23 @@ def test_compiled_observed_model_trains_and_is_recorded() -> None:
     )
 
 
-def test_a_compiled_forward_is_compiled_once_not_at_every_step() -> None:
+@pytest.mark.parametrize("micro_batches", [2, 12])
+def test_a_compiled_forward_is_compiled_once_not_at_every_step(micro_batches: int) -> None:
     """The taps' bookkeeping inside the graph (a skipped gradient tap, counted) reads no Python value
-    that changes from step to step: dynamo compiles the forward once (once more for a second
-    micro-batch in the same step), where a counter read there made it compile again at every step
-    until its cache limit, and then run the model eagerly."""
+    that changes from step to step or from micro-batch to micro-batch: dynamo compiles the forward once
+    (once more for the later micro-batches of a step), where a counter read there made it compile again
+    at every step, and the step's rows (their number) at every micro-batch, until its limit of 8
+    variants, after which the model ran eagerly. A graph's rows wait in ``TapState.inbox``, moved into
+    the step after each backward (``TapState.drain``)."""
     x, y = batch()
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     counters.clear()
-    with sw.observe(model, optimizer, every=1) as watch:
+    records = sw.sinks.collect()
+    with sw.observe(model, optimizer, every=1, sinks=[records]) as watch:
         compiled = torch.compile(model, backend="eager")
         for _ in range(6):
-            for _ in range(2):  # gradient accumulation: two forwards per step
+            for _ in range(micro_batches):  # gradient accumulation
                 nn.functional.cross_entropy(compiled(x), y).backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -155,6 +159,10 @@ def test_a_compiled_forward_is_compiled_once_not_at_every_step() -> None:
         assert counters["frames"]["ok"] <= 2
         assert watch.statistics().skipped["compiled_grad_hook"] == 6  # once per step
         assert watch.statistics().hook_errors == 0
+    # every micro-batch's activations are in its step's row (the same batch each time here)
+    for record in records.items:
+        index = record.keys.index(SeriesKey("train", "0", "activation", ""))
+        assert record.column("count")[index] == micro_batches * 32 * 16
 
 
 class _Twin(nn.Sequential):
@@ -196,7 +204,7 @@ def test_another_compiled_instance_of_the_class_does_not_run_the_observed_model_
         skipped = watch.statistics().skipped.get("unseen_forward", 0)
     assert config.skip_nnmodule_hook_guards  # (back as it was)
     seen = [any(key.kind == "activation" for key in record.keys) for record in records.items]
-    said = [w for w in caught if "without streamwatch's hooks" in str(w.message)]
+    said = [w for w in caught if "no streamwatch hook saw" in str(w.message)]
     if other == "compiled after observe":
         assert seen == [True, True, True]
         assert (skipped, said) == (0, [])
