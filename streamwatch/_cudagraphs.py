@@ -10,11 +10,13 @@ by a subsequent run"). streamwatch keeps such outputs past their pass in three p
   step's end: a row of an earlier micro-batch is dropped (``StepBuffer.drop_overwritten``), the rows of
   the pass still readable (the last one) stay;
 - the device loss of an unsampled step, kept as a 0-d view until the next record (the step log) and the
-  sentinel's batch: an overwritten one is dropped, and from then on device losses are copied (one small
-  kernel a step), so the rest of the run loses nothing;
+  sentinel's batch: an overwritten one is dropped;
 - opt-in metric values and values given to ``watch.log``, dropped the same way.
 
-Whatever is dropped is counted in ``statistics().skipped["cuda_graphs"]`` and warned about once.
+Whatever is dropped is counted in ``statistics().skipped["cuda_graphs"]`` and warned about once, and
+from then on (:attr:`GraphMemory.copy`) each pass's rows are copied when they move into the step after its
+backward (``TapState.drain``), while their memory is still theirs, and device losses when they are kept:
+a few small kernels a step, and the rest of the run loses nothing.
 Telling an overwritten tensor needs no launch and no sync: :func:`overwritten` reads its data pointer.
 
 Example:
@@ -63,7 +65,8 @@ class GraphMemory:
         skipped: the Watch's skip counts (``TapState.skipped``), where the lost values are counted.
 
     Attributes:
-        copy: device losses are copied when kept past their step (set at the first value lost).
+        copy: rows of compiled code and device losses are copied when kept past their pass (set at the
+            first value lost).
         lost: values lost so far.
 
     Example:
@@ -101,10 +104,10 @@ class GraphMemory:
             warnings.warn(
                 f"streamwatch: {n} {what} made by CUDA graphs (torch.compile mode='reduce-overhead') were "
                 "overwritten by a later pass before streamwatch read them; they are skipped and counted in "
-                f"statistics().skipped[{REASON!r}]. From now on device losses are copied when kept (one "
-                "small kernel a step). Rows of compiled code cover only a step's last forward pass: with "
-                "several passes in a step (gradient accumulation), compile with "
-                "mode='max-autotune-no-cudagraphs' to record every one (docs/observe.md#torchcompile)",
+                f"statistics().skipped[{REASON!r}]. From now on the rows of compiled code are copied after "
+                "each backward pass and device losses when kept (a few small kernels a step), so nothing "
+                "more is lost; compile with mode='max-autotune-no-cudagraphs' to avoid the copies "
+                "(docs/observe.md#torchcompile)",
                 RuntimeWarning,
                 stacklevel=2,
             )

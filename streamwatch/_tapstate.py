@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ __all__ = [
     "Hook",
     "StepTimes",
     "TapState",
+    "copied",
     "guarded",
     "inert",
     "local",
@@ -128,7 +130,8 @@ class TapState:
         In a graph, a row only joins :attr:`inbox`, empty whenever a pass begins: dynamo guards on what a
         graph reads of the Python state, and a graph that read the step's rows (their number) would be
         compiled again for every micro-batch of a step, past dynamo's limit of 8 variants, after which
-        the model runs uncompiled.
+        the model runs uncompiled. Once CUDA graphs overwrote a row (``_cudagraphs``), the rows are
+        copied here, while their pass's memory is still theirs.
 
         Example:
             >>> state = TapState()
@@ -137,8 +140,9 @@ class TapState:
         """
         inbox = self.inbox
         if inbox:
+            copy = self.memory.copy  # (CUDA graphs overwrote rows once: copied while still readable)
             for key, count, row, replace in inbox:
-                self.buffer.add(key, count, row, replace=replace, traced=True)
+                self.buffer.add(key, count, copied(row) if copy else row, replace=replace, traced=True)
             inbox.clear()
 
     def skip(self, reason: str) -> None:
@@ -199,6 +203,33 @@ def prepare(x: torch.Tensor, state: TapState, detach: bool = True) -> torch.Tens
     if not x.is_floating_point():
         x = x.to(torch.float32)  # bool masks, integer ids: summarised as numbers
     return x
+
+
+def copied(row: Row) -> Row:
+    """``row`` with its tensors copied (a tensor it holds in several fields, copied once).
+
+    Example:
+        >>> x = torch.ones(2)
+        >>> row = Row(x, x, x)
+        >>> c = copied(row); c.gram is c.low and c.gram is not x and torch.equal(c.gram, x)
+        True
+    """
+    copies: dict[int, torch.Tensor] = {}
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        found = copies.get(id(t))
+        if found is None:
+            found = copies[id(t)] = t.clone()
+        return found
+
+    return dataclasses.replace(
+        row,
+        gram=copy(row.gram),
+        low=copy(row.low),
+        high=copy(row.high),
+        nonfinite=None if row.nonfinite is None else copy(row.nonfinite),
+        unit_counts=None if row.unit_counts is None else copy(row.unit_counts),
+    )
 
 
 def summarize_into(

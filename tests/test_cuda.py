@@ -422,8 +422,8 @@ def test_cuda_graphs_with_gradient_accumulation_and_the_loss_in_the_graph_lose_n
     every fourth step sampled: CUDA graphs hand each pass's memory to the next, so the first micro-batch's
     rows and the earlier steps' losses are overwritten before the step's end unless streamwatch copied
     them (``streamwatch/_cudagraphs.py``). Training runs on, no step fails, every step's loss comes back,
-    and each sampled step's activation rows hold one or both micro-batches, as ``skipped["cuda_graphs"]``
-    says — never a mix it does not count."""
+    and each sampled step's activation rows hold both micro-batches, but for the first, whose first
+    micro-batch's rows may have been overwritten (dropped and counted in ``skipped["cuda_graphs"]``)."""
     model, opt = make()
     generator = torch.Generator(device="cuda").manual_seed(0)
     data = [
@@ -461,12 +461,9 @@ def test_cuda_graphs_with_gradient_accumulation_and_the_loss_in_the_graph_lose_n
             assert s.scalars["loss"] == pytest.approx(losses[s.step], rel=1e-5)
     sampled = [r for r in records.items if any(k.kind == "activation" for k in r.keys)]
     assert [r.step for r in sampled] == [0, 4, 8]
-    dropped = stats.skipped.get("cuda_graphs", 0) - len(missing)
-    for record in sampled:
-        index = record.keys.index(sw.SeriesKey("train", "0", "activation", ""))
-        assert record.column("count")[index] in (32 * 128, 2 * 32 * 128)
-    one_pass = sum(
-        r.column("count")[r.keys.index(sw.SeriesKey("train", "0", "activation", ""))] == 32 * 128
-        for r in sampled
-    )
-    assert (one_pass > 0) == (dropped > 0)
+    counts = [r.column("count")[r.keys.index(sw.SeriesKey("train", "0", "activation", ""))] for r in sampled]
+    # a step whose first pass was overwritten holds the last pass only (its three activation rows dropped
+    # and counted); after the first such step every pass's rows are copied in time, so at most the first
+    assert all(count in (32 * 128, 2 * 32 * 128) for count in counts[:1])
+    assert all(count == 2 * 32 * 128 for count in counts[1:])
+    assert stats.skipped.get("cuda_graphs", 0) >= len(missing) + 3 * (counts[0] == 32 * 128)

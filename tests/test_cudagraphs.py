@@ -28,6 +28,7 @@ from streamwatch import SeriesKey
 from streamwatch._cudagraphs import REASON, GraphMemory, overwritten
 from streamwatch._outbox import Outbox, StepLog
 from streamwatch._record import STEP_VALUE
+from streamwatch._tapstate import TapState
 from tests.test_nonfinite import _RingOnCpu
 
 MESSAGE = (
@@ -138,25 +139,52 @@ class _Unobserved(nn.Sequential):
     pass
 
 
-def mark_overwritten(buffer: Any) -> int:
-    """Mark every device row the step buffer holds as a real pass of CUDA graphs would (its outputs)."""
-    for index, row in list(buffer.device_rows.items()):
-        buffer.device_rows[index] = dataclasses.replace(
-            row,
-            gram=Overwritten.of(row.gram),
-            low=Overwritten.of(row.low),
-            high=Overwritten.of(row.high),
-            unit_counts=None if row.unit_counts is None else Overwritten.of(row.unit_counts),
-        )
-    for key, (first, counts) in list(buffer.unit_counts.items()):
-        if isinstance(counts, torch.Tensor):
-            buffer.unit_counts[key] = (first, Overwritten.of(counts))
-    return len(buffer.device_rows)
+class Passes:
+    """CUDA graphs' memory, on the CPU: the tensors each compiled pass handed over (the rows waiting in
+    ``TapState.inbox`` when they are moved into the step) stay readable until the next pass begins
+    (:meth:`begin`), which marks every one the step buffer still holds as overwritten. A copy made in
+    between is not theirs and stays readable."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.made: dict[int, torch.Tensor] = {}  # (held: an id is not reused while the test runs)
+        drain = TapState.drain
+
+        def recording(state: TapState) -> None:
+            for _, _, row, _ in state.inbox:
+                self.made[id(row.gram)] = row.gram
+            drain(state)
+
+        monkeypatch.setattr(TapState, "drain", recording)
+
+    def begin(self, buffer: Any) -> int:
+        """A new pass begins: the rows of earlier passes the buffer holds are overwritten; how many."""
+        marked = 0
+        for index, row in list(buffer.device_rows.items()):
+            if id(row.gram) not in self.made:
+                continue
+            buffer.device_rows[index] = dataclasses.replace(
+                row,
+                gram=Overwritten.of(row.gram),
+                low=Overwritten.of(row.low),
+                high=Overwritten.of(row.high),
+                unit_counts=None if row.unit_counts is None else Overwritten.of(row.unit_counts),
+            )
+            first, counts = buffer.unit_counts.get(buffer.keys[index], (None, None))
+            if first == index and isinstance(counts, torch.Tensor):
+                buffer.unit_counts[buffer.keys[index]] = (first, Overwritten.of(counts))
+            marked += 1
+        return marked
 
 
 # Importing inductor imports torch.utils.mkldnn, which uses the deprecated torch.jit.script_method.
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-def test_rows_of_a_pass_cuda_graphs_overwrote_are_dropped_counted_and_the_last_pass_is_recorded() -> None:
+def test_rows_cuda_graphs_overwrote_are_dropped_and_counted_once_then_copied_while_readable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two micro-batches a step: in the first step the second pass overwrites the first one's rows, which
+    are dropped (the step's rows are the last pass's), counted and warned about; from then on each pass's
+    rows are copied when they move into the step, after its backward, and every pass is recorded."""
+    passes = Passes(monkeypatch)
     reference = _Unobserved(*make_model())  # (a class of its own: dynamo shares no graph between them)
     reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     plain = torch.compile(reference, backend="aot_eager")
@@ -171,11 +199,10 @@ def test_rows_of_a_pass_cuda_graphs_overwrote_are_dropped_counted_and_the_last_p
         warnings.simplefilter("always")
         compiled = torch.compile(model, backend="aot_eager")
         for _ in range(steps):
-            for i, (x, y) in enumerate(batches()):
+            for x, y in batches():
+                marked.append(passes.begin(watch._state.buffer))
                 nn.functional.cross_entropy(compiled(x), y).backward()
                 nn.functional.cross_entropy(plain(x), y).backward()
-                if i == 0:  # the second micro-batch's pass reuses the first one's memory
-                    marked.append(mark_overwritten(watch._state.buffer))
             optimizer.step()
             reference_opt.step()
             optimizer.zero_grad()
@@ -185,30 +212,36 @@ def test_rows_of_a_pass_cuda_graphs_overwrote_are_dropped_counted_and_the_last_p
     assert stats.hook_errors == 0
     assert stats.failed_steps == 0
     assert [r.step for r in records.items] == list(range(steps))
-    assert marked[0] == 3  # (three activations in the first pass)
-    assert stats.skipped[REASON] == sum(marked)
+    assert marked == [0, 3, 0, 0, 0, 0]  # (the first step's first pass: three activations; then copies)
+    assert stats.skipped[REASON] == 3
     said = [w for w in caught if "CUDA graphs" in str(w.message)]
     assert len(said) == 1
     assert "mode='max-autotune-no-cudagraphs'" in str(said[0].message)
     # Training is the same as the same compiled model unobserved.
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(a, b)
-    # Each step's activation rows are the last pass's: its tensors, recomputed with the step's weights.
+    # The first step's activation rows are its last pass's, the others' both passes': recomputed from
+    # the passes' tensors with the step's weights.
     model_then = make_model()
     opt_then = torch.optim.SGD(model_then.parameters(), lr=0.1)
     for record in records.items:
-        x, _ = batches()[1]
+        recorded = batches()[1:] if record.step == 0 else batches()
         with torch.no_grad():
-            outputs = [model_then[0](x)]
-            outputs.append(model_then[1](outputs[0]))
-            outputs.append(model_then[2](outputs[1]))
-        for layer, out in zip(("0", "1", "2"), outputs, strict=True):
+            per_layer: list[list[torch.Tensor]] = [[], [], []]
+            for x, _ in recorded:
+                hidden = model_then[0](x)
+                per_layer[0].append(hidden)
+                per_layer[1].append(model_then[1](hidden))
+                per_layer[2].append(model_then[2](per_layer[1][-1]))
+        for layer, outs in zip(("0", "1", "2"), per_layer, strict=True):
+            out = torch.cat(outs)
             index = record.keys.index(SeriesKey("train", layer, "activation", ""))
             assert record.column("count")[index] == out.numel()
             assert record.column("sum")[index] == pytest.approx(float(out.double().sum()), rel=1e-5, abs=1e-6)
             assert record.column("max")[index] == pytest.approx(float(out.max()), rel=1e-6)
         index = record.keys.index(SeriesKey("train", "1", "activation", ""))
-        assert record.column("dead")[index] == float(((outputs[1] > 0).sum(0) == 0).sum())
+        alive = sum((out > 0).sum(0) for out in per_layer[1])
+        assert record.column("dead")[index] == float((alive == 0).sum())
         for x, y in batches():  # (the next record's weights)
             nn.functional.cross_entropy(model_then(x), y).backward()
         opt_then.step()
