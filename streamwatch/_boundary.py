@@ -545,6 +545,7 @@ class StepBoundary:
         """``Watch.pass_ends``: never raises (counted)."""
         try:
             self._taps.pass_ends()
+            self.state.drain()  # (rows compiled code made in the pass: out of the graph, between passes)
         except Exception as exc:
             self.state.fail(exc)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -119,13 +120,15 @@ class TapState:
     memory: GraphMemory = field(init=False)
     # rows compiled code made (key, count, row, replace), moved into the buffer outside the graph (drain)
     inbox: list[tuple[SeriesKey, int, Row, bool]] = field(default_factory=list)
+    warned_passes: bool = False  # drain warned that several passes came between two drains
 
     def __post_init__(self) -> None:
         self.memory = GraphMemory(self.skipped)
 
     def drain(self) -> None:
         """Move the rows compiled code made into the step buffer, outside any graph: after each backward
-        pass (a hook on one parameter's accumulated gradient, ``TapSet``) and at the step's end.
+        pass (a hook on one parameter's accumulated gradient, ``TapSet``), at ``Watch.pass_ends`` (the
+        trainer integrations call it after every batch) and at the step's end.
 
         In a graph, a row only joins :attr:`inbox`, empty whenever a pass begins: dynamo guards on what a
         graph reads of the Python state, and a graph that read the step's rows (their number) would be
@@ -143,7 +146,19 @@ class TapState:
             copy = self.memory.copy  # (CUDA graphs overwrote rows once: copied while still readable)
             for key, count, row, replace in inbox:
                 self.buffer.add(key, count, copied(row) if copy else row, replace=replace, traced=True)
+            passes = sum(key == inbox[0][0] for key, _, _, _ in inbox)
             inbox.clear()
+            if passes >= PASSES_WARNED and not self.warned_passes:
+                self.warned_passes = True
+                warnings.warn(
+                    f"streamwatch: {passes} passes of a compiled model ran between two moments streamwatch "
+                    "could take their rows out of the graph (no backward between them: evaluation batches), "
+                    "so dynamo compiled a variant of the forward for each, and runs the model uncompiled "
+                    "past its limit of 8. Call watch.pass_ends() after each evaluation batch (the Lightning "
+                    "and Hugging Face callbacks do) (docs/observe.md#torchcompile)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
     def skip(self, reason: str) -> None:
         """Count something not summarised, by ``reason``. In code ``torch.compile`` traces, only noted
@@ -203,6 +218,11 @@ def prepare(x: torch.Tensor, state: TapState, detach: bool = True) -> torch.Tens
     if not x.is_floating_point():
         x = x.to(torch.float32)  # bool masks, integer ids: summarised as numbers
     return x
+
+
+PASSES_WARNED = 4
+"""Compiled passes between two drains from which :meth:`TapState.drain` warns (each is a variant of the
+forward dynamo compiled; its limit is 8)."""
 
 
 def copied(row: Row) -> Row:

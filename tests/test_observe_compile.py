@@ -247,3 +247,47 @@ def test_dynamo_checks_module_hooks_while_a_watch_is_open_and_a_users_setting_st
         assert not config.skip_nnmodule_hook_guards
     finally:
         config.skip_nnmodule_hook_guards = True
+
+
+@pytest.mark.parametrize("pass_ends", [True, False])
+def test_evaluation_batches_of_a_compiled_model_compile_no_variant_each_when_each_pass_ends(
+    pass_ends: bool,
+) -> None:
+    """Evaluation batches have no backward to take their rows out of the graph: ``watch.pass_ends()``
+    after each (the trainer callbacks call it) does, and 12 batches compile no more variants than one;
+    without it each batch is a variant, and streamwatch warns once that the model runs uncompiled past
+    dynamo's limit. Every batch is recorded either way."""
+    x, y = batch()
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    counters.clear()
+    records = sw.sinks.collect()
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        sw.observe(model, optimizer, every=1, sinks=[records]) as watch,
+    ):
+        warnings.simplefilter("always")
+        compiled = torch.compile(model, backend="eager")
+        for _ in range(3):
+            nn.functional.cross_entropy(compiled(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                for _ in range(12):
+                    compiled(x)
+                    if pass_ends:
+                        watch.pass_ends()
+            model.train()
+            watch.step()
+        assert watch.statistics().hook_errors == 0
+    said = [w for w in caught if "passes of a compiled model" in str(w.message)]
+    if pass_ends:
+        assert counters["frames"]["ok"] <= 3
+        assert said == []
+    else:
+        assert counters["frames"]["ok"] >= 4  # (a variant a batch, to dynamo's limit: the rest ran uncompiled)
+        assert len(said) == 1
+    for record in records.items:
+        index = record.keys.index(SeriesKey("eval", "0", "activation", ""))
+        assert record.column("count")[index] == 12 * 32 * 16

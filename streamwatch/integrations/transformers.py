@@ -199,6 +199,15 @@ class StreamwatchCallback(TrainerCallback):
         if self._pending is not None and logs and "loss" in logs:
             self._end_pending(logs["loss"])
 
+    def on_prediction_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """An evaluation batch ended (``Watch.pass_ends``): with a compiled model, its rows leave the
+        graph now, so the next batch compiles no new variant (docs/observe.md#torchcompile)."""
+        watch = self.watch
+        if watch is not None and not watch.closed:
+            watch.pass_ends()
+
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
