@@ -286,7 +286,7 @@ def test_evaluation_batches_of_a_compiled_model_compile_no_variant_each_when_eac
         assert counters["frames"]["ok"] <= 3
         assert said == []
     else:
-        assert counters["frames"]["ok"] >= 4  # (a variant a batch, to dynamo's limit: the rest ran uncompiled)
+        assert counters["frames"]["ok"] >= 4  # (a variant a batch, to dynamo's limit; then uncompiled)
         assert len(said) == 1
     for record in records.items:
         index = record.keys.index(SeriesKey("eval", "0", "activation", ""))
