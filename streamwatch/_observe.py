@@ -465,10 +465,8 @@ class Watch:
         self._boundary.pass_begins(module)
 
     def pass_ends(self) -> None:
-        """The batch :meth:`pass_begins` announced ended (an evaluation batch's hooks come out; the rows a
-        compiled model made move into the step, so its next pass compiles no new variant:
-        docs/observe.md#torchcompile). Call it after every batch, evaluation ones included. Never
-        raises: counted."""
+        """The batch :meth:`pass_begins` announced ended: an evaluation batch's hooks come out, a compiled
+        model's rows leave the graph (docs/observe.md#torchcompile). Never raises: counted."""
         self._boundary.pass_ends()
 
     @property
