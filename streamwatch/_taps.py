@@ -309,10 +309,7 @@ class TapSet:
         """Install or remove the per-module and per-parameter hooks for the step that begins: only the
         groups the step samples (every group while ``static``). Called at each step boundary."""
         state = self.state
-        if state.skipped_in_graph:  # (noted by compiled code: TapState.skip)
-            for reason in state.skipped_in_graph:
-                state.skip(reason)
-            state.skipped_in_graph.clear()
+        state.count_noted()  # (what compiled code skipped: TapState.skip)
         entry = self._entry
         if entry is not None:
             model = self._model()

@@ -102,8 +102,10 @@ class TapState:
     root_training: bool = False
     compiled: bool = False  # a hook ran inside torch.compile: hooks stay installed (TapSet.static)
     seen: bool = False  # a forward-side hook or the root module's call ran since the last full boundary
-    # reasons compiled code skipped something for this step (``skip``), counted by TapSet.arm
+    # reasons compiled code skipped something (``skip``): noted in the graph, moved to ``noted`` outside
+    # it (``drain``, so the graph always meets it empty), counted once for the step by ``count_noted``
     skipped_in_graph: dict[str, bool] = field(default_factory=dict)
+    noted: set[str] = field(default_factory=set)
     timed: bool = True  # the step samples something: its parts are timed, the optimizer hooks are in
     busy: float = 0.0  # seconds spent inside streamwatch's hooks since the last step boundary
     times: StepTimes = field(default_factory=StepTimes)
@@ -141,6 +143,9 @@ class TapState:
             >>> state.drain(); len(state.buffer)
             0
         """
+        if self.skipped_in_graph:
+            self.noted.update(self.skipped_in_graph)
+            self.skipped_in_graph.clear()
         inbox = self.inbox
         if inbox:
             copy = self.memory.copy  # (CUDA graphs overwrote rows once: copied while still readable)
@@ -165,9 +170,34 @@ class TapState:
         (``TapSet.arm`` counts it once for the step): reading a counter there would make its value a
         guard, and dynamo would compile the forward again at every step."""
         if torch.compiler.is_compiling():
+            self.compiled = True
             self.skipped_in_graph[reason] = True
             return
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+    def count_noted(self) -> None:
+        """Count once what compiled code skipped since the last call (``skip``): at each step boundary.
+
+        Example:
+            >>> state = TapState()
+            >>> state.skipped_in_graph["compiled_grad_hook"] = True
+            >>> state.count_noted(); state.count_noted(); state.skipped
+            {'compiled_grad_hook': 1}
+        """
+        noted = self.noted
+        if self.skipped_in_graph:
+            noted.update(self.skipped_in_graph)
+            self.skipped_in_graph.clear()
+        if noted:
+            for reason in sorted(noted):
+                self.skip(reason)
+            noted.clear()
+
+    def traced(self, key: SeriesKey, count: int, row: Row, replace: bool) -> None:
+        """A row compiled code made: into :attr:`inbox` (see :meth:`drain`); from the next step boundary on
+        every hook stays installed (``TapSet.arm``), whichever module the compiled code called."""
+        self.compiled = True
+        self.inbox.append((key, count, row, replace))
 
     def fail(self, exc: BaseException) -> None:
         """Count (and keep the first few of) an exception caught on the training thread."""
@@ -282,7 +312,7 @@ def summarize_into(
         and torch.compiler.is_compiling()
     ):
         row = triton.traced_row(prepared, unit_dim=unit_dim, bounds=bounds)  # (the registered op: no break)
-        state.inbox.append((key, prepared.numel(), row, replace))
+        state.traced(key, prepared.numel(), row, replace)
     elif triton is not None and triton.accepts(prepared) and not torch.compiler.is_compiling():
         try:
             row = state.buffer.triton_arena(triton, prepared.device).summarize(
@@ -299,7 +329,7 @@ def summarize_into(
     else:
         row = summarize(prepared, unit_dim=unit_dim, count_nonfinite=state.count_nonfinite, bounds=bounds)
         if torch.compiler.is_compiling():  # (the step's rows are not read in a graph: see TapState.drain)
-            state.inbox.append((key, prepared.numel(), row, replace))
+            state.traced(key, prepared.numel(), row, replace)
         else:
             state.buffer.add(key, prepared.numel(), row, replace=replace)
     if state.kind_metrics:  # opt-in tensor metrics (histograms, p-norms) on this step's tensors

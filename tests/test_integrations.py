@@ -21,6 +21,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +173,77 @@ def test_lightning_one_record_per_optimizer_step_with_the_trainers_loss(pl: Any,
     assert _leftover_hooks(model, trainer.optimizers[0]) == []
     latest = {s.name: s.value for s in watch.snapshot() if not s.labels.get("layer")}
     assert latest["streamwatch_loss"] == expected[-1]
+
+
+def _compiled_lightning_module(pl: Any) -> Any:
+    """A module whose steps read no Python state that changes (``_lightning_module`` keeps its losses in
+    a list, which dynamo would guard on): what dynamo compiles here is streamwatch's doing alone."""
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Net()
+
+
+@pytest.mark.parametrize("every", [1, None], ids=["every=1", "governor"])
+def test_lightning_a_compiled_module_with_accumulation_is_compiled_once_per_step_kind(
+    pl: Any, tmp_path: Path, every: int | None
+) -> None:
+    """``trainer.fit(torch.compile(module))`` with ``accumulate_grad_batches=4``: Lightning compiles the
+    steps, which call ``self.net``, never the module streamwatch observes. Every micro-batch's
+    activations reach its step's record; dynamo compiles ``training_step`` and ``validation_step`` once
+    each (the governor's unsampled steps, whose hooks do nothing, once more), where the micro-batches of
+    every step after the first were each a new variant, and nothing is warned."""
+    from torch._dynamo.utils import counters
+
+    from streamwatch.integrations.lightning import StreamwatchCallback
+
+    torch._dynamo.reset()
+    counters.clear()
+    records = sw.sinks.collect()
+    callback = StreamwatchCallback(sinks=[records], **({} if every is None else {"every": every}))
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        accumulate_grad_batches=4,
+        num_sanity_val_steps=0,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(
+            torch.compile(_compiled_lightning_module(pl), backend="eager"),
+            DataLoader(_dataset(64, seed=1), batch_size=4),  # 16 batches an epoch: 4 steps of 4
+            DataLoader(_dataset(16, seed=2), batch_size=4),  # 4 validation batches an epoch
+        )
+    torch._dynamo.reset()
+    assert [str(w.message) for w in caught if "streamwatch" in str(w.message)] == []
+    assert counters["frames"]["ok"] == (2 if every == 1 else 3)
+    assert trainer.global_step == 8
+    steps = [r for r in records.items if r.rows(phase="train")]
+    assert len(steps) == 8 if every == 1 else len(steps) >= 2  # (the governor: step 0 and a few more)
+    for record in steps:  # every micro-batch's activations: 4 batches of 4 through net.0 (16 units)
+        index = record.keys.index(sw.SeriesKey("train", "net.0", "activation", ""))
+        assert record.column("count")[index] == 4 * 4 * 16
 
 
 @pytest.mark.filterwarnings("ignore:Found 1 module.s. in eval mode")
@@ -503,6 +575,66 @@ def test_transformers_one_record_per_optimizer_step_with_the_logged_loss(
     assert {k.phase for k in records.items[6].keys} == {"eval"}
     assert watch.closed
     assert _leftover_hooks(model, trainer.optimizer.optimizer) == []
+
+
+class _PlainHFNet(nn.Module):
+    """``_HFNet`` without its list of losses, which dynamo would guard on when the Trainer compiles it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        logits = self.net(x)
+        if labels is None:
+            return {"logits": logits}
+        return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
+
+
+@pytest.mark.parametrize("every", [1, None], ids=["every=1", "governor"])
+def test_transformers_torch_compile_with_accumulation_is_compiled_once_per_pass_kind(
+    tmp_path: Path, every: int | None
+) -> None:
+    """``TrainingArguments(torch_compile=True, gradient_accumulation_steps=4)`` with evaluation: every
+    micro-batch's activations reach its step's record, and dynamo compiles the model's forward once (the
+    governor's unsampled steps, whose hooks do nothing, once more); nothing is warned (the callback ends
+    each evaluation batch's pass)."""
+    pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+
+    from streamwatch.integrations.transformers import StreamwatchCallback
+
+    torch._dynamo.reset()
+    counters.clear()
+    records = sw.sinks.collect()
+    callback = StreamwatchCallback(sinks=[records], **({} if every is None else {"every": every}))
+    torch.manual_seed(0)
+    trainer = _hf_trainer(  # 16 micro-batches of 4 an epoch: 4 steps; 4 evaluation batches every 2 steps
+        tmp_path,
+        [callback],
+        _dataset(64, seed=1),
+        _dataset(16, seed=2),
+        _PlainHFNet(),
+        gradient_accumulation_steps=4,
+        num_train_epochs=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        torch_compile=True,
+        torch_compile_backend="eager",
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    torch._dynamo.reset()
+    assert [str(w.message) for w in caught if "streamwatch" in str(w.message)] == []
+    assert trainer.state.global_step == 8
+    assert counters["frames"]["ok"] == (1 if every == 1 else 2)
+    assert _eval_records(records.items)  # evaluation was recorded too
+    steps = [r for r in records.items if r.rows(phase="train")]
+    assert len(steps) == 8 if every == 1 else len(steps) >= 2
+    for record in steps:  # every micro-batch's activations: 4 batches of 4 through net.0 (16 units)
+        index = record.keys.index(sw.SeriesKey("train", "net.0", "activation", ""))
+        assert record.column("count")[index] == 4 * 4 * 16
 
 
 def test_transformers_resumed_run_numbers_its_records_from_the_checkpoint(tmp_path: Path) -> None:

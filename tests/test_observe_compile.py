@@ -138,11 +138,11 @@ def test_compiled_observed_model_trains_and_is_recorded() -> None:
 @pytest.mark.parametrize("micro_batches", [2, 12])
 def test_a_compiled_forward_is_compiled_once_not_at_every_step(micro_batches: int) -> None:
     """The taps' bookkeeping inside the graph (a skipped gradient tap, counted) reads no Python value
-    that changes from step to step or from micro-batch to micro-batch: dynamo compiles the forward once
-    (once more for the later micro-batches of a step), where a counter read there made it compile again
-    at every step, and the step's rows (their number) at every micro-batch, until its limit of 8
-    variants, after which the model ran eagerly. A graph's rows wait in ``TapState.inbox``, moved into
-    the step after each backward (``TapState.drain``)."""
+    that changes from step to step or from micro-batch to micro-batch: dynamo compiles the forward once,
+    where a counter read there made it compile again at every step, the step's rows (their number) at
+    every micro-batch, until its limit of 8 variants, after which the model ran eagerly, and the noted
+    skip once more for the later micro-batches of a step. A graph's rows and skips wait in
+    ``TapState.inbox`` and ``skipped_in_graph``, moved out after each backward (``TapState.drain``)."""
     x, y = batch()
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -156,12 +156,56 @@ def test_a_compiled_forward_is_compiled_once_not_at_every_step(micro_batches: in
             optimizer.step()
             optimizer.zero_grad()
             watch.step()
-        assert counters["frames"]["ok"] <= 2
+        assert counters["frames"]["ok"] == 1
         assert watch.statistics().skipped["compiled_grad_hook"] == 6  # once per step
         assert watch.statistics().hook_errors == 0
     # every micro-batch's activations are in its step's row (the same batch each time here)
     for record in records.items:
         index = record.keys.index(SeriesKey("train", "0", "activation", ""))
+        assert record.column("count")[index] == micro_batches * 32 * 16
+
+
+class _Holder(nn.Module):
+    """A LightningModule's shape: the model is a submodule, and the step calls it, never the holder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model()
+
+
+def test_compiled_code_that_calls_a_submodule_not_the_observed_root_is_compiled_once() -> None:
+    """Lightning compiles ``training_step``, which calls ``self.net(x)``: the observed root module (the
+    LightningModule) is never called, so its hook cannot tell that compiled code runs. The taps in the
+    graph tell it: the hooks stay in and the rows leave the graph after each backward from the second
+    step on too, so 12 micro-batches a step compile the step once, and nothing is warned."""
+    x, y = batch()
+    holder = _Holder()
+    optimizer = torch.optim.SGD(holder.parameters(), lr=0.1)
+    counters.clear()
+    records = sw.sinks.collect()
+    micro_batches = 12
+
+    @torch.compile(backend="eager")
+    def training_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(holder.net(x), y)
+
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        sw.observe(holder, optimizer, every=1, sinks=[records]) as watch,
+    ):
+        warnings.simplefilter("always")
+        for _ in range(4):
+            for _ in range(micro_batches):
+                training_step(x, y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            watch.step()
+        assert counters["frames"]["ok"] == 1
+        assert watch.statistics().skipped["compiled_grad_hook"] == 4
+    assert [str(w.message) for w in caught if "streamwatch" in str(w.message)] == []
+    assert len(records.items) == 4
+    for record in records.items:
+        index = record.keys.index(SeriesKey("train", "net.0", "activation", ""))
         assert record.column("count")[index] == micro_batches * 32 * 16
 
 
