@@ -128,7 +128,8 @@ def test_a_second_pass_reads_no_output_of_the_first() -> None:
                 }
         optimizer.step()
         watch.step()
-    assert len(graphs) == 1 and len(calls) == 2  # (the second pass runs the first's graph)
+    assert len(graphs) == 1  # (the second pass runs the first's graph)
+    assert len(calls) == 2
     assert made
     assert not [t for t in calls[1] if t.untyped_storage().data_ptr() in made]
     (record,) = records.items
