@@ -209,6 +209,68 @@ def test_compiled_code_that_calls_a_submodule_not_the_observed_root_is_compiled_
         assert record.column("count")[index] == micro_batches * 32 * 16
 
 
+class _Checkpointed(nn.Module):
+    """Two residual blocks under activation checkpointing (torch.utils.checkpoint), then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)) for _ in range(2)
+        )
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+# (dynamo reads the .grad of a checkpointed block's input as it takes it in: a warning that pytest's
+# settings turn into an error inside dynamo; a training script sees nothing)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+@pytest.mark.parametrize("whole", [False, True], ids=["dynamo default", "side effects skipped in backward"])
+def test_activation_checkpointing_under_compile_records_each_forward_once(whole: bool) -> None:
+    """A compiled model with checkpointed blocks: dynamo refuses Python side effects inside a checkpoint
+    region by default (eager checkpointing would replay them in the recomputation), so streamwatch's
+    hooks break the graph at each checkpointed block, which runs as its own compiled frames with every
+    tap. With ``skip_fwd_side_effects_in_bwd_under_checkpoint`` the model compiles whole, as it does
+    unobserved. Either way each micro-batch's forward is summarised once, never again in the
+    recomputation."""
+    import torch._dynamo.config as config
+
+    x, y = batch()
+    plain = _Checkpointed()
+    with config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=whole):
+        assert graph_breaks(lambda x: plain(x), x)[0] == 0  # (unobserved: one graph)
+        model = _Checkpointed()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        records = sw.sinks.collect()
+        torch._dynamo.reset()
+        counters.clear()
+        with sw.observe(model, optimizer, every=1, sinks=[records]) as watch:
+            compiled = torch.compile(model, backend="eager")
+            for _ in range(3):
+                for _ in range(2):  # micro-batches
+                    nn.functional.cross_entropy(compiled(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                watch.step()
+        breaks = sum(counters["graph_break"].values())
+    assert breaks == 0 if whole else breaks > 0
+    assert watch.statistics().hook_errors == 0
+    assert len(records.items) == 3
+    for record in records.items:  # two micro-batches of 32, each summarised once
+        for layer, units in (("blocks.0.0", 8), ("blocks.1.2", 8), ("head", 4)):
+            index = record.keys.index(SeriesKey("train", layer, "activation", ""))
+            assert record.column("count")[index] == 2 * 32 * units
+    # step 0's values against the same layer of a fresh copy (the weights before the first step)
+    with torch.no_grad():
+        hidden = _Checkpointed().blocks[0][0](x)
+    index = records.items[0].keys.index(SeriesKey("train", "blocks.0.0", "activation", ""))
+    assert records.items[0].column("sum")[index] == pytest.approx(2 * float(hidden.sum()), rel=1e-4)
+
+
 class _Twin(nn.Sequential):
     """Not the observed class: its compiled graphs never stand in for the observed model's."""
 
