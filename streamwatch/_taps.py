@@ -275,10 +275,11 @@ class TapSet:
 
     def _keep_draining(self, wanted: bool) -> None:
         """Move the rows compiled code made into the step buffer after each backward pass
-        (``TapState.drain``), from a hook on the first observed parameter that takes a gradient: in from
-        the start (a model compiled before its first step runs its first micro-batches before any
-        boundary), kept once compiled code ran a hook, else taken out at the next boundary (a Python
-        call per backward saved). A model first compiled later goes without it for that one step."""
+        (``TapState.drain``), from a hook on the first observed parameter that takes a gradient: in for
+        step 0 (a model compiled before its first step runs its first micro-batches before any
+        boundary) and for every step whose forward hooks record (a model first compiled at a later
+        step), kept for good once compiled code ran a hook; out on the other steps of an eager model (a
+        Python call per backward saved where nothing is recorded)."""
         handle = self._drain_handle
         if wanted and handle is None:
             trainable = [param for param in self._drain_params if param.requires_grad]
@@ -328,13 +329,14 @@ class TapSet:
         state.seen = False
         self.guards.hold()  # (dynamo loaded since the last boundary: its hook check goes on now)
         self._arms += 1
-        self._keep_draining(state.compiled or self._arms == 1)  # (the first arming is step 0's)
         has = self._has_group  # (a group without registrations stays empty: with an optimizer,
         wanted = (  # param_grad's, whose gradients are read at its pre-step hook)
             has[0] and (static or state.forward),
             has[1] and (static or state.on.get("param_grad", False)),
             has[2] and (static or state.timed),
         )
+        # (step 0, compiled code, or a step whose forward hooks record: a model compiled only now drains)
+        self._keep_draining(state.compiled or self._arms == 1 or wanted[0])
         if wanted != self._armed_now:  # (groups already as wanted are left alone: the every-step case)
             for group, on, now in zip(_GROUPS, wanted, self._armed_now, strict=True):
                 if on != now:

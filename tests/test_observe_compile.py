@@ -165,6 +165,40 @@ def test_a_compiled_forward_is_compiled_once_not_at_every_step(micro_batches: in
         assert record.column("count")[index] == micro_batches * 32 * 16
 
 
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_model_first_compiled_at_a_later_step_is_compiled_once(every: int) -> None:
+    """Three steps eager, then compiled, 12 micro-batches a step: the drain hook is in on every step
+    whose forward hooks record, so the rows of the step in which compiled code first runs leave the graph
+    after each backward too. Before, it was in for step 0 only: that step's micro-batches were each a
+    new variant, and from the 8th the forward ran uncompiled for good."""
+    x, y = batch()
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    counters.clear()
+    records = sw.sinks.collect()
+    micro_batches = 12
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        sw.observe(model, optimizer, every=every, sinks=[records]) as watch,
+    ):
+        warnings.simplefilter("always")
+        compiled = torch.compile(model, backend="eager")
+        for step in range(7):
+            run = model if step < 3 else compiled
+            for _ in range(micro_batches):
+                nn.functional.cross_entropy(run(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            watch.step()
+        # (every=2: compiled first on an unsampled step, without hooks; then with them, sampled and not)
+        assert counters["frames"]["ok"] == (1 if every == 1 else 3)
+    assert [str(w.message) for w in caught if "streamwatch" in str(w.message)] == []
+    assert [r.step for r in records.items] == list(range(0, 7, every))
+    for record in records.items:
+        index = record.keys.index(SeriesKey("train", "0", "activation", ""))
+        assert record.column("count")[index] == micro_batches * 32 * 16
+
+
 class _Holder(nn.Module):
     """A LightningModule's shape: the model is a submodule, and the step calls it, never the holder."""
 
