@@ -21,7 +21,52 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Select", "check_hookable", "describe_modules", "named_params", "resolve_select"]
+__all__ = [
+    "WRAPPERS",
+    "Select",
+    "check_hookable",
+    "clean_name",
+    "describe_modules",
+    "named_layers",
+    "named_params",
+    "resolve_select",
+]
+
+WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+"""The attributes torch's module wrappers keep the wrapped module under: ``torch.compile``'s
+``OptimizedModule``, ``checkpoint_wrapper`` and FSDP1. Left out of layer names, as
+``torch.distributed.checkpoint`` leaves them out of its parameter names: a block compiled on its own
+(``model.layers[i] = torch.compile(block)``) is ``layers.0.attn``, as uncompiled."""
+
+
+def clean_name(name: str) -> str:
+    """``name`` without the wrappers' attributes (:data:`WRAPPERS`).
+
+    Example:
+        >>> clean_name("layers.0._orig_mod.attn"), clean_name("_orig_mod"), clean_name("fc")
+        ('layers.0.attn', '', 'fc')
+    """
+    if "_mod" not in name:  # (every wrapper's attribute ends so: the common name is returned as is)
+        return name
+    return ".".join(part for part in name.split(".") if part not in WRAPPERS)
+
+
+def named_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()`` with clean names (:func:`clean_name`) and without the wrappers
+    themselves (the module a wrapper holds goes by the same name).
+
+    Example:
+        >>> inner = nn.Sequential(nn.Linear(2, 2))
+        >>> outer = nn.Sequential(inner)
+        >>> outer[0] = torch.compile(inner, backend="eager")
+        >>> [name for name, _ in named_layers(outer)]
+        ['', '0', '0.0']
+    """
+    return [
+        (clean_name(name), module)
+        for name, module in model.named_modules()
+        if not any(attr in module._modules for attr in WRAPPERS)
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +77,8 @@ class Select:
         types: module classes (``isinstance``).
         names: ``fnmatch`` globs on the qualified name (``"encoder.*.fc"``).
         depth: only modules at this depth (``0`` is the model itself, ``1`` its children, ...).
-        indices: positions in ``model.named_modules()`` order (torchfunc's ``indices``).
+        indices: positions in ``model.named_modules()`` order (torchfunc's ``indices``; torch's wrappers
+            left out: :func:`named_layers`).
         leaves: only modules without children (default when no other criterion is given).
 
     A single class, glob or index is read as a one-element tuple (``Select(names="fc")`` is
@@ -66,12 +112,13 @@ class Select:
         object.__setattr__(self, "indices", indices)
 
     def modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        """The selected ``(name, module)`` pairs, in ``named_modules()`` order."""
+        """The selected ``(name, module)`` pairs, in ``named_modules()`` order; names without the
+        attributes of torch's wrappers (:func:`clean_name`), the wrappers themselves left out."""
         leaves = self.leaves
         if leaves is None:
             leaves = not (self.types or self.names or self.depth is not None or self.indices)
         picked = []
-        for index, (name, module) in enumerate(model.named_modules()):
+        for index, (name, module) in enumerate(named_layers(model)):
             if leaves and next(module.children(), None) is not None:
                 continue
             if self.types and not isinstance(module, self.types):
@@ -89,7 +136,7 @@ class Select:
 _CRITERIA = {
     "types": "module classes",
     "names": "name globs (str)",
-    "indices": "integers >= 0 (positions in model.named_modules())",
+    "indices": "integers >= 0 (positions in model.named_modules(), torch's wrappers left out)",
 }
 
 
@@ -110,7 +157,7 @@ def _as_tuple(value: object, field_name: str, ok: Callable[[object], bool]) -> t
 
 def describe_modules(model: nn.Module, limit: int = 8) -> str:
     """A few of ``model``'s qualified module names, for error messages."""
-    names = [name for name, _ in model.named_modules()]
+    names = [name for name, _ in named_layers(model)]
     shown = ", ".join(repr(name) for name in names[:limit])
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
@@ -171,7 +218,7 @@ def named_params(
     if all_params:
         triples = []
         for qualified, param in model.named_parameters():
-            layer, _, pname = qualified.rpartition(".")
+            layer, _, pname = clean_name(qualified).rpartition(".")
             triples.append((layer, pname, param))
         return triples
     seen: set[int] = set()

@@ -24,6 +24,7 @@ from torch import nn
 
 from streamwatch._buffer import StepBuffer
 from streamwatch._record import SeriesKey
+from streamwatch._select import named_layers
 from streamwatch.metrics._base import Metric
 from streamwatch.metrics._cca import ProbeSimilarity, flatten_samples
 from streamwatch.metrics._hessian import HessianEigen
@@ -80,7 +81,7 @@ class ActivationSimilarity(Metric):
         self._similarity.forget()
 
     def _modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        named = dict(model.named_modules())
+        named = dict(named_layers(model))
         if self.layers is None:
             return [
                 (name, m)
