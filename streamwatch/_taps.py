@@ -17,11 +17,12 @@ kind            where                                            hook
 ``update``      Δ = w_after − w_before across ``optimizer.step``  optimizer step pre- and post-hooks
 ==============  ===============================================  ==========================================
 
-Under ``torch.compile`` every tap traces into the graph without a break, except gradients w.r.t.
-outputs and inputs: a ``Tensor.register_hook`` inside a compiled forward always breaks the graph, so
-those two taps are skipped there and counted (``skipped["compiled_grad_hook"]``: under compile a
-reason is counted once per step); parameter gradients
-(read at the optimizer's pre-step, or post-accumulate hooks) are unaffected.
+Under ``torch.compile`` every tap traces into the graph without a break. A ``Tensor.register_hook``
+inside a compiled forward always breaks the graph: there a module's output passes through its
+:class:`~streamwatch._gradprobe.GradProbe` instead, which hands its gradient's summary out of the
+backward graph; inputs' gradients and outputs of several tensors are skipped and counted
+(``skipped["compiled_grad_hook"]``: under compile a reason is counted once per step); parameter
+gradients (read at the optimizer's pre-step, or post-accumulate hooks) are unaffected.
 
 Hooks never raise into the training step: an exception inside one is caught, counted and kept for
 ``Watch.close()``. The per-module and per-parameter hooks are *armed* only for the steps that sample
@@ -58,6 +59,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from streamwatch._clip_tap import ClipHandle
+from streamwatch._gradprobe import GradProbe
 from streamwatch._param_taps import ParamTaps
 from streamwatch._record import SeriesKey
 from streamwatch._summary import saturation_bounds
@@ -75,6 +77,7 @@ from streamwatch._torchhooks import (
     release_call_slot,
     remove_grad_hook,
 )
+from streamwatch._torchpath import Row
 
 __all__ = ["DEFAULT_CADENCE", "DEFAULT_TAPS", "KINDS", "TapSet"]
 
@@ -175,6 +178,8 @@ class TapSet:
         self.guards = HookGuards()  # dynamo checks module hooks while the Watch is open (once it is loaded)
         self.guards.hold()
         self.parameters = ParamTaps(state, params, optimizer, state.taps)  # the parameter kinds' taps
+        self._probes: list[GradProbe] = []  # output gradients in compiled code (_gradprobe)
+        self._model: Callable[[], nn.Module | None] = lambda: None  # (weakly, once installed)
         try:
             self._install(model, modules, params, optimizer)
             self._drain_params = [param for _, _, param in params]
@@ -194,6 +199,7 @@ class TapSet:
     ) -> None:
         state = self.state
         taps = state.taps
+        device = next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
         for name, module in modules:
             channel_last = state.channel_last
             if channel_last is None:
@@ -201,7 +207,11 @@ class TapSet:
                 # (4-D/5-D tensors are channels-first whatever module made them: see summarize_into)
             forward = self._registrations["forward"]
             if taps & {"activation", "output_grad"}:
-                hook = self._forward_hook(name, channel_last, saturation_bounds(module))
+                probe = None
+                if "output_grad" in taps:
+                    probe = GradProbe(name, device, self._landed)
+                    self._probes.append(probe)
+                hook = self._forward_hook(name, channel_last, saturation_bounds(module), probe)
                 forward.append(functools.partial(module.register_forward_hook, hook))
             if taps & {"input", "input_grad"}:
                 hook = self._forward_pre_hook(name)
@@ -359,21 +369,25 @@ class TapSet:
         grad_kind: str,
         channel_last: bool | None,
         bounds: tuple[float, float] | None,
-    ) -> Callable[[nn.Module, Iterable[tuple[str, Any]]], None]:
+    ) -> Callable[[nn.Module, Iterable[tuple[str, Any]], GradProbe | None], torch.Tensor | None]:
         """The shared body of the forward-side hooks: for each tensor leaf, summarise its value
-        (``value_kind``) and hook its gradient (``grad_kind``)."""
+        (``value_kind``) and hook its gradient (``grad_kind``). In compiled code an output that is one
+        tensor passes through the module's ``probe`` instead (the result, returned, replaces it)."""
         state = self.state
 
-        def tap(module: nn.Module, leaves: Iterable[tuple[str, Any]]) -> None:
+        def tap(
+            module: nn.Module, leaves: Iterable[tuple[str, Any]], probe: GradProbe | None = None
+        ) -> torch.Tensor | None:
+            replaced = None
             if state.paused:
-                return
+                return None
             state.seen = True
             grad = torch.is_grad_enabled()
             train = (module.training or (grad and state.root_training)) and (
                 grad or in_checkpoint(CHECKPOINT_FORWARD)
             )
             if train and not state.forward:
-                return
+                return None
             # Activation checkpointing (torch.utils.checkpoint) runs a training forward twice: the values
             # are summarised once, in the first forward (a re-entrant one runs it under no_grad, so its
             # gradients are hooked in the recomputation, where backward flows; a non-reentrant one keeps
@@ -391,34 +405,51 @@ class TapSet:
                     summarize_into(state, key, leaf, channel_last, bounds=bounds)
                 if hook_grads and on[grad_kind] and leaf.requires_grad:
                     if torch.compiler.is_compiling():
-                        # A tensor hook registered inside a compiled forward breaks the graph; keep the
-                        # graph whole and say what is missing instead
-                        state.skip("compiled_grad_hook")
+                        # A tensor hook registered inside a compiled forward breaks the graph: the output
+                        # passes through the probe instead, or is skipped (and counted)
+                        if probe is not None and not leaf_name and probe.accepts(leaf):
+                            state.compiled = True
+                            replaced = probe.apply(leaf, state.count_nonfinite)
+                        else:
+                            state.skip("compiled_grad_hook")
                         continue
                     key = SeriesKey("train", name, grad_kind, leaf_name)
                     if leaf.grad_fn is None:  # a leaf: its hook would outlive the step (see __init__)
                         self._hook_leaf(leaf, key, channel_last)
                     else:  # (the hook goes with the tensor, freed with its graph)
                         leaf.register_hook(self._grad_hook(key, channel_last))
+            return replaced
 
         return tap
 
     def _forward_hook(
-        self, name: str, channel_last: bool, bounds: tuple[float, float] | None
+        self, name: str, channel_last: bool, bounds: tuple[float, float] | None, probe: GradProbe | None
     ) -> Callable[..., Any]:
         tap = self._tap(name, "activation", "output_grad", channel_last, bounds)
 
-        def body(module: nn.Module, args: Any, output: Any) -> None:
-            tap(module, _leaves(output))
+        def body(module: nn.Module, args: Any, output: Any) -> torch.Tensor | None:
+            return tap(module, _leaves(output), probe)  # (a tensor: the output through its probe)
 
         return guarded(self.state, body)
+
+    def _landed(self, key: SeriesKey, count: int, row: Row) -> None:
+        """An output gradient's row, out of a compiled backward (:class:`GradProbe`): into the step."""
+        state = self.state
+        try:
+            if state.memory.copy:  # (CUDA graphs overwrote rows once: copied while still readable)
+                keep = state.memory.keep
+                nonfinite = None if row.nonfinite is None else keep(row.nonfinite)
+                row = Row(keep(row.gram), keep(row.low), keep(row.high), nonfinite)
+            state.buffer.add(key, count, row, traced=True)
+        except Exception as exc:  # never into the user's backward
+            state.fail(exc)
 
     def _forward_pre_hook(self, name: str) -> Callable[..., Any]:
         tap = self._tap(name, "input", "input_grad", None, None)  # inputs: no per-unit activity
 
         def body(module: nn.Module, args: Any, kwargs: Any) -> None:
             # positional leaves are named by position ("0", "1.0"), keyword ones by name ("mask")
-            tap(module, itertools.chain(_leaves(args), _leaves(kwargs)))
+            tap(module, itertools.chain(_leaves(args), _leaves(kwargs)), None)  # (inputs: no probe)
 
         return guarded(self.state, body)
 
@@ -514,6 +545,9 @@ class TapSet:
         if getattr(self, "_drain_handle", None) is not None:
             self._keep_draining(False)
         self._drain_params = []
+        for probe in getattr(self, "_probes", ()):
+            probe.remove()
+        self._probes = []
         for group in _GROUPS:
             self._set_group(group, False)
         self._registrations = {group: [] for group in self._registrations}

@@ -427,16 +427,19 @@ class Hook:
 
 
 def guarded(state: TapState, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a hook body so that nothing it raises reaches the training step (counted, kept)."""
+    """Run a hook body so that nothing it raises reaches the training step (counted, kept). The hook
+    returns what the body returns (a forward hook's replacement output; None if the body raised)."""
 
-    def hook(*args: Any) -> None:
+    def hook(*args: Any) -> Any:
         compiling = torch.compiler.is_compiling()  # a constant to dynamo: no wall clock inside a graph
         start = 0.0 if compiling else perf_counter()
+        result = None
         try:
-            fn(*args)
+            result = fn(*args)
         except Exception as exc:
             state.fail(exc)
         if not compiling:
             state.busy += perf_counter() - start  # streamwatch's own time on the training thread
+        return result
 
     return Hook(hook)

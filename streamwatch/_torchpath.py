@@ -57,6 +57,7 @@ __all__ = [
     "release_scratch",
     "summarize",
     "summarize_packed",
+    "summarize_traced",
 ]
 
 _INF = float("inf")
@@ -67,6 +68,10 @@ _ENTRY = {"sum": 1, "sumsq": 5, "nonzero": 15, "sumabs": 7, "sumcube": 6, "sumfo
 _PICK = [{**_ENTRY, "min": 16, "max": 17, "nonfinite": 18}[name] for name in DEVICE_NAMES]
 """Each device value's place in a row ``[Gram matrix (16), min, max, nonfinite]``, in the schema's order
 (a schema with a sum the Gram matrix does not hold fails here, at import)."""
+
+_GRAM_FROM_SUMS = [0, 1, 2, 3, 1, 2, 4, 5, 2, 4, 6, 7, 3, 5, 7, 8]
+"""The Gram matrix of ``[1, x, x², sign x]`` from :func:`summarize_traced`'s nine sums (Σ1, Σx, Σx², Σsign x,
+Σx³, Σ|x|, Σx⁴, Σx²·sign x, Σsign² x), row by row."""
 
 _CHUNK = 1024
 """Elements per chunk of a :class:`Packing` (each tensor starts a chunk; its last is padded with zeros)."""
@@ -251,7 +256,7 @@ def summarize(
             bound" instead of "nonzero".
     """
     if torch.compiler.is_compiling():
-        return _traced(x, unit_dim, count_nonfinite, bounds)
+        return summarize_traced(x, unit_dim, count_nonfinite, bounds)
     if x.numel() > SLICE_ELEMENTS and x.dim() and x.shape[0] > 1:
         return _sliced(x, unit_dim, count_nonfinite, bounds)
     dtype = gram_dtype(x)
@@ -289,16 +294,34 @@ def summarize(
     return Row(gram, low, high, nonfinite, counts, x.shape[0])
 
 
-def _traced(
-    x: torch.Tensor, unit_dim: int | None, count_nonfinite: bool, bounds: tuple[float, float] | None
+def summarize_traced(
+    x: torch.Tensor,
+    unit_dim: int | None = None,
+    count_nonfinite: bool = False,
+    bounds: tuple[float, float] | None = None,
 ) -> Row:
     """:func:`summarize` in code ``torch.compile`` traces: the same values from plain ops, in float64
     (no scratch, no ``out=`` into views, no backend flags: Dynamo traces none of them; Inductor fuses
-    what is left)."""
+    what is left). Its Gram matrix is the row's own (4×4), its first entry the element count; its entries
+    are reductions of the one input, which Inductor fuses into one pass (no ``(4, n)`` rows in memory,
+    no matrix product)."""
     v = x.reshape(-1).to(torch.float64)
     sign = torch.sign(v)
-    rows = torch.stack([torch.ones_like(v), v, v * v, sign])
-    gram = rows @ rows.t()
+    square = v * v
+    sums = torch.stack(
+        [
+            v.new_full((), v.numel()),  # Σ1
+            v.sum(),
+            square.sum(),
+            sign.sum(),
+            (square * v).sum(),
+            v.abs().sum(),
+            (square * square).sum(),
+            (square * sign).sum(),
+            (sign * sign).sum(),
+        ]
+    )
+    gram = sums[_GRAM_FROM_SUMS].view(4, 4)
     low, high = torch.aminmax(v)
     nonfinite = (v - v).nan_to_num(nan=1.0).sum() if count_nonfinite else None
     if unit_dim is None:

@@ -241,9 +241,10 @@ def test_lightning_a_compiled_module_with_accumulation_is_compiled_once_per_step
     assert trainer.global_step == 8
     steps = [r for r in records.items if r.rows(phase="train")]
     assert len(steps) == 8 if every == 1 else len(steps) >= 2  # (the governor: step 0 and a few more)
-    for record in steps:  # every micro-batch's activations: 4 batches of 4 through net.0 (16 units)
-        index = record.keys.index(sw.SeriesKey("train", "net.0", "activation", ""))
-        assert record.column("count")[index] == 4 * 4 * 16
+    for record in steps:  # every micro-batch's activations and output gradients: 4 batches of 4 through
+        for kind in ("activation", "output_grad"):  # net.0 (16 units)
+            index = record.keys.index(sw.SeriesKey("train", "net.0", kind, ""))
+            assert record.column("count")[index] == 4 * 4 * 16
 
 
 @pytest.mark.filterwarnings("ignore:Found 1 module.s. in eval mode")
@@ -632,9 +633,10 @@ def test_transformers_torch_compile_with_accumulation_is_compiled_once_per_pass_
     assert _eval_records(records.items)  # evaluation was recorded too
     steps = [r for r in records.items if r.rows(phase="train")]
     assert len(steps) == 8 if every == 1 else len(steps) >= 2
-    for record in steps:  # every micro-batch's activations: 4 batches of 4 through net.0 (16 units)
-        index = record.keys.index(sw.SeriesKey("train", "net.0", "activation", ""))
-        assert record.column("count")[index] == 4 * 4 * 16
+    for record in steps:  # every micro-batch's activations and output gradients: 4 batches of 4 through
+        for kind in ("activation", "output_grad"):  # net.0 (16 units)
+            index = record.keys.index(sw.SeriesKey("train", "net.0", kind, ""))
+            assert record.column("count")[index] == 4 * 4 * 16
 
 
 def test_transformers_resumed_run_numbers_its_records_from_the_checkpoint(tmp_path: Path) -> None:

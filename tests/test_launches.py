@@ -264,7 +264,7 @@ def test_compiled_code_takes_plain_ops_with_the_same_values(unit_dim: int | None
     """Under ``torch.compile`` (no scratch views, no ``out=``: Dynamo traces neither) the same values."""
     x = torch.randn(6, 5, 4).relu()
     x[:, 2] = 0.0
-    eager, traced = summarize(x, unit_dim=unit_dim), _torchpath._traced(x, unit_dim, False, None)
+    eager, traced = summarize(x, unit_dim=unit_dim), _torchpath.summarize_traced(x, unit_dim, False, None)
     np.testing.assert_allclose(traced.values().numpy(), eager.values().double().numpy(), rtol=1e-6, atol=1e-6)
     if unit_dim is not None:
         np.testing.assert_array_equal(traced.unit_counts.numpy(), eager.unit_counts.double().numpy())

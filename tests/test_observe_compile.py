@@ -114,9 +114,9 @@ def test_compiled_observed_model_trains_and_is_recorded() -> None:
     first = records.items[0]
     for layer in ("0", "1", "2"):
         assert SeriesKey("train", layer, "activation", "") in first.keys
-        # A tensor hook inside a compiled forward would break the graph: skipped there, and counted.
-        assert SeriesKey("train", layer, "output_grad", "") not in first.keys
-    assert watch.statistics().skipped["compiled_grad_hook"] >= 3
+        # (a tensor hook inside a compiled forward would break the graph: the probe takes its place)
+        assert SeriesKey("train", layer, "output_grad", "") in first.keys
+    assert "compiled_grad_hook" not in watch.statistics().skipped
     for layer in ("0", "2"):
         for kind in ("param", "param_grad", "update"):
             assert SeriesKey("train", layer, kind, "weight") in first.keys
@@ -137,8 +137,9 @@ def test_compiled_observed_model_trains_and_is_recorded() -> None:
 
 @pytest.mark.parametrize("micro_batches", [2, 12])
 def test_a_compiled_forward_is_compiled_once_not_at_every_step(micro_batches: int) -> None:
-    """The taps' bookkeeping inside the graph (a skipped gradient tap, counted) reads no Python value
-    that changes from step to step or from micro-batch to micro-batch: dynamo compiles the forward once,
+    """The taps' bookkeeping inside the graph (rows, output-gradient probes, a skipped input-gradient
+    tap, counted) reads no Python value that changes from step to step or from micro-batch to
+    micro-batch: dynamo compiles the forward once,
     where a counter read there made it compile again at every step, the step's rows (their number) at
     every micro-batch, until its limit of 8 variants, after which the model ran eagerly, and the noted
     skip once more for the later micro-batches of a step. A graph's rows and skips wait in
@@ -148,7 +149,8 @@ def test_a_compiled_forward_is_compiled_once_not_at_every_step(micro_batches: in
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     counters.clear()
     records = sw.sinks.collect()
-    with sw.observe(model, optimizer, every=1, sinks=[records]) as watch:
+    taps = ("activation", "output_grad", "input_grad", "param_grad")  # (input_grad: skipped in a graph)
+    with sw.observe(model, optimizer, every=1, taps=taps, sinks=[records]) as watch:
         compiled = torch.compile(model, backend="eager")
         for _ in range(6):
             for _ in range(micro_batches):  # gradient accumulation
@@ -159,10 +161,11 @@ def test_a_compiled_forward_is_compiled_once_not_at_every_step(micro_batches: in
         assert counters["frames"]["ok"] == 1
         assert watch.statistics().skipped["compiled_grad_hook"] == 6  # once per step
         assert watch.statistics().hook_errors == 0
-    # every micro-batch's activations are in its step's row (the same batch each time here)
+    # every micro-batch's activations and output gradients are in its step's row (the same batch here)
     for record in records.items:
-        index = record.keys.index(SeriesKey("train", "0", "activation", ""))
-        assert record.column("count")[index] == micro_batches * 32 * 16
+        for kind in ("activation", "output_grad"):
+            index = record.keys.index(SeriesKey("train", "0", kind, ""))
+            assert record.column("count")[index] == micro_batches * 32 * 16
 
 
 @pytest.mark.parametrize("every", [1, 2])
@@ -235,12 +238,13 @@ def test_compiled_code_that_calls_a_submodule_not_the_observed_root_is_compiled_
             optimizer.zero_grad()
             watch.step()
         assert counters["frames"]["ok"] == 1
-        assert watch.statistics().skipped["compiled_grad_hook"] == 4
+        assert "compiled_grad_hook" not in watch.statistics().skipped
     assert [str(w.message) for w in caught if "streamwatch" in str(w.message)] == []
     assert len(records.items) == 4
     for record in records.items:
-        index = record.keys.index(SeriesKey("train", "net.0", "activation", ""))
-        assert record.column("count")[index] == micro_batches * 32 * 16
+        for kind in ("activation", "output_grad"):
+            index = record.keys.index(SeriesKey("train", "net.0", kind, ""))
+            assert record.column("count")[index] == micro_batches * 32 * 16
 
 
 class _Checkpointed(nn.Module):
@@ -303,6 +307,83 @@ def test_activation_checkpointing_under_compile_records_each_forward_once(whole:
         hidden = _Checkpointed().blocks[0][0](x)
     index = records.items[0].keys.index(SeriesKey("train", "blocks.0.0", "activation", ""))
     assert records.items[0].column("sum")[index] == pytest.approx(2 * float(hidden.sum()), rel=1e-4)
+
+
+class _InPlace(nn.Module):
+    """A Linear whose output an in-place ReLU changes (as torchvision's ResNets do): a probe's output may
+    not be a view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 16)
+        self.act = nn.ReLU(inplace=True)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.act(self.fc(x)))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_output_gradients_of_a_compiled_model_are_recorded_as_eager_ones_are(backend: str) -> None:
+    """Under compile an output's gradient is summarised by the probe (``_gradprobe``) inside the graph,
+    forward and backward, with no graph break: the same rows as an eager model's, with 2 micro-batches a
+    step, and the weights trained as an unobserved compiled model trains them."""
+    x, y = batch()
+
+    Run = tuple[list[sw.StepRecord], list[torch.Tensor], sw.Watch | None]
+
+    def train(observed: bool, compiled: bool) -> Run:
+        model = _InPlace()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        records = sw.sinks.collect()
+        watch = sw.observe(model, optimizer, every=1, sinks=[records]) if observed else None
+        run = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
+        for _ in range(3):
+            for _ in range(2):
+                nn.functional.cross_entropy(run(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if watch is not None:
+                watch.step()
+        if watch is not None:
+            watch.close()
+        return records.items, [p.detach().clone() for p in model.parameters()], watch
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, weights, watch = train(observed=True, compiled=True)
+    assert sum(counters["graph_break"].values()) == 0  # (fullgraph=True would have raised too)
+    assert watch is not None
+    assert "compiled_grad_hook" not in watch.statistics().skipped
+    assert watch.statistics().hook_errors == 0
+    torch._dynamo.reset()
+    _, unobserved, _ = train(observed=False, compiled=True)
+    assert all(torch.equal(a, b) for a, b in zip(weights, unobserved, strict=True))
+    eager, _, _ = train(observed=True, compiled=False)
+    for got, want in zip(compiled, eager, strict=True):
+        for layer in ("fc", "act", "out"):
+            key = SeriesKey("train", layer, "output_grad", "")
+            i, j = got.keys.index(key), want.keys.index(key)
+            for name in ("count", "zeros", "sumsq", "min", "max", "sumabs", "sumfourth"):
+                assert got.column(name)[i] == pytest.approx(want.column(name)[j], rel=1e-5), name
+            # (sums of signed values cancel: compared on the scale of their absolute counterparts)
+            top = max(abs(want.column("min")[j]), abs(want.column("max")[j]))
+            scale = {"sum": want.column("sumabs")[j], "sumcube": top * want.column("sumsq")[j]}
+            for name, size in scale.items():
+                assert got.column(name)[i] == pytest.approx(want.column(name)[j], abs=1e-5 * size), name
+    # against a plain reference: the first step's gradient w.r.t. fc's output, both micro-batches
+    model = _InPlace()
+    hidden = model.fc(x)
+    hidden.retain_grad()
+    nn.functional.cross_entropy(model.out(torch.relu(hidden)), y).backward()
+    grad = hidden.grad.double()
+    index = compiled[0].keys.index(SeriesKey("train", "fc", "output_grad", ""))
+    assert compiled[0].column("count")[index] == 2 * grad.numel()
+    assert compiled[0].column("sum")[index] == pytest.approx(2 * float(grad.sum()), rel=1e-6)
+    assert compiled[0].column("sumsq")[index] == pytest.approx(2 * float(grad.square().sum()), rel=1e-6)
+    assert compiled[0].column("max")[index] == pytest.approx(float(grad.max()), rel=1e-6)
 
 
 class _Twin(nn.Sequential):

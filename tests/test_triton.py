@@ -30,7 +30,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:All-NaN slice encountered:Runtim
 
 import streamwatch as sw  # noqa: E402
 from streamwatch import _torchpath, _triton  # noqa: E402
-from streamwatch._schema import DEVICE_INDEX, DEVICE_NAMES  # noqa: E402
+from streamwatch._schema import COLUMN_NAMES, DEVICE_INDEX, DEVICE_NAMES  # noqa: E402
 from streamwatch._torchpath import Packing  # noqa: E402
 from tests.recording import record_run  # noqa: E402
 from tests.test_kernel import LAYOUTS, assert_values_match, fused, reference, values_of  # noqa: E402
@@ -476,8 +476,8 @@ def test_a_compiled_model_is_summarised_by_the_registered_op_as_in_eager_mode() 
     """Under ``torch.compile(fullgraph=True)`` (no graph break) each activation is summarised by the
     registered op ``streamwatch::partials`` (the same kernels; Inductor launches them from its own code
     on a GPU), and every row the compiled run records — sums, extremes, exact non-finite counts,
-    per-unit activity — equals eager mode's, with a static and with a symbolic batch size (the compiled
-    forward records no output gradients: a tensor hook would break the graph). Training is bit-identical
+    per-unit activity — equals eager mode's, with a static and with a symbolic batch size (output
+    gradients through the probe, without per-unit activity: ``_gradprobe``). Training is bit-identical
     to the same compiled model's unobserved (parameters, gradients, RNG state, training flags)."""
     got, graphs, state = compiled_and_eager_records(True)
     want, _, _ = compiled_and_eager_records(False)
@@ -489,13 +489,16 @@ def test_a_compiled_model_is_summarised_by_the_registered_op_as_in_eager_mode() 
     assert len(graphs) == 2  # (the second with a symbolic batch size)
     assert len(ops) == 2 * 5  # one per activation: 3 Linear, ReLU, Tanh
     assert len(got) == len(want) == 3
+    units = [COLUMN_NAMES.index(name) for name in ("units", "dead", "samples", "active")]
     for a, b in zip(got, want, strict=True):
         rows = {key: i for i, key in enumerate(b.keys)}
-        assert {key.kind for key in a.keys} == {key.kind for key in b.keys} - {"output_grad"}
+        assert set(a.keys) == set(b.keys)
         picked = [rows[key] for key in a.keys]
-        np.testing.assert_allclose(
-            np.asarray(a.table), np.asarray(b.table)[picked], rtol=1e-5, atol=1e-5, equal_nan=True
-        )
+        have, expected = np.asarray(a.table).copy(), np.asarray(b.table)[picked]
+        grads = [i for i, key in enumerate(a.keys) if key.kind == "output_grad"]
+        assert grads  # (the probe: output gradients without per-unit activity)
+        expected[np.ix_(grads, units)] = have[np.ix_(grads, units)]
+        np.testing.assert_allclose(have, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
     assert float(np.nansum(got[-1].column("active"))) > 0  # (per-unit activity was taken)
 
 

@@ -1,0 +1,114 @@
+"""Gradients w.r.t. module outputs in code ``torch.compile`` traces, without a graph break.
+
+Eager code hooks an output's gradient with ``Tensor.register_hook``, which breaks a compiled graph. In a
+graph the forward hook instead passes the output through :class:`_Probe`, an autograd function that
+copies it forward (a copy: its output may be changed in place, as by ``ReLU(inplace=True)``, which a
+custom function's view may not be) and, backward, passes the gradient through unchanged and returns the
+gradient's summary — the row :func:`~streamwatch._torchpath.summarize_traced` makes, as one
+float64 vector — as the gradient of a small tensor streamwatch owns, the probe's *sink*. Autograd adds
+that vector into the sink's ``.grad`` outside the graph, where a post-accumulate-grad hook takes it out
+as the step's row (:meth:`GradProbe.landed`). Everything in the graph is tensor code, so dynamo and
+AOTAutograd trace the forward and the backward whole; the gradient the model sees is the same tensor.
+
+One probe per module whose output is one tensor, made when the hooks are installed (a sink made later
+would be a new graph input, and the model compiled again), on the model's device then: an output on
+another device, or a module with several output tensors, is skipped and counted
+(``skipped["compiled_grad_hook"]``) as before. Per-unit activity is not taken for such rows. The element
+count is the probe's last output's (set in the graph): a module called twice in one pass on outputs of
+different sizes (weight sharing) counts both at the second's size; its sums are right.
+
+Example:
+    >>> import torch
+    >>> rows = []
+    >>> probe = GradProbe("fc", torch.device("cpu"), lambda key, count, row: rows.append((count, row)))
+    >>> x = torch.tensor([1.0, -2.0, 0.0], requires_grad=True)
+    >>> probe.apply(x, count_nonfinite=False).mul(torch.tensor([3.0, 1.0, 2.0])).sum().backward()
+    >>> count, row = rows[0]
+    >>> count, [float(v) for v in row.values()][:6]  # the gradient [3, 1, 2]: sum, sumsq, min, max, ...
+    (3, [6.0, 14.0, 1.0, 3.0, 3.0, 6.0])
+    >>> probe.remove()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from streamwatch._record import SeriesKey
+from streamwatch._torchpath import Row, summarize_traced
+
+__all__ = ["SINK_SIZE", "GradProbe"]
+
+SINK_SIZE = 19
+"""A row as one vector: the 4×4 Gram matrix (16 values, its first the element count), min, max and the
+non-finite count (0 when not counted)."""
+
+
+class _Probe(torch.autograd.Function):
+    """Forward: a copy of ``x``. Backward: the gradient unchanged, and its summary as the sink's."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, sink: torch.Tensor, count_nonfinite: bool) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.count_nonfinite = inputs[2]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+        if not ctx.needs_input_grad[1]:  # (torch.autograd.grad for other inputs: nothing to land)
+            return grad, None, None
+        row = summarize_traced(grad, count_nonfinite=ctx.count_nonfinite)
+        nonfinite = row.nonfinite if row.nonfinite is not None else torch.zeros_like(row.low)
+        return grad, torch.cat([row.gram.reshape(-1), torch.stack([row.low, row.high, nonfinite])]), None
+
+
+Landing = Callable[[SeriesKey, int, Row], None]
+"""What receives each output gradient's row (the key, the element count, the row), after a backward."""
+
+
+class GradProbe:
+    """One module's output-gradient probe for compiled code: its sink, and the hook that lands its rows.
+
+    Attributes:
+        key: the row's key (``train``, the module, ``output_grad``).
+        sink: the float64 tensor whose gradient carries the summary out of the graph.
+        count: the element count of the output probed last (set in the graph, read by the landing hook).
+        nonfinite: whether that probe counted NaN and ±inf elements (``observe``'s setting).
+    """
+
+    def __init__(self, layer: str, device: torch.device, land: Landing) -> None:
+        self.key = SeriesKey("train", layer, "output_grad", "")
+        self.sink = torch.zeros(SINK_SIZE, dtype=torch.float64, device=device, requires_grad=True)
+        self.count = 0
+        self.nonfinite = False  # whether the last probe counted non-finite elements (observe's setting)
+        self._land = land
+        self._handle = self.sink.register_post_accumulate_grad_hook(self.landed)
+
+    def accepts(self, output: torch.Tensor) -> bool:
+        """Whether ``output`` can pass through this probe (its sink on the same device)."""
+        return output.device == self.sink.device and output.is_floating_point() and output.numel() > 0
+
+    def apply(self, output: torch.Tensor, count_nonfinite: bool) -> torch.Tensor:
+        """``output``, copied, its gradient to be summarised when backward passes it (call in the forward
+        hook, in compiled code; its result replaces the module's output)."""
+        self.count = output.numel()
+        self.nonfinite = count_nonfinite
+        return _Probe.apply(output, self.sink, count_nonfinite)  # type: ignore[no-untyped-call,no-any-return]
+
+    def landed(self, sink: torch.Tensor) -> None:
+        """The sink's post-accumulate-grad hook: the summary leaves the sink as the step's row."""
+        values = sink.grad
+        sink.grad = None
+        if values is None:
+            return
+        gram = values[:16].view(4, 4)
+        nonfinite = values[18] if self.nonfinite else None
+        self._land(self.key, self.count, Row(gram, values[16], values[17], nonfinite))
+
+    def remove(self) -> None:
+        """Take the landing hook out (idempotent)."""
+        self._handle.remove()
