@@ -303,8 +303,8 @@ def summarize_traced(
     """:func:`summarize` in code ``torch.compile`` traces: the same values from plain ops, in float64
     (no scratch, no ``out=`` into views, no backend flags: Dynamo traces none of them; Inductor fuses
     what is left). Its Gram matrix is the row's own (4×4), its first entry the element count; its entries
-    are reductions of the one input, which Inductor fuses into one pass (no ``(4, n)`` rows in memory,
-    no matrix product)."""
+    are reductions of the one input (no ``(4, n)`` rows in memory, no matrix product), which Inductor
+    fuses into one kernel on the CPU (``torch._inductor.utils.run_and_get_code``; not looked at on a GPU)."""
     v = x.reshape(-1).to(torch.float64)
     sign = torch.sign(v)
     square = v * v
