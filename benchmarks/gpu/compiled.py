@@ -15,8 +15,8 @@ interrupted from inside). The child prints one line, ``COMPILED-RESULT {json}``:
   in all and streamwatch's by name (``tile_partials``/``flat_partials`` launched by Inductor's code
   for the registered op, ``finalize``);
 * ``first_step_s`` (compiling the forward and the backward), ``step_ms`` of the later steps, and the
-  watch's statistics (``hook_errors``, ``skipped``: tensor hooks inside the compiled forward are skipped
-  and counted there).
+  watch's statistics (``hook_errors``, ``skipped``: gradient taps a compiled forward cannot take,
+  counted there; output gradients go through ``streamwatch._gradprobe``).
 
 ``--dry-run``: a 1-layer, 32-wide transformer on the CPU with the ``aot_eager`` backend (no code
 generation), the same path in seconds.
