@@ -7,7 +7,9 @@
   ``trainer.global_rank`` in a real 2-rank DDP run under ``torchrun``.
 * Hugging Face (``StreamwatchCallback``): one record per optimizer step, the loss equal to the one the
   Trainer logged (``state.log_history``) and to an independent computation, evaluation under
-  ``phase="eval"``, the watch closed and every hook gone.
+  ``phase="eval"``, the watch closed and every hook gone; ``gradient_checkpointing=True`` records what
+  training without it records.
+* Both trainers' ``torch.compile`` with gradient accumulation: compiled once, every micro-batch recorded.
 * Accelerate: ``observe(accelerator.unwrap_model(model), optimizer)`` unchanged, one record per
   optimizer step under ``accelerator.accumulate``; the ``AcceleratedOptimizer`` itself is unwrapped to
   the optimizer it steps.
@@ -25,6 +27,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -637,6 +640,67 @@ def test_transformers_torch_compile_with_accumulation_is_compiled_once_per_pass_
         for kind in ("activation", "output_grad"):  # net.0 (16 units)
             index = record.keys.index(sw.SeriesKey("train", "net.0", kind, ""))
             assert record.column("count")[index] == 4 * 4 * 16
+
+
+def _gpt2_records(tmp_path: Path, **arguments: Any) -> tuple[list[sw.StepRecord], list[torch.Tensor]]:
+    """Three steps of a 2-layer GPT-2 (built from its config: nothing downloaded) under the Trainer and
+    the callback, 2 micro-batches of 4 sequences of 16 tokens a step; the records and final weights."""
+    transformers = pytest.importorskip("transformers")
+    from streamwatch.integrations.transformers import StreamwatchCallback
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config)
+    tokens = torch.randint(0, 64, (24, 16), generator=torch.Generator().manual_seed(1))
+    records = sw.sinks.collect()
+    trainer = transformers.Trainer(
+        model=model,
+        args=transformers.TrainingArguments(
+            output_dir=str(tmp_path),
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            max_steps=3,
+            learning_rate=1e-3,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            disable_tqdm=True,
+            seed=0,
+            logging_steps=1,
+            **arguments,
+        ),
+        train_dataset=[{"input_ids": t, "labels": t} for t in tokens],
+        callbacks=[StreamwatchCallback(sinks=[records], every=1)],
+    )
+    trainer.train()
+    return list(records.items), [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("reentrant", [None, True, False], ids=["default", "reentrant", "non-reentrant"])
+def test_transformers_gradient_checkpointing_records_what_training_without_it_records(
+    tmp_path: Path, reentrant: bool | None
+) -> None:
+    """``gradient_checkpointing=True`` (``activation_checkpointing`` since transformers 5) runs each GPT-2
+    block's forward again in the backward: each is summarised once, so the records hold the same rows
+    and values as without checkpointing (and the weights train the same)."""
+    import dataclasses
+
+    transformers = pytest.importorskip("transformers")
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    plain, weights = _gpt2_records(tmp_path / "plain")
+    kwargs: dict[str, Any] = {name: True}
+    if reentrant is not None:
+        kwargs[f"{name}_kwargs"] = {"use_reentrant": reentrant}
+    again, checkpointed = _gpt2_records(tmp_path / "ckpt", **kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(weights, checkpointed, strict=True))
+    assert len(plain) == len(again) == 3
+    for a, b in zip(plain, again, strict=True):
+        assert set(a.keys) == set(b.keys)
+        assert {k.kind for k in a.keys} >= {"activation", "output_grad", "param_grad"}
+        rows = {key: i for i, key in enumerate(b.keys)}
+        other = np.asarray(b.table)[[rows[key] for key in a.keys]]
+        np.testing.assert_allclose(np.asarray(a.table), other, rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
 def test_transformers_resumed_run_numbers_its_records_from_the_checkpoint(tmp_path: Path) -> None:
