@@ -5,6 +5,7 @@ Skipped without a GPU (marked ``cuda``). Run on a GPU machine with ``make test P
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -467,3 +468,45 @@ def test_cuda_graphs_with_gradient_accumulation_and_the_loss_in_the_graph_lose_n
     assert all(count in (32 * 128, 2 * 32 * 128) for count in counts[:1])
     assert all(count == 2 * 32 * 128 for count in counts[1:])
     assert stats.skipped.get("cuda_graphs", 0) >= len(missing) + 3 * (counts[0] == 32 * 128)
+
+
+def test_output_gradients_of_a_compiled_model_are_recorded_as_eager_ones_are_without_a_sync() -> None:
+    """Inductor on CUDA: each output gradient is summarised inside the compiled backward and handed out
+    as the probe's sink gradient (``_gradprobe``), with no host sync in the compiled steps; its rows equal
+    eager mode's, and the weights train bit for bit as the unobserved compiled model's."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(32, 64, device="cuda", generator=generator)
+    y = torch.randint(0, 10, (32,), device="cuda", generator=generator)
+
+    def train(observed: bool, compiled: bool) -> tuple[list[sw.StepRecord], list[torch.Tensor]]:
+        model, opt = make()
+        records = sw.sinks.collect()
+        watch = sw.observe(model, opt, sinks=[records], every=1) if observed else None
+        run = torch.compile(model, fullgraph=True) if compiled else model
+        for step in range(4):
+            with no_host_sync() if step >= 2 and compiled and observed else contextlib.nullcontext():
+                for _ in range(2):
+                    torch.nn.functional.cross_entropy(run(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                if watch is not None:
+                    watch.step()
+        if watch is not None:
+            watch.close()
+            assert watch.statistics().hook_errors == 0
+            assert "compiled_grad_hook" not in watch.statistics().skipped
+        return records.items, [p.detach().clone() for p in model.parameters()]
+
+    torch._dynamo.reset()
+    compiled, weights = train(observed=True, compiled=True)
+    torch._dynamo.reset()
+    _, unobserved = train(observed=False, compiled=True)
+    torch._dynamo.reset()
+    eager, _ = train(observed=True, compiled=False)
+    assert all(torch.equal(a, b) for a, b in zip(weights, unobserved, strict=True))
+    for got, want in zip(compiled, eager, strict=True):
+        for layer in ("0", "1", "2"):
+            key = sw.SeriesKey("train", layer, "output_grad", "")
+            i, j = got.keys.index(key), want.keys.index(key)
+            for name in ("count", "sumsq", "min", "max", "sumabs"):
+                assert got.column(name)[i] == pytest.approx(want.column(name)[j], rel=1e-4), (layer, name)
