@@ -419,7 +419,7 @@ class StepBoundary:
         logged = self.logbook.take()
         failed = True
         try:
-            state.drain()  # (rows compiled code made since the last backward pass)
+            state.settle_counts()  # (rows compiled code made since the last backward pass; probed counts)
             device: dict[str, torch.Tensor] = {}
             if self._step_metrics:
                 self._run_step_metrics(device)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -212,6 +212,15 @@ class StepBuffer:
         self.units.append(0)
         self.samples.append(0)
         return None
+
+    def add_counts(self, counts: Iterable[tuple[Hashable, int]]) -> None:
+        """Add element counts to rows already in the step (one per key: a repeated key's rows are merged
+        with their counts added); a count whose key has no row is dropped."""
+        where = {key: index for index, key in enumerate(self.keys)}
+        for key, count in counts:
+            index = where.get(key)
+            if index is not None:
+                self.counts[index] += count
 
     def add(self, key: Hashable, count: int, row: Row, replace: bool = False, traced: bool = False) -> None:
         """Append one row summarised with torch ops; with ``replace``, a later row of the same key

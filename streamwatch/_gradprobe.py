@@ -13,9 +13,10 @@ AOTAutograd trace the forward and the backward whole; the gradient the model see
 One probe per module whose output is one tensor, made when the hooks are installed (a sink made later
 would be a new graph input, and the model compiled again), on the model's device then: an output on
 another device, or a module with several output tensors, is skipped and counted
-(``skipped["compiled_grad_hook"]``) as before. Per-unit activity is not taken for such rows. The element
-count is the probe's last output's (set in the graph): a module called twice in one pass on outputs of
-different sizes (weight sharing) counts both at the second's size; its sums are right.
+(``skipped["compiled_grad_hook"]``) as before. Per-unit activity is not taken for such rows. A row lands
+without its element count: the graph notes each probed output's count (``TapState.probe_count``), added
+to the rows at the step's end (``TapState.settle_counts``), so a module called twice in a pass on outputs
+of different sizes (a shared embedding) counts both exactly.
 
 Example:
     >>> import torch
@@ -23,9 +24,9 @@ Example:
     >>> probe = GradProbe("fc", torch.device("cpu"), lambda key, count, row: rows.append((count, row)))
     >>> x = torch.tensor([1.0, -2.0, 0.0], requires_grad=True)
     >>> probe.apply(x, count_nonfinite=False).mul(torch.tensor([3.0, 1.0, 2.0])).sum().backward()
-    >>> count, row = rows[0]
+    >>> count, row = rows[0]  # (the count comes apart: TapState.probe_count)
     >>> count, [float(v) for v in row.values()][:6]  # the gradient [3, 1, 2]: sum, sumsq, min, max, ...
-    (3, [6.0, 14.0, 1.0, 3.0, 3.0, 6.0])
+    (0, [6.0, 14.0, 1.0, 3.0, 3.0, 6.0])
     >>> probe.remove()
 """
 
@@ -67,7 +68,8 @@ class _Probe(torch.autograd.Function):
 
 
 Landing = Callable[[SeriesKey, int, Row], None]
-"""What receives each output gradient's row (the key, the element count, the row), after a backward."""
+"""What receives each output gradient's row (the key, 0 for its element count, the row), after a
+backward."""
 
 
 class GradProbe:
@@ -76,14 +78,12 @@ class GradProbe:
     Attributes:
         key: the row's key (``train``, the module, ``output_grad``).
         sink: the float64 tensor whose gradient carries the summary out of the graph.
-        count: the element count of the output probed last (set in the graph, read by the landing hook).
-        nonfinite: whether that probe counted NaN and ±inf elements (``observe``'s setting).
+        nonfinite: whether the last probe counted NaN and ±inf elements (``observe``'s setting).
     """
 
     def __init__(self, layer: str, device: torch.device, land: Landing) -> None:
         self.key = SeriesKey("train", layer, "output_grad", "")
         self.sink = torch.zeros(SINK_SIZE, dtype=torch.float64, device=device, requires_grad=True)
-        self.count = 0
         self.nonfinite = False  # whether the last probe counted non-finite elements (observe's setting)
         self._land = land
         self._handle = self.sink.register_post_accumulate_grad_hook(self.landed)
@@ -95,7 +95,6 @@ class GradProbe:
     def apply(self, output: torch.Tensor, count_nonfinite: bool) -> torch.Tensor:
         """``output``, copied, its gradient to be summarised when backward passes it (call in the forward
         hook, in compiled code; its result replaces the module's output)."""
-        self.count = output.numel()
         self.nonfinite = count_nonfinite
         return _Probe.apply(output, self.sink, count_nonfinite)  # type: ignore[no-untyped-call,no-any-return]
 
@@ -107,7 +106,7 @@ class GradProbe:
             return
         gram = values[:16].view(4, 4)
         nonfinite = values[18] if self.nonfinite else None
-        self._land(self.key, self.count, Row(gram, values[16], values[17], nonfinite))
+        self._land(self.key, 0, Row(gram, values[16], values[17], nonfinite))  # (its count: see above)
 
     def remove(self) -> None:
         """Take the landing hook out (idempotent)."""

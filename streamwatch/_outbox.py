@@ -265,7 +265,7 @@ class Outbox:
         if found_inf is not None:  # a fused step a GradScaler skipped: the worker drops its update rows
             self._taps.found_inf = None
             device[SKIPPED_UPDATE] = found_inf
-        state.drain()
+        state.settle_counts()
         buffer = state.buffer
         if buffer.traced:  # (rows from compiled code: a later pass of CUDA graphs may have overwritten some)
             state.memory.found(buffer.drop_overwritten(), "rows and values of compiled code")

@@ -408,7 +408,7 @@ class TapSet:
                         # A tensor hook registered inside a compiled forward breaks the graph: the output
                         # passes through the probe instead, or is skipped (and counted)
                         if probe is not None and not leaf_name and probe.accepts(leaf):
-                            state.compiled = True
+                            state.probe_count(probe.key, leaf.numel())
                             replaced = probe.apply(leaf, state.count_nonfinite)
                         else:
                             state.skip("compiled_grad_hook")

@@ -122,6 +122,10 @@ class TapState:
     memory: GraphMemory = field(init=False)
     # rows compiled code made (key, count, row, replace), moved into the buffer outside the graph (drain)
     inbox: list[tuple[SeriesKey, int, Row, bool]] = field(default_factory=list)
+    # the element counts of outputs compiled code passed through a GradProbe (key, count), empty whenever
+    # a pass begins as the inbox is; their rows land in backward with count 0 (``_gradprobe``)
+    probed: list[tuple[SeriesKey, int]] = field(default_factory=list)
+    counts_due: list[tuple[SeriesKey, int]] = field(default_factory=list)  # probed, out of the graph
     warned_passes: bool = False  # drain warned that several passes came between two drains
 
     def __post_init__(self) -> None:
@@ -146,6 +150,9 @@ class TapState:
         if self.skipped_in_graph:
             self.noted.update(self.skipped_in_graph)
             self.skipped_in_graph.clear()
+        if self.probed:
+            self.counts_due.extend(self.probed)
+            self.probed.clear()
         inbox = self.inbox
         if inbox:
             copy = self.memory.copy  # (CUDA graphs overwrote rows once: copied while still readable)
@@ -174,6 +181,29 @@ class TapState:
             self.skipped_in_graph[reason] = True
             return
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+    def settle_counts(self) -> None:
+        """Add the element counts of the outputs probed this step (:attr:`probed`) to their rows, once
+        every backward of the step is over (their rows landed with count 0, in whatever order autograd
+        accumulated them): at the step's end. A count without a row (a forward without a backward) goes.
+
+        Example:
+            >>> state = TapState()
+            >>> state.probed.append((SeriesKey("train", "fc", "output_grad", ""), 6))
+            >>> state.drain(); state.settle_counts(); state.counts_due
+            []
+        """
+        self.drain()
+        due = self.counts_due
+        if due:
+            self.buffer.add_counts(due)
+            due.clear()
+
+    def probe_count(self, key: SeriesKey, count: int) -> None:
+        """In compiled code: an output of ``count`` elements passed through ``key``'s probe (its gradient's
+        row lands without a count: :meth:`settle_counts`)."""
+        self.compiled = True
+        self.probed.append((key, count))
 
     def count_noted(self) -> None:
         """Count once what compiled code skipped since the last call (``skip``): at each step boundary.

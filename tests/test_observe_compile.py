@@ -386,6 +386,51 @@ def test_output_gradients_of_a_compiled_model_are_recorded_as_eager_ones_are(bac
     assert compiled[0].column("max")[index] == pytest.approx(float(grad.max()), rel=1e-6)
 
 
+class _Shared(nn.Module):
+    """One layer applied to two inputs of different sizes in each forward (as an encoder-decoder shares
+    its embedding between sequences of different lengths)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.shared(x).relu()) + self.head(self.shared(x[:8]).relu()).mean(0)
+
+
+def _shared_records(compiled: bool) -> list[sw.StepRecord]:
+    x, y = batch()
+    model = _Shared()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = sw.sinks.collect()
+    with sw.observe(model, optimizer, every=1, sinks=[records]) as watch:
+        run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        for _ in range(2):
+            for _ in range(2):  # micro-batches
+                nn.functional.cross_entropy(run(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            watch.step()
+    return list(records.items)
+
+
+def test_a_layer_called_twice_on_different_sizes_counts_both_output_gradients_under_compile() -> None:
+    """Each probed output's element count is noted in the graph and added to its row at the step's end,
+    so a layer called on 32 and on 8 samples in each forward counts (32 + 8) x 16 elements per
+    micro-batch, as in eager mode, and its derived statistics (mean, rms) match eager mode's."""
+    compiled = _shared_records(compiled=True)
+    eager = _shared_records(compiled=False)
+    key = SeriesKey("train", "shared", "output_grad", "")
+    for got, want in zip(compiled, eager, strict=True):
+        i, j = got.keys.index(key), want.keys.index(key)
+        assert got.column("count")[i] == want.column("count")[j] == 2 * (32 + 8) * 16
+        for name in ("sumsq", "sumabs"):
+            assert got.column(name)[i] == pytest.approx(want.column(name)[j], rel=1e-5)
+        assert got.stat("rms")[i] == pytest.approx(want.stat("rms")[j], rel=1e-5)
+
+
 class _Twin(nn.Sequential):
     """Not the observed class: its compiled graphs never stand in for the observed model's."""
 
