@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 __all__ = [
+    "PARALLEL",
     "WRAPPERS",
     "Select",
     "check_hookable",
-    "clean_name",
     "describe_modules",
     "named_layers",
     "named_params",
@@ -38,22 +38,15 @@ WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 ``torch.distributed.checkpoint`` leaves them out of its parameter names: a block compiled on its own
 (``model.layers[i] = torch.compile(block)``) is ``layers.0.attn``, as uncompiled."""
 
-
-def clean_name(name: str) -> str:
-    """``name`` without the wrappers' attributes (:data:`WRAPPERS`).
-
-    Example:
-        >>> clean_name("layers.0._orig_mod.attn"), clean_name("_orig_mod"), clean_name("fc")
-        ('layers.0.attn', '', 'fc')
-    """
-    if "_mod" not in name:  # (every wrapper's attribute ends so: the common name is returned as is)
-        return name
-    return ".".join(part for part in name.split(".") if part not in WRAPPERS)
+PARALLEL = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+"""Wrappers that keep the model under ``module``: that name is left out only for these classes (a model's
+own submodule may well be called ``module``)."""
 
 
 def named_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``model.named_modules()`` with clean names (:func:`clean_name`) and without the wrappers
-    themselves (the module a wrapper holds goes by the same name).
+    """``model.named_modules()`` without torch's wrappers: their attributes left out of the names
+    (:data:`WRAPPERS`, and ``module`` of DDP and ``DataParallel``: :data:`PARALLEL`), the wrappers
+    themselves not listed (the module a wrapper holds goes by its name).
 
     Example:
         >>> inner = nn.Sequential(nn.Linear(2, 2))
@@ -61,12 +54,27 @@ def named_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         >>> outer[0] = torch.compile(inner, backend="eager")
         >>> [name for name, _ in named_layers(outer)]
         ['', '0', '0.0']
+        >>> [name for name, _ in named_layers(nn.DataParallel(inner))]
+        ['', '0']
     """
-    return [
-        (clean_name(name), module)
-        for name, module in model.named_modules()
-        if not any(attr in module._modules for attr in WRAPPERS)
-    ]
+    found: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()  # (a module reached twice is listed once, as named_modules() does)
+
+    def walk(module: nn.Module, name: str) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        children = module._modules
+        parallel = isinstance(module, PARALLEL)
+        if not (any(attr in children for attr in WRAPPERS) or (parallel and "module" in children)):
+            found.append((name, module))
+        for attr, child in children.items():
+            if child is not None:
+                through = attr in WRAPPERS or (parallel and attr == "module")
+                walk(child, name if through else f"{name}.{attr}" if name else attr)
+
+    walk(model, "")
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +121,7 @@ class Select:
 
     def modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The selected ``(name, module)`` pairs, in ``named_modules()`` order; names without the
-        attributes of torch's wrappers (:func:`clean_name`), the wrappers themselves left out."""
+        attributes of torch's wrappers (:func:`named_layers`), the wrappers themselves left out."""
         leaves = self.leaves
         if leaves is None:
             leaves = not (self.types or self.names or self.depth is not None or self.indices)
@@ -215,15 +223,9 @@ def named_params(
     model: nn.Module, modules: list[tuple[str, nn.Module]], all_params: bool
 ) -> list[tuple[str, str, nn.Parameter]]:
     """``(layer, name, parameter)`` triples: every parameter of the model (by owner) or the selected ones."""
-    if all_params:
-        triples = []
-        for qualified, param in model.named_parameters():
-            layer, _, pname = clean_name(qualified).rpartition(".")
-            triples.append((layer, pname, param))
-        return triples
     seen: set[int] = set()
     triples = []
-    for layer, module in modules:
+    for layer, module in named_layers(model) if all_params else modules:
         for pname, param in module.named_parameters(recurse=False):
             if id(param) not in seen:
                 seen.add(id(param))

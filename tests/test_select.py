@@ -148,6 +148,8 @@ def _wrapped(how: str) -> nn.Module:
     wrapped = model()
     if how == "whole model compiled":
         return torch.compile(wrapped, backend="eager")
+    if how == "DataParallel":  # (DDP keeps the model under `module` the same way; it needs a process group)
+        return nn.DataParallel(wrapped)
     for i in (0, 1):
         block = wrapped[i]
         if how == "blocks compiled":
@@ -164,12 +166,13 @@ def _wrapped(how: str) -> nn.Module:
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
 @pytest.mark.parametrize(
     "how",
-    ["blocks compiled", "blocks checkpoint-wrapped", "both", "whole model compiled"],
+    ["blocks compiled", "blocks checkpoint-wrapped", "both", "whole model compiled", "DataParallel"],
 )
 def test_torchs_module_wrappers_leave_the_layer_names_as_they_were(how: str) -> None:
     """``torch.compile``'s ``OptimizedModule`` and ``checkpoint_wrapper`` keep the wrapped module under
-    ``_orig_mod`` and ``_checkpoint_wrapped_module``: the layers keep their names (``0.0``, not
-    ``0._orig_mod.0``), as ``torch.distributed.checkpoint`` names parameters, so a run's series and a
+    ``_orig_mod`` and ``_checkpoint_wrapped_module``, ``DataParallel`` and DDP under ``module``: the layers
+    keep their names (``0.0``, not ``0._orig_mod.0``), as ``torch.distributed.checkpoint`` names
+    parameters, so a run's series and a
     user's globs do not change with how the model was wrapped; depth is counted on the clean names and
     a wrapper is not a layer of its own. The records hold the same keys and values as the plain model's."""
     plain, wrapped = model(), _wrapped(how)
