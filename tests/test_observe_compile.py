@@ -300,8 +300,9 @@ def test_activation_checkpointing_under_compile_records_each_forward_once(whole:
     assert len(records.items) == 3
     for record in records.items:  # two micro-batches of 32, each summarised once
         for layer, units in (("blocks.0.0", 8), ("blocks.1.2", 8), ("head", 4)):
-            index = record.keys.index(SeriesKey("train", layer, "activation", ""))
-            assert record.column("count")[index] == 2 * 32 * units
+            for kind in ("activation", "output_grad"):
+                index = record.keys.index(SeriesKey("train", layer, kind, ""))
+                assert record.column("count")[index] == 2 * 32 * units, (layer, kind)
     # step 0's values against the same layer of a fresh copy (the weights before the first step)
     with torch.no_grad():
         hidden = _Checkpointed().blocks[0][0](x)
