@@ -432,6 +432,43 @@ def test_a_layer_called_twice_on_different_sizes_counts_both_output_gradients_un
         assert got.stat("rms")[i] == pytest.approx(want.stat("rms")[j], rel=1e-5)
 
 
+def _saved_for_backward(observed: bool) -> int:
+    """Bytes a sampled step's Inductor-compiled forward keeps for the backward (``saved_tensors_hooks``
+    see what the compiled function saves)."""
+    torch._dynamo.reset()
+    model = _InPlace()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch()
+    watch = sw.observe(model, optimizer, every=1) if observed else None
+    compiled = torch.compile(model)
+    saved: list[int] = []
+    for _ in range(2):
+        saved.clear()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = nn.functional.cross_entropy(compiled(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if watch is not None:
+            watch.step()
+    if watch is not None:
+        watch.close()
+    return sum(saved)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_a_sampled_compiled_step_keeps_no_more_for_the_backward_than_unobserved() -> None:
+    """Under Inductor the taps and the output-gradient probes (a copy of each output) keep nothing more
+    for the backward than the unobserved model does: the copies are recomputed, not saved (activation
+    memory, measured on the CPU by what the compiled function saves)."""
+    assert _saved_for_backward(observed=True) == _saved_for_backward(observed=False) > 0
+
+
 class _Twin(nn.Sequential):
     """Not the observed class: its compiled graphs never stand in for the observed model's."""
 
