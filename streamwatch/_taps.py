@@ -199,7 +199,9 @@ class TapSet:
     ) -> None:
         state = self.state
         taps = state.taps
-        device = next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
+        device: torch.device | None = next(
+            itertools.chain(model.parameters(), model.buffers()), torch.empty(0)
+        ).device
         for name, module in modules:
             channel_last = state.channel_last
             if channel_last is None:
@@ -208,9 +210,13 @@ class TapSet:
             forward = self._registrations["forward"]
             if taps & {"activation", "output_grad"}:
                 probe = None
-                if "output_grad" in taps:
-                    probe = GradProbe(name, device, self._landed)
-                    self._probes.append(probe)
+                if "output_grad" in taps and device is not None:
+                    try:
+                        probe = GradProbe(name, device, self._landed)
+                    except (RuntimeError, TypeError):  # (a device without float64, as MPS: compiled
+                        device = None  # code skips output gradients there, counted; eager code is unaffected)
+                    else:
+                        self._probes.append(probe)
                 hook = self._forward_hook(name, channel_last, saturation_bounds(module), probe)
                 forward.append(functools.partial(module.register_forward_hook, hook))
             if taps & {"input", "input_grad"}:

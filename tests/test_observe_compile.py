@@ -469,6 +469,35 @@ def test_a_sampled_compiled_step_keeps_no_more_for_the_backward_than_unobserved(
     assert _saved_for_backward(observed=True) == _saved_for_backward(observed=False) > 0
 
 
+def test_a_device_without_float64_takes_no_probes_and_eager_output_gradients_stay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the probes' float64 sinks cannot be made (Apple's MPS has no float64), ``observe()`` still
+    attaches: eager code records output gradients as ever, and compiled code skips them, counted."""
+    from streamwatch import _taps
+
+    def refuse(*args: object) -> None:
+        raise TypeError(
+            "Cannot convert a MPS Tensor to float64 dtype as the MPS framework doesn't support it"
+        )
+
+    monkeypatch.setattr(_taps, "GradProbe", refuse)
+    x, y = batch()
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        records = sw.sinks.collect()
+        with sw.observe(model, optimizer, every=1, sinks=[records]) as watch:
+            run = torch.compile(model, backend="eager") if compiled else model
+            nn.functional.cross_entropy(run(x), y).backward()
+            optimizer.step()
+            watch.step()
+        (record,) = records.items
+        assert (SeriesKey("train", "0", "output_grad", "") in record.keys) is not compiled
+        assert watch.statistics().skipped.get("compiled_grad_hook", 0) == int(compiled)
+
+
 class _Twin(nn.Sequential):
     """Not the observed class: its compiled graphs never stand in for the observed model's."""
 
