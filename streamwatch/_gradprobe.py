@@ -14,9 +14,14 @@ One probe per module whose output is one tensor, made when the hooks are install
 would be a new graph input, and the model compiled again), on the model's device then: an output on
 another device, or a module with several output tensors, is skipped and counted
 (``skipped["compiled_grad_hook"]``) as before. Per-unit activity is not taken for such rows. A row lands
-without its element count: the graph notes each probed output's count (``TapState.probe_count``), added
-to the rows at the step's end (``TapState.settle_counts``), so a module called twice in a pass on outputs
-of different sizes (a shared embedding) counts both exactly.
+without its element count: the graph notes the probed output's count (``TapState.probe_count``), added
+to the rows at the step's end (``TapState.settle_counts``).
+
+A probe takes one call of its module per pass (:attr:`GradProbe.calls`, set back to 0 after each
+backward by ``TapState.drain``): autograd adds every gradient a leaf gets in one backward before its
+hook runs, so two calls' summaries would reach the sink as one sum, right for the sums but not for
+min and max. A module called again in the same pass (a shared embedding, a cell in a loop, the second
+forward of a siamese pair) has its later outputs' gradients skipped and counted.
 
 Example:
     >>> import torch
@@ -79,12 +84,15 @@ class GradProbe:
         key: the row's key (``train``, the module, ``output_grad``).
         sink: the float64 tensor whose gradient carries the summary out of the graph.
         nonfinite: whether the last probe counted NaN and ±inf elements (``observe``'s setting).
+        calls: the module's outputs probed since the last backward (0 or 1; read in the graph, where a
+            guard holds it to 0 at the pass's start).
     """
 
     def __init__(self, layer: str, device: torch.device, land: Landing) -> None:
         self.key = SeriesKey("train", layer, "output_grad", "")
         self.sink = torch.zeros(SINK_SIZE, dtype=torch.float64, device=device, requires_grad=True)
         self.nonfinite = False  # whether the last probe counted non-finite elements (observe's setting)
+        self.calls = 0
         self._land = land
         self._handle = self.sink.register_post_accumulate_grad_hook(self.landed)
 
@@ -92,9 +100,13 @@ class GradProbe:
         """Whether ``output`` can pass through this probe (its sink on the same device)."""
         return output.device == self.sink.device and output.is_floating_point() and output.numel() > 0
 
-    def apply(self, output: torch.Tensor, count_nonfinite: bool) -> torch.Tensor:
+    def apply(self, output: torch.Tensor, count_nonfinite: bool) -> torch.Tensor | None:
         """``output``, copied, its gradient to be summarised when backward passes it (call in the forward
-        hook, in compiled code; its result replaces the module's output)."""
+        hook, in compiled code; its result replaces the module's output); None for the module's second
+        call in a pass (see the module docstring: the caller skips it, counted)."""
+        if self.calls:
+            return None
+        self.calls = 1
         self.nonfinite = count_nonfinite
         return _Probe.apply(output, self.sink, count_nonfinite)  # type: ignore[no-untyped-call,no-any-return]
 

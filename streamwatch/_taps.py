@@ -217,6 +217,7 @@ class TapSet:
                         device = None  # code skips output gradients there, counted; eager code is unaffected)
                     else:
                         self._probes.append(probe)
+                        state.probes.append(probe)
                 hook = self._forward_hook(name, channel_last, saturation_bounds(module), probe)
                 forward.append(functools.partial(module.register_forward_hook, hook))
             if taps & {"input", "input_grad"}:
@@ -413,11 +414,14 @@ class TapSet:
                     if torch.compiler.is_compiling():
                         # A tensor hook registered inside a compiled forward breaks the graph: the output
                         # passes through the probe instead, or is skipped (and counted)
+                        probed = None
                         if probe is not None and not leaf_name and probe.accepts(leaf):
-                            state.probe_count(probe.key, leaf.numel())
-                            replaced = probe.apply(leaf, state.count_nonfinite)
-                        else:
+                            probed = probe.apply(leaf, state.count_nonfinite)
+                        if probed is None:
                             state.skip("compiled_grad_hook")
+                        else:
+                            state.probe_count(probe.key, leaf.numel())  # type: ignore[union-attr]
+                            replaced = probed
                         continue
                     key = SeriesKey("train", name, grad_kind, leaf_name)
                     if leaf.grad_fn is None:  # a leaf: its hook would outlive the step (see __init__)
@@ -554,6 +558,7 @@ class TapSet:
         for probe in getattr(self, "_probes", ()):
             probe.remove()
         self._probes = []
+        self.state.probes.clear()
         for group in _GROUPS:
             self._set_group(group, False)
         self._registrations = {group: [] for group in self._registrations}

@@ -30,6 +30,7 @@ import torch
 
 from streamwatch._buffer import StepBuffer
 from streamwatch._cudagraphs import GraphMemory
+from streamwatch._gradprobe import GradProbe
 from streamwatch._kernel import FusedKernel
 from streamwatch._record import SeriesKey
 from streamwatch._summary import summarize, unit_dim_for
@@ -125,6 +126,7 @@ class TapState:
     # the element counts of outputs compiled code passed through a GradProbe (key, count), empty whenever
     # a pass begins as the inbox is; their rows land in backward with count 0 (``_gradprobe``)
     probed: list[tuple[SeriesKey, int]] = field(default_factory=list)
+    probes: list[GradProbe] = field(default_factory=list)  # (their calls set back to 0 by drain)
     counts_due: list[tuple[SeriesKey, int]] = field(default_factory=list)  # probed, out of the graph
     warned_passes: bool = False  # drain warned that several passes came between two drains
 
@@ -153,6 +155,9 @@ class TapState:
         if self.probed:
             self.counts_due.extend(self.probed)
             self.probed.clear()
+        if self.compiled:  # (a probe takes one call of its module per pass: GradProbe.calls)
+            for probe in self.probes:
+                probe.calls = 0
         inbox = self.inbox
         if inbox:
             copy = self.memory.copy  # (CUDA graphs overwrote rows once: copied while still readable)
