@@ -124,8 +124,10 @@ class ParamTaps:
                         functools.partial(_grad_hook_on, param, self._param_grad_hook(key))
                     )
         if optimizer is not None:
-            before = guarded(state, self._before_optimizer_step)
-            after = guarded(state, self._after_optimizer_step)
+            # (run as they are under torch.compile(optimizer.step) too: traced, they would be compiled as
+            # dozens of frames of their own, guarded on the step's Python state)
+            before = guarded(state, self._before_optimizer_step, eager=True)
+            after = guarded(state, self._after_optimizer_step, eager=True)
             self.step_registrations.append(functools.partial(optimizer.register_step_pre_hook, before))
             self.step_registrations.append(functools.partial(optimizer.register_step_post_hook, after))
 

@@ -461,9 +461,10 @@ class Hook:
         return _make_inert, ()
 
 
-def guarded(state: TapState, fn: Callable[..., Any]) -> Callable[..., Any]:
+def guarded(state: TapState, fn: Callable[..., Any], eager: bool = False) -> Callable[..., Any]:
     """Run a hook body so that nothing it raises reaches the training step (counted, kept). The hook
-    returns what the body returns (a forward hook's replacement output; None if the body raised)."""
+    returns what the body returns (a forward hook's replacement output; None if the body raised). With
+    ``eager``, code ``torch.compile`` traces calls it as it is (a graph break) instead of tracing it."""
 
     def hook(*args: Any) -> Any:
         compiling = torch.compiler.is_compiling()  # a constant to dynamo: no wall clock inside a graph
@@ -477,4 +478,4 @@ def guarded(state: TapState, fn: Callable[..., Any]) -> Callable[..., Any]:
             state.busy += perf_counter() - start  # streamwatch's own time on the training thread
         return result
 
-    return Hook(hook)
+    return Hook(torch.compiler.disable(hook) if eager else hook)
