@@ -567,6 +567,33 @@ def test_a_compiled_optimizer_step_is_traced_as_unobserved() -> None:
     )
 
 
+def test_two_forwards_before_one_backward_record_the_first_and_count_the_second() -> None:
+    """A siamese pair: the compiled model runs on two batches before one backward. Each module's probe
+    takes the first forward's output; the second's output gradients are skipped and counted, once per
+    step, and dynamo compiles one more variant for it (the probe's call count is part of the guard),
+    not one per step."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x1, _ = batch()
+    x2 = torch.randn(32, 8, generator=torch.Generator().manual_seed(2))
+    records = sw.sinks.collect()
+    with sw.observe(model, optimizer, every=1, sinks=[records]) as watch:
+        compiled = torch.compile(model, backend="aot_eager")
+        for _ in range(4):
+            (compiled(x1) - compiled(x2)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            watch.step()
+        assert counters["stats"]["unique_graphs"] == 2
+        assert watch.statistics().skipped["compiled_grad_hook"] == 4
+    for record in records.items:
+        counts = {k.kind: record.column("count")[i] for i, k in enumerate(record.keys) if k.layer == "0"}
+        assert counts["activation"] == 2 * 32 * 16  # (both forwards' activations)
+        assert counts["output_grad"] == 32 * 16  # (the first forward's output gradient)
+
+
 class _Twin(nn.Sequential):
     """Not the observed class: its compiled graphs never stand in for the observed model's."""
 
