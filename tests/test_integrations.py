@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import streamwatch as sw
 from streamwatch._taps import KINDS
 from tests import torchrun
+from tests.hfnet import HFNet
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -581,20 +582,6 @@ def test_transformers_one_record_per_optimizer_step_with_the_logged_loss(
     assert _leftover_hooks(model, trainer.optimizer.optimizer) == []
 
 
-class _PlainHFNet(nn.Module):
-    """``_HFNet`` without its list of losses, which dynamo would guard on when the Trainer compiles it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        logits = self.net(x)
-        if labels is None:
-            return {"logits": logits}
-        return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
-
-
 @pytest.mark.parametrize("every", [1, None], ids=["every=1", "governor"])
 def test_transformers_torch_compile_with_accumulation_is_compiled_once_per_pass_kind(
     tmp_path: Path, every: int | None
@@ -618,7 +605,7 @@ def test_transformers_torch_compile_with_accumulation_is_compiled_once_per_pass_
         [callback],
         _dataset(64, seed=1),
         _dataset(16, seed=2),
-        _PlainHFNet(),
+        HFNet(),  # (not _HFNet: its list of losses would be a guard)
         gradient_accumulation_steps=4,
         num_train_epochs=2,
         eval_strategy="steps",

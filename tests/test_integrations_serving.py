@@ -31,6 +31,7 @@ from streamwatch.integrations._common import Logged, serving_options
 from streamwatch.sinks import DEFAULT_PORT, read_run
 from streamwatch.testing import table
 from tests import torchrun
+from tests.hfnet import HFNet
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -273,19 +274,6 @@ def test_lightning_observes_one_of_several_optimizers_and_says_which(pl: Any, tm
 # -- Hugging Face ---------------------------------------------------------------------------------------
 
 
-class _HFNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        logits = self.net(x)
-        out = {"logits": logits}
-        if labels is not None:
-            out["loss"] = F.cross_entropy(logits, labels)
-        return out
-
-
 def test_transformers_serves_metrics_while_train_runs_with_what_the_trainer_logs(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     from streamwatch.integrations.transformers import StreamwatchCallback
@@ -307,7 +295,7 @@ def test_transformers_serves_metrics_while_train_runs_with_what_the_trainer_logs
     torch.manual_seed(0)
     train, val = _dataset(20, 1), _dataset(8, 2)
     trainer = transformers.Trainer(  # 5 micro-batches of 4 an epoch, accumulating 2: steps of 2, 2, 1
-        model=_HFNet(),
+        model=HFNet(),
         args=transformers.TrainingArguments(
             output_dir=str(tmp_path / "out"),
             per_device_train_batch_size=4,

@@ -29,6 +29,29 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(32, 8, generator=generator), torch.randint(0, 4, (32,), generator=generator)
 
 
+def accumulate(
+    loss: Callable[[int], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    watch: sw.Watch | None,
+    steps: int,
+    micro_batches: int,
+) -> None:
+    """``steps`` optimizer steps of ``micro_batches`` backward passes of ``loss(step)`` each (gradient
+    accumulation), ``watch.step()`` after each."""
+    for step in range(steps):
+        for _ in range(micro_batches):
+            loss(step).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if watch is not None:
+            watch.step()
+
+
+def streamwatch_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    """The messages of the warnings streamwatch gave."""
+    return [str(w.message) for w in caught if "streamwatch" in str(w.message)]
+
+
 @pytest.fixture(autouse=True)
 def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
@@ -152,12 +175,7 @@ def test_a_compiled_forward_is_compiled_once_not_at_every_step(micro_batches: in
     taps = ("activation", "output_grad", "input_grad", "param_grad")  # (input_grad: skipped in a graph)
     with sw.observe(model, optimizer, every=1, taps=taps, sinks=[records]) as watch:
         compiled = torch.compile(model, backend="eager")
-        for _ in range(6):
-            for _ in range(micro_batches):  # gradient accumulation
-                nn.functional.cross_entropy(compiled(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            watch.step()
+        accumulate(lambda _: nn.functional.cross_entropy(compiled(x), y), optimizer, watch, 6, micro_batches)
         assert counters["frames"]["ok"] == 1
         assert watch.statistics().skipped["compiled_grad_hook"] == 6  # once per step
         assert watch.statistics().hook_errors == 0
@@ -186,16 +204,14 @@ def test_a_model_first_compiled_at_a_later_step_is_compiled_once(every: int) -> 
     ):
         warnings.simplefilter("always")
         compiled = torch.compile(model, backend="eager")
-        for step in range(7):
-            run = model if step < 3 else compiled
-            for _ in range(micro_batches):
-                nn.functional.cross_entropy(run(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            watch.step()
+
+        def loss(step: int) -> torch.Tensor:  # (three steps eager, then compiled)
+            return nn.functional.cross_entropy((model if step < 3 else compiled)(x), y)
+
+        accumulate(loss, optimizer, watch, 7, micro_batches)
         # (every=2: compiled first on an unsampled step, without hooks; then with them, sampled and not)
         assert counters["frames"]["ok"] == (1 if every == 1 else 3)
-    assert [str(w.message) for w in caught if "streamwatch" in str(w.message)] == []
+    assert streamwatch_warnings(caught) == []
     assert [r.step for r in records.items] == list(range(0, 7, every))
     for record in records.items:
         index = record.keys.index(SeriesKey("train", "0", "activation", ""))
@@ -231,15 +247,10 @@ def test_compiled_code_that_calls_a_submodule_not_the_observed_root_is_compiled_
         sw.observe(holder, optimizer, every=1, sinks=[records]) as watch,
     ):
         warnings.simplefilter("always")
-        for _ in range(4):
-            for _ in range(micro_batches):
-                training_step(x, y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            watch.step()
+        accumulate(lambda _: training_step(x, y), optimizer, watch, 4, micro_batches)
         assert counters["frames"]["ok"] == 1
         assert "compiled_grad_hook" not in watch.statistics().skipped
-    assert [str(w.message) for w in caught if "streamwatch" in str(w.message)] == []
+    assert streamwatch_warnings(caught) == []
     assert len(records.items) == 4
     for record in records.items:
         for kind in ("activation", "output_grad"):
@@ -288,12 +299,7 @@ def test_activation_checkpointing_under_compile_records_each_forward_once(whole:
         counters.clear()
         with sw.observe(model, optimizer, every=1, sinks=[records]) as watch:
             compiled = torch.compile(model, backend="eager")
-            for _ in range(3):
-                for _ in range(2):  # micro-batches
-                    nn.functional.cross_entropy(compiled(x), y).backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                watch.step()
+            accumulate(lambda _: nn.functional.cross_entropy(compiled(x), y), optimizer, watch, 3, 2)
         breaks = sum(counters["graph_break"].values())
     assert breaks == 0 if whole else breaks > 0
     assert watch.statistics().hook_errors == 0
@@ -341,13 +347,7 @@ def test_output_gradients_of_a_compiled_model_are_recorded_as_eager_ones_are(bac
         records = sw.sinks.collect()
         watch = sw.observe(model, optimizer, every=1, sinks=[records]) if observed else None
         run = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
-        for _ in range(3):
-            for _ in range(2):
-                nn.functional.cross_entropy(run(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            if watch is not None:
-                watch.step()
+        accumulate(lambda _: nn.functional.cross_entropy(run(x), y), optimizer, watch, 3, 2)
         if watch is not None:
             watch.close()
         return records.items, [p.detach().clone() for p in model.parameters()], watch
@@ -410,12 +410,7 @@ def _shared_records(compiled: bool) -> list[sw.StepRecord]:
     counters.clear()
     with sw.observe(model, optimizer, every=1, sinks=[records]) as watch:
         run = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
-        for _ in range(2):
-            for _ in range(2):  # micro-batches
-                nn.functional.cross_entropy(run(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            watch.step()
+        accumulate(lambda _: nn.functional.cross_entropy(run(x), y), optimizer, watch, 2, 2)
     if compiled:
         assert counters["stats"]["unique_graphs"] == 1  # (the probe's call count is 0 when a pass begins)
         assert watch.statistics().skipped["compiled_grad_hook"] == 2  # (the second call, once per step)
