@@ -2,8 +2,8 @@
 
 One Watch per model and per module (:class:`Attachments`): a module two observed models share would have
 both models' passes in each watch's rows. The optimizer a framework wraps is unwrapped to the torch
-optimizer whose hooks fire (:func:`unwrap_optimizer`), and one that steps none of the model's parameters
-is warned about (:func:`check_optimizer_steps`).
+optimizers whose hooks fire (:func:`unwrap_optimizers`: one, or several such as Muon's with AdamW's), and
+one that steps none of the model's parameters is warned about (:func:`check_optimizer_steps`).
 
 Example:
     >>> import torch
@@ -17,11 +17,23 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["OBSERVED", "Attachments", "check_optimizer_steps", "on_cpu", "unwrap_optimizer"]
+__all__ = [
+    "OBSERVED",
+    "Attachments",
+    "OptimizerArg",
+    "check_optimizer_steps",
+    "on_cpu",
+    "unwrap_optimizer",
+    "unwrap_optimizers",
+]
+
+OptimizerArg = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+"""What ``observe(model, optimizer)`` takes: one optimizer, several in a list or tuple, or none."""
 
 
 class Attachments:
@@ -114,19 +126,67 @@ def unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer | None:
             f"step hooks), or a wrapper whose `optimizer` attribute is one; got a {type(seen).__qualname__} "
             "without them: pass the torch optimizer it wraps"
         )
-    raise TypeError(f"Expected `optimizer` to be a torch.optim.Optimizer or None, got {seen!r}")
+    raise TypeError(
+        f"Expected `optimizer` to be a torch.optim.Optimizer, a list of them or None, got a "
+        f"{type(seen).__qualname__}: {_short(seen)}"
+    )
 
 
-def check_optimizer_steps(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Warn when ``optimizer`` steps none of ``model``'s parameters (another model's optimizer): its
-    ``update`` and ``param`` taps, read around its step, would then watch nothing of the model."""
+def unwrap_optimizers(optimizer: object) -> tuple[torch.optim.Optimizer, ...]:
+    """The torch optimizers to hook: none for None, one for an optimizer (or a framework's wrapper of one,
+    :func:`unwrap_optimizer`), each of a list or tuple in its order (Muon for the matrices with AdamW for
+    the rest, a GAN's generator and discriminator).
+
+    Raises:
+        TypeError: an item is no optimizer (the message names its position).
+        ValueError: the same optimizer twice (its hooks would read every parameter twice a step).
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> a = torch.optim.SGD([model.weight], lr=0.1)
+        >>> b = torch.optim.Adam([model.bias])
+        >>> unwrap_optimizers([a, b]) == (a, b), unwrap_optimizers(a) == (a,), unwrap_optimizers(None)
+        (True, True, ())
+    """
     if optimizer is None:
-        return
+        return ()
+    if not isinstance(optimizer, list | tuple):
+        found = unwrap_optimizer(optimizer)
+        return () if found is None else (found,)
+    found_all: list[torch.optim.Optimizer] = []
+    for i, item in enumerate(optimizer):
+        try:
+            found = unwrap_optimizer(item) if item is not None else None
+        except TypeError as exc:
+            raise TypeError(f"`optimizer[{i}]`: {exc}") from None
+        if found is None:
+            raise TypeError(f"Expected `optimizer[{i}]` to be a torch.optim.Optimizer, got None")
+        if any(found is seen for seen in found_all):
+            raise ValueError(
+                f"`optimizer[{i}]` ({type(found).__name__}) is in the list twice: pass each optimizer once"
+            )
+        found_all.append(found)
+    return tuple(found_all)
+
+
+def _short(value: object, limit: int = 120) -> str:
+    """``repr(value)`` on one line, cut at ``limit`` characters (an optimizer's repr runs many lines)."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def check_optimizer_steps(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+    """Warn when an optimizer steps none of ``model``'s parameters (another model's optimizer): its
+    ``update`` and ``param`` taps, read around its step, would then watch nothing of the model."""
     own = {id(p) for p in model.parameters()}
-    stepped = [p for group in optimizer.param_groups for p in group.get("params", ())]
-    if own and stepped and not any(id(p) in own for p in stepped):
+    for i, optimizer in enumerate(optimizers):
+        stepped = [p for group in optimizer.param_groups for p in group.get("params", ())]
+        if not (own and stepped) or any(id(p) in own for p in stepped):
+            continue
+        which = "`optimizer`" if len(optimizers) == 1 else f"`optimizer[{i}]`"
         warnings.warn(
-            f"streamwatch: `optimizer` ({type(optimizer).__name__}, {len(stepped)} parameters) steps none of "
+            f"streamwatch: {which} ({type(optimizer).__name__}, {len(stepped)} parameters) steps none of "
             f"`model`'s {len(own)} parameters ({type(model).__name__}): is it another model's? The update "
             "and weight rows are read around its step, so they would watch nothing of this model; pass the "
             "optimizer that steps it, observe(model, optimizer)",

@@ -522,10 +522,13 @@ class StepBoundary:
         self._step_metrics = state.step_metrics
 
     def _run_step_metrics(self, device: dict[str, torch.Tensor]) -> None:
-        """Parameter metrics when no optimizer hook ran them, then the step-level ones."""
+        """Parameter metrics when no optimizer hook ran them (several: after all), then step-level ones."""
         state = self.state
         buffer = state.buffer
-        if not self._taps.parameters.has_optimizer:
+        parameters = self._taps.parameters
+        if parameters.several:
+            parameters.metrics_after()
+        elif not parameters.has_optimizer:
             for metric in self._step_metrics:
                 state.call(metric.before_optimizer_step, buffer)
             for metric in self._step_metrics:

@@ -36,7 +36,7 @@ from torch import nn
 
 from streamwatch import _kernel, _triton
 from streamwatch._accuracy import AMBIGUOUS
-from streamwatch._attach import OBSERVED, check_optimizer_steps, on_cpu, unwrap_optimizer
+from streamwatch._attach import OBSERVED, OptimizerArg, check_optimizer_steps, on_cpu, unwrap_optimizers
 from streamwatch._boundary import SCALAR_SECONDS, StepBoundary, paused
 from streamwatch._cadence import Cadence
 from streamwatch._channel import OverflowPolicy, Receiver, channel
@@ -92,12 +92,12 @@ def _summaries(cpu: bool) -> tuple[_kernel.FusedKernel | None, _triton.Kernels |
 class Watch:
     """A running observation of one model. Create it with :func:`observe`."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, options: Options) -> None:
+    def __init__(self, model: nn.Module, optimizer: OptimizerArg, options: Options) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}")
-        optimizer = unwrap_optimizer(optimizer)
+        optimizers = unwrap_optimizers(optimizer)
         # Every argument is checked before anything is attached: a refused observe() touches nothing.
-        if options.taps_asked and "update" in options.taps and optimizer is None:
+        if options.taps_asked and "update" in options.taps and not optimizers:
             warnings.warn(
                 "streamwatch: taps include 'update', which is read around optimizer.step() (its hooks): "
                 "without an optimizer no update is recorded; pass it, observe(model, optimizer, ...)",
@@ -105,7 +105,7 @@ class Watch:
                 stacklevel=3,  # the user's observe() call
             )
         for metric in options.metrics:
-            if metric.requires_optimizer and optimizer is None:
+            if metric.requires_optimizer and not optimizers:
                 raise ValueError(
                     f"{metric!r} measures what optimizer.step() does: pass the optimizer, "
                     "streamwatch.observe(model, optimizer, metrics=[...])"
@@ -119,7 +119,7 @@ class Watch:
                 "these qualified names (globs), or pass select=None for every leaf module"
             )
         check_hookable(model, modules)
-        check_optimizer_steps(model, optimizer)
+        check_optimizer_steps(model, optimizers)
         OBSERVED.claim(model, modules)
         self._claimed = modules  # (given back by close(), or by _undo())
         self._every = options.every
@@ -153,8 +153,8 @@ class Watch:
             alarm = Alarm(state)  # the detectors' (worker) → the guard's escalation (training thread)
             self._worker = _worker(rx, self._store, self._tracker, options, detailed, alarm)
             self._failures = Failures(state, self._store, self._tracker, self._worker)
-            self._taps = TapSet(model, modules, params, optimizer, state)
-            binding = Binding(model, tuple(params), optimizer, lambda: paused(state))
+            self._taps = TapSet(model, modules, params, optimizers, state)
+            binding = Binding(model, tuple(params), optimizers, lambda: paused(state))
             bound: tuple[Metric, ...] = ()
             for metric in metrics:
                 metric.bind(binding)
@@ -168,7 +168,7 @@ class Watch:
             self._outbox = Outbox(
                 state=state,
                 taps=self._taps.parameters,
-                optimizer=optimizer,
+                optimizers=optimizers,
                 sender=self._tx,
                 overflow=options.overflow,
                 capacity=options.capacity,
@@ -674,7 +674,7 @@ def _skipped(tensors: Mapping[str, int], ambiguous: int) -> dict[str, int]:
 
 def observe(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: OptimizerArg = None,
     *,
     every: int | None = None,
     overhead: float | None = None,
@@ -699,7 +699,10 @@ def observe(
 
     Args:
         model: the module to observe; attach before any ``torch.compile``.
-        optimizer: enables the ``param`` (after each step), ``update`` and learning-rate taps.
+        optimizer: enables the ``param`` (after each step), ``update`` and learning-rate taps; a list
+            observes several (Muon for the matrices and AdamW for the rest, a GAN's two halves): each
+            parameter is read around the step of the optimizer that steps it, and the learning rates
+            are numbered across them in order (docs/observe.md#several-optimizers).
         every: sample one step in ``every`` (``every=1``: every step); a fixed interval, which turns the
             overhead governor off. Unsampled steps run without the per-layer hooks and send a scalar
             record once a second (``SCALAR_SECONDS``), or at once for a loss past ``LossSpike``'s line.

@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import operator
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -40,7 +40,7 @@ from streamwatch._record import SKIPPED_UPDATE, STEP_VALUE, PendingRecord
 from streamwatch._step_args import StepArgs, read_loss
 from streamwatch._tapstate import TapState
 
-__all__ = ["LR_OF", "STEP_LOG_CAPACITY", "LoggedStep", "Outbox", "StepLog", "release_dropped"]
+__all__ = ["LR_OF", "STEP_LOG_CAPACITY", "Groups", "LoggedStep", "Outbox", "StepLog", "release_dropped"]
 
 _LR_NAMES = tuple(f"lr/{i}" for i in range(64))  # (param groups' scalar names, made once)
 LR_OF = operator.methodcaller("get", "lr")
@@ -111,13 +111,35 @@ def release_dropped(item: Any, reason: str) -> None:
         item.release()
 
 
+class Groups:
+    """Several optimizers' param groups, in order, as they are each time they are iterated (a loop may add a
+    group, or swap a list, between two steps): learning rate ``i`` of a record is the ``i``-th of them.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> a, b = torch.optim.SGD([model.weight], lr=0.1), torch.optim.SGD([model.bias], lr=0.5)
+        >>> [group["lr"] for group in Groups((a, b))]
+        [0.1, 0.5]
+    """
+
+    __slots__ = ("_optimizers",)
+
+    def __init__(self, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+        self._optimizers = optimizers
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for optimizer in self._optimizers:
+            yield from optimizer.param_groups
+
+
 class Outbox:
     """Sends one Watch's records (training thread only).
 
     Args:
         state, taps: the Watch's tap state (its step buffer and clock marks) and parameter taps (a
             fused optimizer's skipped step).
-        optimizer: the observed optimizer (its learning rates), or None.
+        optimizers: the observed optimizers (their learning rates, numbered across them in order).
         sender: the channel's sending end; ``overflow`` its policy at the step boundary.
         capacity: the channel's capacity (the pinned slots of CUDA copies, and the sent steps kept).
         edges: the histogram bucket bounds every record carries.
@@ -135,7 +157,7 @@ class Outbox:
         *,
         state: TapState,
         taps: ParamTaps,
-        optimizer: torch.optim.Optimizer | None,
+        optimizers: tuple[torch.optim.Optimizer, ...],
         sender: Sender[PendingRecord],
         overflow: OverflowPolicy,
         capacity: int,
@@ -144,8 +166,10 @@ class Outbox:
     ) -> None:
         self.state = state
         self._taps = taps
-        self._optimizer = optimizer
-        self.groups: list[dict[str, Any]] | None = None if optimizer is None else optimizer.param_groups
+        # the param groups, as they are now: one optimizer's own list, several chained (None: no optimizer)
+        self.groups: Iterable[dict[str, Any]] | None = None
+        if optimizers:
+            self.groups = optimizers[0].param_groups if len(optimizers) == 1 else Groups(optimizers)
         self._tx = sender
         self._overflow = overflow
         self._edges = edges
@@ -160,8 +184,8 @@ class Outbox:
 
     def learning_rates(self) -> list[Value | None]:
         """The param groups' learning rates now (none without an optimizer)."""
-        optimizer = self._optimizer
-        return [] if optimizer is None else list(map(LR_OF, optimizer.param_groups))
+        groups = self.groups
+        return [] if groups is None else list(map(LR_OF, groups))
 
     def log(
         self,
@@ -185,8 +209,7 @@ class Outbox:
         self.steps.add(step, now, seconds, loss, checked.batch_size, self.learning_rates(), logged)
 
     def release_optimizer(self) -> None:
-        """At close: the optimizer is no longer read (the Watch frees it)."""
-        self._optimizer = None
+        """At close: the optimizers are no longer read (the Watch frees them)."""
         self.groups = None
 
     def send(

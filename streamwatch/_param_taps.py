@@ -4,7 +4,9 @@ With an optimizer they are read at its step hooks: every gradient as it is about
 accumulation, unscaling, clipping, DDP's averaging) at the pre-step hook, the update Δ = w_after − w_before
 and the weights at the post-step hook. Without one, gradients are read by post-accumulate hooks (the last,
 complete one of a step wins) and weights at the step's end. Parameters the optimizer does not step (another
-optimizer's, a frozen body's) have no update row; their weights are read at the step's end.
+optimizer's, a frozen body's) have no update row; their weights are read at the step's end. With several
+optimizers (Muon with AdamW, a GAN's two halves) each parameter is read at the hooks of the one that steps
+it, and what a step's optimizers did not read (one skipped) at its end.
 
 Example:
     >>> import torch, streamwatch as sw
@@ -33,6 +35,9 @@ from streamwatch._tapstate import TapState, guarded, summarize_into, summarize_m
 from streamwatch._torchpath import GROUP_ELEMENTS, Packing, Packings, batches
 
 __all__ = ["NO_HOOK", "UNSEEN_FORWARD", "ParamTaps", "place_in_backward"]
+
+GradKey = tuple[SeriesKey, nn.Parameter]
+"""A ``param_grad`` row's key and the parameter whose gradient it reads."""
 
 UNSEEN_FORWARD = "unseen_forward"
 """The ``statistics().skipped`` reason of sampled steps whose forward pass no hook saw (compiled code that
@@ -71,29 +76,34 @@ class ParamTaps:
     Args:
         state: the Watch's tap state.
         params: ``(layer, name, parameter)`` of every observed parameter.
-        optimizer: the observed optimizer, or None.
+        optimizers: the observed optimizers (none, one or several).
         taps: the tapped kinds.
 
     Attributes:
         params: the observed parameters (emptied at :meth:`clear`: a closed Watch keeps none alive).
         has_optimizer: an optimizer is observed (its step hooks read the parameter kinds).
+        several: more than one is: opt-in metrics' ``before_optimizer_step`` runs at the first one's
+            pre-step hook of a step, their ``after_optimizer_step`` at the step's end (an update is what
+            every optimizer did; the boundary calls it, :meth:`metrics_after`).
         found_inf: a ``GradScaler``'s found-inf flag at a fused step whose updates were summarised (the
             record carries it; the worker drops the updates of a step that did not happen).
         grad_registrations: without an optimizer, one post-accumulate hook per gradient (registered
             each time they go in: torch refuses one on a frozen parameter).
-        step_registrations: with an optimizer, its pre- and post-step hooks.
+        step_registrations: with optimizers, their pre- and post-step hooks.
     """
 
     def __init__(
         self,
         state: TapState,
         params: list[tuple[str, str, nn.Parameter]],
-        optimizer: torch.optim.Optimizer | None,
+        optimizers: tuple[torch.optim.Optimizer, ...],
         taps: frozenset[str],
     ) -> None:
         self.state = state
         self.params = params
-        self.has_optimizer = optimizer is not None
+        self.has_optimizer = bool(optimizers)
+        self.several = len(optimizers) > 1
+        self._optimizers = optimizers
         self.found_inf: torch.Tensor | None = None
         self._before: list[torch.Tensor] | None = None
         self._packed: list[tuple[Packing, list[tuple[str, str, nn.Parameter]]]] = []  # packed snapshots
@@ -101,13 +111,16 @@ class ParamTaps:
         self._afters = Packings()  # the weights after the step, for the Triton kernels to read Δ from
         self._grads: list[tuple[SeriesKey, nn.Parameter]] = []  # the param_grad tap's keys and parameters
         self._grad_flags: list[bool] = []  # their requires_grad when their hooks went in (no optimizer)
-        # With an optimizer: the parameters it steps (read at its hooks) and the others (at the step's
-        # end), by its param groups as they were last seen (:meth:`_split`)
+        # With optimizers: the parameters each steps (read at its hooks, by its position) and the others (at
+        # the step's end), by their param groups as they were last seen (:meth:`_split`)
         self._split_signature: tuple[tuple[int, int], ...] | None = None
-        self._owned_params: list[tuple[str, str, nn.Parameter]] = []
+        self._owned: dict[int, tuple[list[tuple[str, str, nn.Parameter]], list[GradKey]]] = {}
         self._other_params: list[tuple[str, str, nn.Parameter]] = []
-        self._owned_grads: list[tuple[SeriesKey, nn.Parameter]] = []
         self._other_grads: list[tuple[SeriesKey, nn.Parameter]] = []
+        # this step's optimizers whose pre- and post-step hooks ran (by position), with several of them
+        self._pre_ran: set[int] = set()
+        self._post_ran: set[int] = set()
+        self.metrics_started = False  # with several: the opt-in metrics' before_optimizer_step ran
         self._before_params: list[tuple[str, str, nn.Parameter]] = []
         self._grads_after: list[tuple[SeriesKey, nn.Parameter]] | None = None
         self._closure = False  # the optimizer step under way was given a closure
@@ -118,16 +131,18 @@ class ParamTaps:
         self.step_registrations: list[Callable[[], Any]] = []
         if "param_grad" in taps:
             self._grads = [(SeriesKey("train", layer, "param_grad", pname), p) for layer, pname, p in params]
-            if optimizer is None:  # with an optimizer: all of them at its pre-step hook, in one call
+            if not optimizers:  # with an optimizer: at its pre-step hook, in one call
                 for key, param in self._grads:  # (a frozen one gets its hook when it is unfrozen)
                     self.grad_registrations.append(
                         functools.partial(_grad_hook_on, param, self._param_grad_hook(key))
                     )
-        if optimizer is not None:
-            # (run as they are under torch.compile(optimizer.step) too: traced, they would be compiled as
-            # dozens of frames of their own, guarded on the step's Python state)
-            before = guarded(state, self._before_optimizer_step, eager=True)
-            after = guarded(state, self._after_optimizer_step, eager=True)
+        # (run as they are under torch.compile(optimizer.step) too: traced, they would be compiled as
+        # dozens of frames of their own, guarded on the step's Python state)
+        # Each optimizer's hooks know its position: the optimizer torch hands them may be another object
+        # sharing its state (a LightningOptimizer given to observe() while the loop steps the inner one)
+        for i, optimizer in enumerate(optimizers):
+            before = guarded(state, functools.partial(self._before_optimizer_step, i), eager=True)
+            after = guarded(state, functools.partial(self._after_optimizer_step, i), eager=True)
             self.step_registrations.append(functools.partial(optimizer.register_step_pre_hook, before))
             self.step_registrations.append(functools.partial(optimizer.register_step_post_hook, after))
 
@@ -135,6 +150,10 @@ class ParamTaps:
         """A step begins: nothing of it is read yet."""
         self.grads_taken = self.params_taken = False
         self._grads_after = None
+        if self.several:
+            self._pre_ran.clear()
+            self._post_ran.clear()
+            self.metrics_started = False
 
     def grad_hooks_going_in(self) -> None:
         """The post-accumulate hooks go in: remember which parameters require a gradient now."""
@@ -204,15 +223,39 @@ class ParamTaps:
         parameters it does not step (another optimizer's may step after its hooks). Their gradients are
         read at its pre-step hook, as they are then: a loop may zero them before ``watch.step()``."""
         on = self.state.on
-        if self.grads_taken and not on.get("param"):
+        several = self.several
+        if self.grads_taken and not on.get("param") and not (several and self._unstepped(self._pre_ran)):
             return  # (the common step: its hooks read everything)
-        if on.get("param_grad") and self._grads and not self.grads_taken:
-            self.summarize_grads()
+        if on.get("param_grad") and self._grads:
+            if not self.grads_taken:
+                self.summarize_grads()
+            elif several:  # (the gradients of the optimizers that did not step)
+                missed = [t for i in self._unstepped(self._pre_ran) for t in self._owned[i][1]]
+                if missed:
+                    self.summarize_grads(missed)
         if on.get("param") and self.params:
             if not self.params_taken:
                 self.summarize_params()
-            elif self._other_params:
-                self.summarize_params(self._other_params)
+            else:
+                rest = self._other_params
+                if several:
+                    rest = rest + [t for i in self._unstepped(self._post_ran) for t in self._owned[i][0]]
+                if rest:
+                    self.summarize_params(rest)
+
+    def _unstepped(self, ran: set[int]) -> list[int]:
+        """The positions of the observed optimizers not in ``ran`` (whose parameters :meth:`_split` knows)."""
+        return [i for i in self._owned if i not in ran]
+
+    def metrics_after(self) -> None:
+        """With several optimizers, at the step's end: the opt-in metrics' ``after_optimizer_step`` (and
+        their ``before_optimizer_step`` first if no optimizer stepped)."""
+        state = self.state
+        if not self.metrics_started:
+            for metric in state.step_metrics:
+                state.call(metric.before_optimizer_step, state.buffer)
+        for metric in state.step_metrics:
+            state.call(metric.after_optimizer_step, state.buffer)
 
     def _unseen_forward(self) -> None:
         """The optimizer steps gradients of a forward pass no hook of this Watch saw, on a step that samples
@@ -237,33 +280,44 @@ class ParamTaps:
             stacklevel=2,
         )
 
-    def _split(
-        self, optimizer: Any
-    ) -> tuple[list[tuple[str, str, nn.Parameter]], list[tuple[SeriesKey, nn.Parameter]]]:
-        """The parameters ``optimizer`` steps (its param groups, as they are now) and their gradient keys;
-        sets the others aside for :meth:`summarize_rest`. Cached while the groups keep their lists."""
-        groups = optimizer.param_groups
-        signature = tuple((id(group["params"]), len(group["params"])) for group in groups)
+    def _split(self, index: int) -> tuple[list[tuple[str, str, nn.Parameter]], list[GradKey]]:
+        """The parameters optimizer ``index`` steps (its param groups, as they are now), their gradient keys;
+        sets those no observed optimizer steps aside for :meth:`summarize_rest`. Cached while the groups
+        keep their lists."""
+        optimizers = self._optimizers
+        signature = tuple(
+            (id(group["params"]), len(group["params"])) for each in optimizers for group in each.param_groups
+        )
         if signature != self._split_signature:
-            owned = {id(param) for group in groups for param in group["params"]}
-            self._owned_params = [t for t in self.params if id(t[2]) in owned]
-            self._other_params = [t for t in self.params if id(t[2]) not in owned]
-            self._owned_grads = [t for t in self._grads if id(t[1]) in owned]
-            self._other_grads = [t for t in self._grads if id(t[1]) not in owned]
+            self._owned = {}
+            every: set[int] = set()
+            for i, each in enumerate(optimizers):
+                owned = {id(param) for group in each.param_groups for param in group["params"]}
+                every |= owned
+                self._owned[i] = (
+                    [t for t in self.params if id(t[2]) in owned],
+                    [t for t in self._grads if id(t[1]) in owned],
+                )
+            self._other_params = [t for t in self.params if id(t[2]) not in every]
+            self._other_grads = [t for t in self._grads if id(t[1]) not in every]
             self._split_signature = signature
-        return self._owned_params, self._owned_grads
+        return self._owned[index]
 
-    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _before_optimizer_step(self, index: int, optimizer: Any, args: Any, kwargs: Any) -> None:
         state = self.state
-        state.times.optimizer_start = state.times.clock()
+        several, first = self.several, not self._pre_ran
+        if first or not several:  # (several: the optimizer part runs from the first one's step)
+            state.times.optimizer_start = state.times.clock()
+        if several:
+            self._pre_ran.add(index)
         if state.forward and not state.seen and not _has_closure(args, kwargs):
             self._unseen_forward()
         on = state.on
         if on.get("param_grad") or on.get("update") or on.get("param"):
-            params, grads = self._split(optimizer)
+            params, grads = self._split(index)
             if on.get("param_grad") and self._grads:
-                if self._other_grads:  # another optimizer's: as they are now (a loop may zero them
-                    self.summarize_grads(self._other_grads)  # after the steps, before watch.step())
+                if self._other_grads and first:  # another optimizer's: as they are now (a loop may zero
+                    self.summarize_grads(self._other_grads)  # them after the steps, before watch.step())
                 if _has_closure(args, kwargs):
                     self._grads_after = grads  # a closure (LBFGS) computes them inside the step
                 elif grads:
@@ -276,14 +330,21 @@ class ParamTaps:
                 self._closure = closure = _has_closure(args, kwargs)
                 stepped = params if closure else [t for t in params if t[2].grad is not None]
                 self._snapshot(stepped)
+        if several:
+            if self.metrics_started:
+                return
+            self.metrics_started = True
         for metric in state.step_metrics:
             state.call(metric.before_optimizer_step, state.buffer)
 
-    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _after_optimizer_step(self, index: int, optimizer: Any, args: Any, kwargs: Any) -> None:
         state = self.state
         state.times.optimizer_end = state.times.clock()
-        for metric in state.step_metrics:
-            state.call(metric.after_optimizer_step, state.buffer)
+        if self.several:
+            self._post_ran.add(index)
+        else:  # (several: at the step's end, metrics_after)
+            for metric in state.step_metrics:
+                state.call(metric.after_optimizer_step, state.buffer)
         # The updates first, then the weights they produced: in the step's execution order an update
         # comes before the weight it changed (a bad update is the origin, a bad weight its consequence).
         grads, self._grads_after = self._grads_after, None
@@ -294,7 +355,7 @@ class ParamTaps:
             self.found_inf = found.detach().reshape(()).to(torch.float32, copy=True)  # (read by the worker)
         self._summarize_updates()
         if state.on.get("param"):
-            self.summarize_params(self._split(optimizer)[0])
+            self.summarize_params(self._split(index)[0])
 
     def _snapshot(self, stepped: list[tuple[str, str, nn.Parameter]]) -> None:
         """The weights before the step: with the fused kernel and CPU parameters (the first one's device
@@ -387,8 +448,10 @@ class ParamTaps:
         """Forget every parameter and registration (``remove()``: a closed Watch keeps none alive)."""
         self._before = None
         self._packed, self._snapshots, self._afters = [], Packings(), Packings()
-        self._before_params = self._owned_params = self._other_params = []
-        self._owned_grads = self._other_grads = []
+        self._before_params = self._other_params = []
+        self._other_grads = []
+        self._owned = {}
+        self._optimizers = ()
         self.params = []
         self._grads = []
         self.grad_registrations, self.step_registrations = [], []

@@ -142,7 +142,7 @@ class TapSet:
         model: nn.Module,
         modules: list[tuple[str, nn.Module]],
         params: list[tuple[str, str, nn.Parameter]],
-        optimizer: torch.optim.Optimizer | None,
+        optimizers: tuple[torch.optim.Optimizer, ...],
         state: TapState,
     ) -> None:
         self.state = state
@@ -177,11 +177,11 @@ class TapSet:
         self.static = False
         self.guards = HookGuards()  # dynamo checks module hooks while the Watch is open (once it is loaded)
         self.guards.hold()
-        self.parameters = ParamTaps(state, params, optimizer, state.taps)  # the parameter kinds' taps
+        self.parameters = ParamTaps(state, params, optimizers, state.taps)  # the parameter kinds' taps
         self._probes: list[GradProbe] = []  # output gradients in compiled code (_gradprobe)
         self._model: Callable[[], nn.Module | None] = lambda: None  # (weakly, once installed)
         try:
-            self._install(model, modules, params, optimizer)
+            self._install(model, modules, params)
             self._drain_params = [param for _, _, param in params]
             self._drain_handle: tuple[torch.Tensor, RemovableHandle] | None = None
             self._arms = 0
@@ -195,7 +195,6 @@ class TapSet:
         model: nn.Module,
         modules: list[tuple[str, nn.Module]],
         params: list[tuple[str, str, nn.Parameter]],
-        optimizer: torch.optim.Optimizer | None,
     ) -> None:
         state = self.state
         taps = state.taps

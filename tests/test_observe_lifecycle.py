@@ -589,7 +589,7 @@ BAD = {
     "optimizer_not_optimizer": (
         {"optimizer": "sgd"},
         TypeError,
-        "Expected `optimizer` to be a torch.optim.Optimizer or None, got 'sgd'",
+        "Expected `optimizer` to be a torch.optim.Optimizer, a list of them or None, got a str: 'sgd'",
     ),
     "sinks_not_sink": ({"sinks": [print]}, TypeError, "Expected every entry of `sinks` to be a Sink, got "),
     "start_step_negative": (

@@ -3,11 +3,10 @@
 
 What it does, hook by hook:
 
-* ``on_fit_start``: ``observe(pl_module, trainer.optimizers[0], **observe_kwargs)`` — the LightningModule
-  and the trainer's first optimizer (``optimizer=i``: another; none if ``configure_optimizers`` returns
-  none). A watch observes one optimizer: with several, a ``RuntimeWarning`` names the one observed and
-  the others, whose parameters get no update rows and whose learning rates are not recorded (every
-  layer's activations, gradients and weights are). With ``expose=``, the watch's ``/metrics``
+* ``on_fit_start``: ``observe(pl_module, trainer.optimizers, **observe_kwargs)`` — the LightningModule
+  and every optimizer ``configure_optimizers`` returned (a GAN's two, Muon's with AdamW's; none if it
+  returns none), each parameter read around the step of the one that steps it and the learning rates
+  numbered across them in order (``optimizer=i``: that one only). With ``expose=``, the watch's ``/metrics``
   endpoint starts here (``port + LOCAL_RANK`` per process, so every rank of a DDP job serves its own);
   with ``run_dir=``, a run file in that directory is one of its sinks (``run.jsonl``;
   ``run-rank{N}.jsonl`` when the job has several processes). This is the first
@@ -115,7 +114,7 @@ class StreamwatchCallback(Callback):
             job of several), made if missing; ``streamwatch report/plot/replay`` and
             ``streamwatch.sinks.read_run`` read it.
         optimizer: which of ``trainer.optimizers`` the watch observes (updates, weights at its step,
-            learning rates): one per watch; with several, the others are named in a warning.
+            learning rates): None, the default, for all of them; an index for that one only.
         **observe_kwargs: :func:`streamwatch.observe`'s keyword arguments (``every=``, ``select=``,
             ``sinks=``, ``metrics=``, ...), checked here as ``observe()`` checks them (an unknown name
             is a ``TypeError``, a bad value the ``TypeError``/``ValueError`` observe() raises), used when
@@ -144,15 +143,17 @@ class StreamwatchCallback(Callback):
         expose: bool | int = False,
         host: str = "127.0.0.1",
         run_dir: str | os.PathLike[str] | None = None,
-        optimizer: int = 0,
+        optimizer: int | None = None,
         **observe_kwargs: Any,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
         self._options = observe_options(observe_kwargs, owner)
         self._serving = serving_options(expose, host, run_dir, owner)
-        self._optimizer = check_int(
-            optimizer, "optimizer", minimum=0, note="an index into trainer.optimizers"
+        self._optimizer = (
+            None
+            if optimizer is None
+            else check_int(optimizer, "optimizer", minimum=0, note="an index into trainer.optimizers or None")
         )
         self.watch: Watch | None = None
         self.exporter: Exporter | None = None
@@ -163,13 +164,13 @@ class StreamwatchCallback(Callback):
         self._steps = 0  # optimizer steps recorded in this fit
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Create the watch: the LightningModule and the trainer's optimizer (the first, or
-        ``optimizer=``); start ``/metrics`` and the run file if asked."""
+        """Create the watch: the LightningModule and the trainer's optimizers (all, or the one
+        ``optimizer=`` picks); start ``/metrics`` and the run file if asked."""
         self.close()  # a watch of an earlier fit that was never torn down
-        optimizer = _chosen_optimizer(trainer.optimizers, self._optimizer, type(self).__name__)
+        optimizers = _chosen_optimizers(trainer.optimizers, self._optimizer)
         check_rank(trainer.global_rank, "trainer.global_rank")
         self.watch, self.exporter = start_watch(
-            pl_module, optimizer, self._options, _steps_done(trainer), self._serving
+            pl_module, optimizers, self._options, _steps_done(trainer), self._serving
         )
         self._logged = Logged(self.watch.store, type(self).__name__)
         self._global_step = trainer.global_step
@@ -298,30 +299,16 @@ class StreamwatchCallback(Callback):
         self._loss, self._samples = None, 0
 
 
-def _chosen_optimizer(optimizers: list[Any], index: int, owner: str) -> Any:
-    """``optimizers[index]`` (None when there are none), warning when there are several: one watch
-    observes one optimizer, so the parameters only the others step have no update rows and the others'
-    learning rates are not recorded (their gradients and weights are)."""
-    if not optimizers:
-        return None
+def _chosen_optimizers(optimizers: list[Any], index: int | None) -> list[Any]:
+    """Every optimizer (``index`` None), or ``optimizers[index]`` only; none when there are none."""
+    if index is None or not optimizers:
+        return list(optimizers)
     if index >= len(optimizers):
         raise ValueError(
             f"Expected `optimizer` to be an index into the {len(optimizers)} optimizer(s) the "
             f"LightningModule's configure_optimizers returned, got {index}"
         )
-    if len(optimizers) > 1:
-        others = ", ".join(
-            f"optimizers[{i}] ({type(o).__name__})" for i, o in enumerate(optimizers) if i != index
-        )
-        warnings.warn(
-            f"{owner}: configure_optimizers returned {len(optimizers)} optimizers and a watch observes one: "
-            f"optimizers[{index}] ({type(optimizers[index]).__name__}). Every layer's activations, "
-            f"gradients and weights are recorded; the updates and learning rates of {others} are not "
-            f"(pass {owner}(optimizer=i) to observe another)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return optimizers[index]
+    return [optimizers[index]]
 
 
 def _steps_done(trainer: pl.Trainer) -> int:

@@ -124,23 +124,28 @@ class Binding:
     Attributes:
         model: the observed module.
         params: ``(layer, name, parameter)`` of every selected module's parameters, in module order.
-        optimizer: the observed optimizer, or None.
+        optimizers: the observed optimizers, in the order given (none without one).
         pause: a context manager under which streamwatch's own taps do nothing (for metrics that run
             the model on a probe batch or differentiate the loss again).
     """
 
     model: nn.Module
     params: Sequence[tuple[str, str, nn.Parameter]]
-    optimizer: torch.optim.Optimizer | None
+    optimizers: tuple[torch.optim.Optimizer, ...]
     pause: Callable[[], AbstractContextManager[None]]
 
     def preserved(self) -> AbstractContextManager[None]:
-        """:func:`preserved` for the observed model (and the optimizer's parameters): run the model or user
+        """:func:`preserved` for the observed model (and the optimizers' parameters): run the model or user
         code under it, and training finds everything as it left it."""
-        extra: list[torch.Tensor] = []
-        if self.optimizer is not None:
-            extra = [p for group in self.optimizer.param_groups for p in group["params"]]
+        extra = [
+            p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]
+        ]
         return preserved(self.model, extra)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The first observed optimizer, or None (:attr:`optimizers` holds them all)."""
+        return self.optimizers[0] if self.optimizers else None
 
     def named_params(self, *, min_dim: int = 0) -> Iterator[tuple[str, str, nn.Parameter]]:
         """The parameters with at least ``min_dim`` dimensions (``2`` for weight matrices and kernels)."""

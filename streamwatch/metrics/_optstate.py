@@ -61,14 +61,15 @@ class OptimizerState(Metric):
 
     def after_optimizer_step(self, buffer: StepBuffer) -> None:
         binding = self._bound()
-        optimizer = binding.optimizer
-        if optimizer is None:
+        states = [optimizer.state for optimizer in binding.optimizers]
+        if not states:
             return
-        state = optimizer.state
         for moment in MOMENTS:
             keys, tensors = [], []
             for layer, name, param in binding.params:
-                value = state.get(param, {}).get(moment)  # (get: never adds to the defaultdict)
+                # (each parameter's from the optimizer that holds state for it; get: never adds to the
+                # defaultdict)
+                value = next((state[param].get(moment) for state in states if param in state), None)
                 if isinstance(value, torch.Tensor) and value.numel() and value.is_floating_point():
                     keys.append(SeriesKey("train", layer, "param", name))
                     tensors.append(value.detach())

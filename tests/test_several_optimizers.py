@@ -1,0 +1,289 @@
+"""Several optimizers under one watch (``observe(model, [muon, adamw])``): each parameter is read around
+the step of the optimizer that steps it, the learning rates are numbered across them, the opt-in metrics
+see every optimizer's step, training is untouched. Every value is checked against the tensors torch
+holds at that moment (``assert_row``), or the optimizers' own state."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import streamwatch as sw
+from streamwatch import SeriesKey, StepRecord
+from tests.test_observe_battery import assert_row
+
+Snapshot = dict[str, torch.Tensor]
+CADENCE = {"param": 1, "update": 1, "param_grad": 1}
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(20, 8), nn.Flatten(), nn.Linear(24, 16), nn.ReLU(), nn.Linear(16, 5))
+
+
+def _muon_and_adamw(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """torch's recipe for Muon: the hidden weight matrices by Muon, the embedding, biases and the rest by
+    AdamW (``torch.optim.Muon`` takes 2-D parameters only)."""
+    hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and not n.startswith("0.")]
+    rest = [p for n, p in model.named_parameters() if not (p.ndim == 2 and not n.startswith("0."))]
+    return [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=3e-3)]
+
+
+def _batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(k)
+    return torch.randint(0, 20, (6, 3), generator=g), torch.randint(0, 5, (6,), generator=g)
+
+
+def _clone(model: nn.Module, grads: bool = False) -> Snapshot:
+    return {
+        n: (p.grad if grads else p).detach().clone()
+        for n, p in model.named_parameters()
+        if not grads or p.grad is not None
+    }
+
+
+def _key(kind: str, qualified: str) -> SeriesKey:
+    layer, _, name = qualified.rpartition(".")
+    return SeriesKey("train", layer, kind, name)
+
+
+def _train(
+    steps: int,
+    watch_with: Callable[[nn.Module, list[torch.optim.Optimizer]], sw.Watch] | None,
+    skip: Callable[[int], bool] = lambda k: False,
+) -> tuple[nn.Module, list[tuple[Snapshot, Snapshot, Snapshot, set[str]]], list[list[float]]]:
+    """Muon with AdamW (its rate halved every 2 steps) for ``steps`` steps, AdamW's step left out where
+    ``skip(k)``; per step the gradients applied, the weights before and after the optimizers' steps, the
+    parameters stepped, and the learning rates at ``watch.step()``."""
+    model = _model()
+    optimizers = _muon_and_adamw(model)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizers[1], step_size=2, gamma=0.5)
+    watch = None if watch_with is None else watch_with(model, optimizers)
+    seen, lrs = [], []
+    for k in range(steps):
+        x, y = _batch(k)
+        for opt in optimizers:
+            opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        grads, before = _clone(model, grads=True), _clone(model)
+        stepped = optimizers[:1] if skip(k) else optimizers
+        for opt in stepped:
+            opt.step()
+        if not skip(k):
+            scheduler.step()
+        ids = {id(p) for opt in stepped for group in opt.param_groups for p in group["params"]}
+        seen.append((grads, before, _clone(model), {n for n, p in model.named_parameters() if id(p) in ids}))
+        lrs.append([group["lr"] for opt in optimizers for group in opt.param_groups])
+        if watch is not None:
+            watch.step(loss=loss)
+    if watch is not None:
+        watch.close()
+    return model, seen, lrs
+
+
+def test_muon_with_adamw_every_parameter_is_read_around_its_own_optimizers_step() -> None:
+    """Every gradient, update and weight equals torch's, updates for both optimizers' parameters (with
+    one observed, AdamW's had none); learning rates ``lr/0`` (Muon) and ``lr/1`` (AdamW, decayed by its
+    scheduler); training bit for bit as unobserved."""
+    records = sw.sinks.collect()
+    plain, _, _ = _train(5, None)
+    model, seen, lrs = _train(5, lambda m, o: sw.observe(m, o, every=1, cadence=CADENCE, sinks=[records]))
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
+    assert [r.step for r in records.items] == [0, 1, 2, 3, 4]
+    assert lrs == [[0.02, 3e-3], [0.02, 1.5e-3], [0.02, 1.5e-3], [0.02, 7.5e-4], [0.02, 7.5e-4]]
+    for record, (grads, before, after, stepped), want in zip(records.items, seen, lrs, strict=True):
+        assert [record.scalars["lr/0"], record.scalars["lr/1"]] == want
+        assert "lr/2" not in record.scalars
+        _assert_rows(record, grads, before, after, stepped)
+
+
+def _assert_rows(
+    record: StepRecord, grads: Snapshot, before: Snapshot, after: Snapshot, stepped: set[str]
+) -> None:
+    assert {record.keys[i] for i in record.rows("param_grad")} == {_key("param_grad", n) for n in grads}
+    for name, grad in grads.items():
+        assert_row(record, _key("param_grad", name), grad)
+    assert {record.keys[i] for i in record.rows("update")} == {_key("update", n) for n in stepped}
+    for name in stepped:
+        assert_row(record, _key("update", name), after[name] - before[name])
+    assert {record.keys[i] for i in record.rows("param")} == {_key("param", n) for n in after}
+    for name, weight in after.items():
+        assert_row(record, _key("param", name), weight)
+
+
+def test_a_step_one_optimizer_skips_has_its_parameters_read_at_the_steps_end() -> None:
+    """AdamW left out on odd steps (a GAN's generator every other step): its parameters have no update
+    row then, their gradients and weights are read at ``watch.step()``; Muon's are read at its hooks."""
+    records = sw.sinks.collect()
+    skip = lambda k: k % 2 == 1  # noqa: E731
+    _, seen, _ = _train(4, lambda m, o: sw.observe(m, o, every=1, cadence=CADENCE, sinks=[records]), skip)
+    assert [len(stepped) for *_, stepped in seen] == [5, 2, 5, 2]
+    for record, (grads, before, after, stepped) in zip(records.items, seen, strict=True):
+        _assert_rows(record, grads, before, after, stepped)
+
+
+def test_a_gans_halves_each_read_at_their_own_step() -> None:
+    """The discriminator steps first; the generator's backward then adds to the discriminator's gradients
+    (as in most GAN loops). Each half's gradient row is the one its own optimizer applied, each update
+    its own step's Δ, and training is bit for bit as unobserved."""
+
+    def gan(observe: bool) -> tuple[nn.Module, list[tuple[Snapshot, Snapshot, Snapshot]], list[StepRecord]]:
+        torch.manual_seed(0)
+        model = nn.ModuleDict(
+            {
+                "G": nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 6)),
+                "D": nn.Sequential(nn.Linear(6, 8), nn.LeakyReLU(0.2), nn.Linear(8, 1)),
+            }
+        )
+        opt_g = torch.optim.Adam(model["G"].parameters(), lr=1e-3, betas=(0.5, 0.999))
+        opt_d = torch.optim.Adam(model["D"].parameters(), lr=1e-3, betas=(0.5, 0.999))
+        records = sw.sinks.collect()
+        watch = (
+            sw.observe(model, [opt_d, opt_g], every=1, cadence=CADENCE, sinks=[records]) if observe else None
+        )
+        seen = []
+        for k in range(3):
+            g = torch.Generator().manual_seed(k)
+            z, real = torch.randn(5, 4, generator=g), torch.randn(5, 6, generator=g)
+            opt_d.zero_grad()
+            fake = model["G"](z)
+            loss_d = F.softplus(-model["D"](real)).mean() + F.softplus(model["D"](fake.detach())).mean()
+            loss_d.backward()
+            grads, before = _clone(model["D"], grads=True), _clone(model)
+            opt_d.step()
+            opt_g.zero_grad()
+            loss_g = F.softplus(-model["D"](fake)).mean()
+            loss_g.backward()
+            grads_g = _clone(model["G"], grads=True)
+            opt_g.step()
+            grads = {**{f"D.{n}": t for n, t in grads.items()}, **{f"G.{n}": t for n, t in grads_g.items()}}
+            seen.append((grads, before, _clone(model)))
+            if watch is not None:
+                watch.step(loss=loss_g)
+        if watch is not None:
+            watch.close()
+        return model, seen, records.items
+
+    plain, _, _ = gan(False)
+    model, seen, items = gan(True)
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
+    assert len(items) == 3
+    for record, (grads, before, after) in zip(items, seen, strict=True):
+        _assert_rows(record, grads, before, after, set(after))
+        assert record.scalars["lr/0"] == record.scalars["lr/1"] == 1e-3
+
+
+def test_the_opt_in_metrics_see_every_optimizers_step() -> None:
+    """``OptimizerState`` reads each parameter's state from the optimizer that holds it (Muon's momentum
+    buffer, AdamW's moments); ``GradientCosine(of="update")`` compares whole steps' updates, Muon's and
+    AdamW's together (called per optimizer it would have read half of each step's Δ as 0)."""
+    records = sw.sinks.collect()
+    metrics = [sw.metrics.OptimizerState(), sw.metrics.GradientCosine(of="update")]
+    references: list[dict[tuple[str, str], float]] = []
+    deltas: list[Snapshot] = []
+
+    def observe(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> sw.Watch:
+        return sw.observe(model, optimizers, every=1, metrics=metrics, sinks=[records])
+
+    model = _model()
+    optimizers = _muon_and_adamw(model)
+    watch = observe(model, optimizers)
+    for k in range(4):
+        x, y = _batch(k)
+        for opt in optimizers:
+            opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        before = _clone(model)
+        for opt in optimizers:
+            opt.step()
+        deltas.append({n: p.detach() - before[n] for n, p in model.named_parameters()})
+        ref = {}
+        for name, p in model.named_parameters():
+            state = next(o.state[p] for o in optimizers if p in o.state)
+            for moment in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+                if moment in state:
+                    ref[(name, f"{moment}_norm")] = float(state[moment].double().norm())
+                    ref[(name, f"{moment}_max")] = float(state[moment].double().abs().max())
+        references.append(ref)
+        watch.step()
+    watch.close()
+    for step, record in enumerate(records.items):
+        got = {
+            (f"{key.layer}.{key.name}", stat): float(np.asarray(v).item())
+            for (key, stat), v in record.extras.items()
+        }
+        want = dict(references[step])
+        if step:
+            for name, delta in deltas[step].items():
+                previous = deltas[step - 1][name].double().flatten()
+                want[(name, "cosine")] = float(F.cosine_similarity(delta.double().flatten(), previous, dim=0))
+        assert got.keys() == want.keys(), step
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (step, key)
+    stats = {stat for record in records.items for (_, stat) in record.extras}
+    assert {"momentum_buffer_norm", "exp_avg_sq_max", "cosine"} <= stats
+
+
+def test_under_the_governor_every_steps_learning_rates_come_from_both() -> None:
+    """The quiet steps' log (no hooks in) reads every optimizer's rates as well: one entry per step."""
+    records = sw.sinks.collect()
+    _, _, lrs = _train(30, lambda m, o: sw.observe(m, o, sinks=[records]))
+    steps = [s for r in records.items for s in r.every_step()]
+    assert [s.step for s in steps] == list(range(30))
+    assert [[s.scalars["lr/0"], s.scalars["lr/1"]] for s in steps] == lrs
+    assert sum(1 for r in records.items if r.keys) < 30  # (most steps were quiet)
+
+
+def test_a_list_that_is_not_optimizers_is_refused_saying_where() -> None:
+    model = _model()
+    adamw = torch.optim.AdamW(model.parameters())
+    with pytest.raises(TypeError, match=r"`optimizer\[1\]` to be a torch.optim.Optimizer, got None"):
+        sw.observe(model, [adamw, None])
+    with pytest.raises(TypeError, match=r"`optimizer\[0\]`: Expected .* got a str: 'adam'"):
+        sw.observe(model, ["adam"])
+    with pytest.raises(ValueError, match=r"`optimizer\[1\]` \(AdamW\) is in the list twice"):
+        sw.observe(model, (adamw, adamw))
+    with pytest.raises(TypeError, match=r"got a dict: \{'lr': 0.1\}"):
+        sw.observe(model, {"lr": 0.1})
+    for refused in ([adamw, None], (adamw, adamw)):
+        with pytest.raises((TypeError, ValueError)):
+            sw.observe(model, refused)
+    with sw.observe(model, [adamw]) as watch:  # nothing left attached by the refusals
+        watch.step()
+
+
+def test_an_optimizer_of_another_model_in_the_list_is_warned_about_by_position() -> None:
+    model = _model()
+    other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=r"`optimizer\[1\]` \(SGD, 2 parameters\) steps none of"):
+        watch = sw.observe(model, [torch.optim.AdamW(model.parameters()), other])
+    watch.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sw.observe(model, [torch.optim.AdamW(model.parameters())]).close()
+
+
+def test_lightning_optimizers_in_the_list_are_read_when_the_optimizers_they_wrap_step() -> None:
+    """``self.optimizers()`` in a LightningModule gives ``LightningOptimizer``s, which share the wrapped
+    optimizer's state (its hook tables too) but are other objects: a list of them observes the steps the
+    loop makes on the optimizers inside."""
+    pytest.importorskip("lightning")
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    records = sw.sinks.collect()
+
+    def observe(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> sw.Watch:
+        wrapped = [LightningOptimizer(opt) for opt in optimizers]
+        return sw.observe(model, wrapped, every=1, cadence=CADENCE, sinks=[records])
+
+    _, seen, lrs = _train(3, observe)
+    for record, (grads, before, after, stepped), want in zip(records.items, seen, lrs, strict=True):
+        _assert_rows(record, grads, before, after, stepped)
+        assert [record.scalars["lr/0"], record.scalars["lr/1"]] == want
