@@ -10,18 +10,20 @@ that vector into the sink's ``.grad`` outside the graph, where a post-accumulate
 as the step's row (:meth:`GradProbe.landed`). Everything in the graph is tensor code, so dynamo and
 AOTAutograd trace the forward and the backward whole; the gradient the model sees is the same tensor.
 
-One probe per module whose output is one tensor, made when the hooks are installed (a sink made later
-would be a new graph input, and the model compiled again), on the model's device then: an output on
+One probe per module whose output is one tensor, made when the hooks are installed with :data:`CALLS`
+sinks (a sink made later would be a new graph input, and the model compiled again), on the model's
+device then: an output on
 another device, or a module with several output tensors, is skipped and counted
 (``skipped["compiled_grad_hook"]``) as before. Per-unit activity is not taken for such rows. A row lands
 without its element count: the graph notes the probed output's count (``TapState.probe_count``), added
 to the rows at the step's end (``TapState.settle_counts``).
 
-A probe takes one call of its module per pass (:attr:`GradProbe.calls`, set back to 0 after each
-backward by ``TapState.drain``): autograd adds every gradient a leaf gets in one backward before its
-hook runs, so two calls' summaries would reach the sink as one sum, right for the sums but not for
-min and max. A module called again in the same pass (a shared embedding, a cell in a loop, the second
-forward of a siamese pair) has its later outputs' gradients skipped and counted.
+Each call of the module in a pass (:attr:`GradProbe.calls`, set back to 0 after each backward by
+``TapState.drain``) has a sink of its own: autograd adds every gradient a leaf gets in one backward
+before its hook runs, so two calls' summaries in one sink would arrive as one sum, right for the sums
+but not for min and max. A module called again in the same pass (a shared embedding, a cell in a loop,
+the second forward of a siamese pair) lands one row per call, which the step merges as eager mode's
+repeated rows; past :data:`CALLS` calls its outputs' gradients are skipped and counted.
 
 Example:
     >>> import torch
@@ -45,7 +47,11 @@ import torch
 from streamwatch._record import SeriesKey
 from streamwatch._torchpath import Row, summarize_traced
 
-__all__ = ["SINK_SIZE", "GradProbe"]
+__all__ = ["CALLS", "SINK_SIZE", "GradProbe"]
+
+CALLS = 8
+"""Calls of one module per pass whose output gradients a probe takes (one sink each): a shared
+embedding's two, a siamese pair's, a short loop's; the later ones are skipped and counted."""
 
 SINK_SIZE = 19
 """A row as one vector: the 4×4 Gram matrix (16 values, its first the element count), min, max and the
@@ -82,36 +88,41 @@ class GradProbe:
 
     Attributes:
         key: the row's key (``train``, the module, ``output_grad``).
-        sink: the float64 tensor whose gradient carries the summary out of the graph.
+        sinks: the float64 tensors whose gradients carry the summaries out of the graph, one per call.
         nonfinite: whether the last probe counted NaN and ±inf elements (``observe``'s setting).
-        calls: the module's outputs probed since the last backward (0 or 1; read in the graph, where a
-            guard holds it to 0 at the pass's start).
+        calls: the module's outputs probed since the last backward (up to :data:`CALLS`; read in the
+            graph, where a guard holds it to 0 at the pass's start).
     """
 
     def __init__(self, layer: str, device: torch.device, land: Landing) -> None:
         self.key = SeriesKey("train", layer, "output_grad", "")
-        self.sink = torch.zeros(SINK_SIZE, dtype=torch.float64, device=device, requires_grad=True)
+        zeros = torch.zeros
+        self.sinks = tuple(
+            zeros(SINK_SIZE, dtype=torch.float64, device=device, requires_grad=True) for _ in range(CALLS)
+        )
         self.nonfinite = False  # whether the last probe counted non-finite elements (observe's setting)
         self.calls = 0
         self._land = land
-        self._handle = self.sink.register_post_accumulate_grad_hook(self.landed)
+        self._handles = [sink.register_post_accumulate_grad_hook(self.landed) for sink in self.sinks]
 
     def accepts(self, output: torch.Tensor) -> bool:
-        """Whether ``output`` can pass through this probe (its sink on the same device)."""
-        return output.device == self.sink.device and output.is_floating_point() and output.numel() > 0
+        """Whether ``output`` can pass through this probe (its sinks on the same device)."""
+        return output.device == self.sinks[0].device and output.is_floating_point() and output.numel() > 0
 
     def apply(self, output: torch.Tensor, count_nonfinite: bool) -> torch.Tensor | None:
         """``output``, copied, its gradient to be summarised when backward passes it (call in the forward
-        hook, in compiled code; its result replaces the module's output); None for the module's second
-        call in a pass (see the module docstring: the caller skips it, counted)."""
-        if self.calls:
+        hook, in compiled code; its result replaces the module's output); None past the module's
+        :data:`CALLS`-th call in a pass (see the module docstring: the caller skips it, counted)."""
+        calls = self.calls
+        if calls >= CALLS:
             return None
-        self.calls = 1
+        self.calls = calls + 1
         self.nonfinite = count_nonfinite
-        return _Probe.apply(output, self.sink, count_nonfinite)  # type: ignore[no-untyped-call,no-any-return]
+        sink = self.sinks[calls]
+        return _Probe.apply(output, sink, count_nonfinite)  # type: ignore[no-untyped-call,no-any-return]
 
     def landed(self, sink: torch.Tensor) -> None:
-        """The sink's post-accumulate-grad hook: the summary leaves the sink as the step's row."""
+        """A sink's post-accumulate-grad hook: the summary leaves the sink as a row of the step."""
         values = sink.grad
         sink.grad = None
         if values is None:
@@ -121,5 +132,6 @@ class GradProbe:
         self._land(self.key, 0, Row(gram, values[16], values[17], nonfinite))  # (its count: see above)
 
     def remove(self) -> None:
-        """Take the landing hook out (idempotent)."""
-        self._handle.remove()
+        """Take the landing hooks out (idempotent)."""
+        for handle in self._handles:
+            handle.remove()

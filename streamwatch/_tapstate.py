@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -163,9 +164,11 @@ class TapState:
             copy = self.memory.copy  # (CUDA graphs overwrote rows once: copied while still readable)
             for key, count, row, replace in inbox:
                 self.buffer.add(key, count, copied(row) if copy else row, replace=replace, traced=True)
-            passes = sum(key == inbox[0][0] for key, _, _, _ in inbox)
+            # (passes: the rows of the key seen least often; a module called several times in each pass,
+            # as a cell in a loop, has more)
+            passes = 0 if self.warned_passes else min(Counter(key for key, _, _, _ in inbox).values())
             inbox.clear()
-            if passes >= PASSES_WARNED and not self.warned_passes:
+            if passes >= PASSES_WARNED:
                 self.warned_passes = True
                 warnings.warn(
                     f"streamwatch: {passes} passes of a compiled model ran between two moments streamwatch "

@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 
 import streamwatch as sw
 from streamwatch import SeriesKey
+from streamwatch._gradprobe import CALLS
 
 
 def make_model() -> nn.Module:
@@ -401,9 +402,11 @@ class _Shared(nn.Module):
         return self.head(self.shared(x).relu()) + self.head(self.shared(x[:8]).relu()).mean(0)
 
 
-def _shared_records(compiled: bool) -> list[sw.StepRecord]:
+def _shared_records(compiled: bool, model: nn.Module | None = None) -> tuple[list[sw.StepRecord], int]:
+    """Two steps of two micro-batches of ``model`` (``_Shared()``), compiled or not: the records and the
+    output gradients skipped."""
     x, y = batch()
-    model = _Shared()
+    model = _Shared() if model is None else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     records = sw.sinks.collect()
     torch._dynamo.reset()
@@ -413,36 +416,64 @@ def _shared_records(compiled: bool) -> list[sw.StepRecord]:
         accumulate(lambda _: nn.functional.cross_entropy(run(x), y), optimizer, watch, 2, 2)
     if compiled:
         assert counters["stats"]["unique_graphs"] == 1  # (the probe's call count is 0 when a pass begins)
-        assert watch.statistics().skipped["compiled_grad_hook"] == 2  # (the second call, once per step)
-    return list(records.items)
+    return list(records.items), watch.statistics().skipped.get("compiled_grad_hook", 0)
 
 
-def test_a_layer_called_twice_in_a_pass_has_its_first_output_gradient_recorded_under_compile() -> None:
-    """Autograd adds the two calls' summaries into the sink before its hook runs (right for sums, not for
-    min and max), so a probe takes one call per pass: the shared layer's first output (32 samples) is
-    recorded under compile, its min and max as eager mode's for that output, and the second is skipped and
-    counted, every pass; the eager row holds both."""
-    compiled = _shared_records(compiled=True)
-    eager = _shared_records(compiled=False)
+def test_a_layer_called_twice_in_a_pass_has_both_output_gradients_recorded_under_compile() -> None:
+    """Autograd adds every gradient a leaf gets in one backward before its hook runs, so one sink would
+    carry the two calls' summaries as one sum (right for sums, not for min and max): each call has a sink
+    of its own, and the shared layer's row under compile is eager mode's, both calls merged, its min and
+    max against a plain reference."""
+    compiled, skipped = _shared_records(compiled=True)
+    eager, _ = _shared_records(compiled=False)
+    assert skipped == 0
     key = SeriesKey("train", "shared", "output_grad", "")
     for got, want in zip(compiled, eager, strict=True):
         i, j = got.keys.index(key), want.keys.index(key)
-        assert want.column("count")[j] == 2 * (32 + 8) * 16
-        assert got.column("count")[i] == 2 * 32 * 16
-        assert got.column("min")[i] >= want.column("min")[j]  # (a part of eager's elements)
-        assert got.column("max")[i] <= want.column("max")[j]
-    # the first output's gradient, against a plain reference (step 0, both micro-batches the same)
+        assert got.column("count")[i] == want.column("count")[j] == 2 * (32 + 8) * 16
+        for column in ("sum", "sumsq", "min", "max"):
+            assert got.column(column)[i] == pytest.approx(want.column(column)[j], rel=1e-6, abs=1e-12)
+    # both outputs' gradients, against a plain reference (step 0, both micro-batches the same)
     x, y = batch()
     model = _Shared()
-    first = model.shared(x)
+    first, second = model.shared(x), model.shared(x[:8])
     first.retain_grad()
-    out = model.head(first.relu()) + model.head(model.shared(x[:8]).relu()).mean(0)
+    second.retain_grad()
+    out = model.head(first.relu()) + model.head(second.relu()).mean(0)
     nn.functional.cross_entropy(out, y).backward()
-    grad = first.grad.double()
+    grad = torch.cat([first.grad.flatten(), second.grad.flatten()]).double()
     i = compiled[0].keys.index(key)
     assert compiled[0].column("min")[i] == pytest.approx(float(grad.min()), rel=1e-6)
     assert compiled[0].column("max")[i] == pytest.approx(float(grad.max()), rel=1e-6)
     assert compiled[0].column("sumsq")[i] == pytest.approx(2 * float(grad.square().sum()), rel=1e-6)
+
+
+class _Loop(nn.Module):
+    """One cell applied ``CALLS + 2`` times in each forward (a recurrence unrolled in Python)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(CALLS + 2):
+            x = torch.tanh(self.shared(x))
+        return self.head(x)
+
+
+def test_calls_past_the_probes_sinks_are_skipped_and_counted_once_per_step() -> None:
+    """A cell called ``CALLS + 2`` times a pass: the first ``CALLS`` outputs' gradients are recorded (the
+    row holds their elements), the last two are skipped, counted once per step (two steps). Nothing is
+    warned (the cell's 10 activation rows a pass were once read as 10 evaluation passes)."""
+    compiled, skipped = _shared_records(compiled=True, model=_Loop())
+    eager, _ = _shared_records(compiled=False, model=_Loop())
+    key = SeriesKey("train", "shared", "output_grad", "")
+    assert skipped == 2
+    for got, want in zip(compiled, eager, strict=True):
+        assert got.column("count")[got.keys.index(key)] == 2 * CALLS * 32 * 8
+        assert want.column("count")[want.keys.index(key)] == 2 * (CALLS + 2) * 32 * 8
 
 
 def _saved_for_backward(observed: bool) -> int:
@@ -562,11 +593,10 @@ def test_a_compiled_optimizer_step_is_traced_as_unobserved() -> None:
     )
 
 
-def test_two_forwards_before_one_backward_record_the_first_and_count_the_second() -> None:
+def test_two_forwards_before_one_backward_record_both() -> None:
     """A siamese pair: the compiled model runs on two batches before one backward. Each module's probe
-    takes the first forward's output; the second's output gradients are skipped and counted, once per
-    step, and dynamo compiles one more variant for it (the probe's call count is part of the guard),
-    not one per step."""
+    takes each forward's output in a sink of its own, and dynamo compiles one more variant for the
+    second forward (the probe's call count is part of the guard), not one per step."""
     torch._dynamo.reset()
     counters.clear()
     model = make_model()
@@ -582,11 +612,10 @@ def test_two_forwards_before_one_backward_record_the_first_and_count_the_second(
             optimizer.zero_grad()
             watch.step()
         assert counters["stats"]["unique_graphs"] == 2
-        assert watch.statistics().skipped["compiled_grad_hook"] == 4
+        assert "compiled_grad_hook" not in watch.statistics().skipped
     for record in records.items:
         counts = {k.kind: record.column("count")[i] for i, k in enumerate(record.keys) if k.layer == "0"}
-        assert counts["activation"] == 2 * 32 * 16  # (both forwards' activations)
-        assert counts["output_grad"] == 32 * 16  # (the first forward's output gradient)
+        assert counts["activation"] == counts["output_grad"] == 2 * 32 * 16  # (both forwards')
 
 
 class _Twin(nn.Sequential):
