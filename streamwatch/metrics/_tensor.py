@@ -149,11 +149,12 @@ class SpectralNorm(Metric):
 
     Example:
         >>> import torch, streamwatch as sw
+        >>> _ = torch.manual_seed(0)
         >>> model = torch.nn.Linear(4, 3)
         >>> watch = sw.observe(model, metrics=[sw.metrics.SpectralNorm(iterations=50)])
         >>> watch.step(); watch.close()
-        >>> [round(s.value, 3) for s in watch.snapshot() if s.labels.get("stat") == "spectral_norm"] == [
-        ...     round(float(torch.linalg.matrix_norm(model.weight.detach(), ord=2)), 3)]
+        >>> [got] = [s.value for s in watch.snapshot() if s.labels.get("stat") == "spectral_norm"]
+        >>> abs(got - float(torch.linalg.matrix_norm(model.weight.detach(), ord=2))) <= 1e-4 * got
         True
     """
 
@@ -252,11 +253,12 @@ class PNorm(Metric):
 
     Example:
         >>> import torch, streamwatch as sw
+        >>> _ = torch.manual_seed(0)
         >>> model = torch.nn.Linear(4, 2)
         >>> watch = sw.observe(model, metrics=[sw.metrics.PNorm(p=1, kinds=("activation",))])
         >>> y = model(torch.randn(8, 4)); watch.step(); watch.close()
-        >>> [round(s.value, 4) for s in watch.snapshot() if s.labels.get("stat") == "norm_p1"] == [
-        ...     round(float(y.detach().abs().sum()), 4)]
+        >>> [got] = [s.value for s in watch.snapshot() if s.labels.get("stat") == "norm_p1"]
+        >>> abs(got - float(y.detach().abs().sum())) <= 1e-5 * got  # (summed in float32 here)
         True
     """
 
