@@ -36,7 +36,7 @@ from streamwatch._store import SeriesStore
 from streamwatch._tapstate import TapState
 from streamwatch._worker import Worker
 
-__all__ = ["Failures"]
+__all__ = ["Failures", "user_frame"]
 
 Failure = tuple[str, BaseException]
 
@@ -73,7 +73,7 @@ class Failures:
             warnings.warn(
                 f"streamwatch: {PipelineError(new)} — training continues; these are raised again at close()",
                 RuntimeWarning,
-                stacklevel=_user_frame(),
+                stacklevel=user_frame(),
             )
 
     def take(self) -> list[Failure]:
@@ -91,7 +91,7 @@ class Failures:
         return warned
 
 
-def _user_frame() -> int:
+def user_frame() -> int:
     """The ``stacklevel`` that points a warning, raised by this function's caller, at the first frame
     outside streamwatch: the user's ``watch.step()`` call, however deep the boundary's calls are."""
     level, frame = 1, sys._getframe(1)  # level 1: the caller, who warns

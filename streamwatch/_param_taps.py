@@ -23,21 +23,28 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from streamwatch._buffer import StepBuffer
+from streamwatch._failures import user_frame
 from streamwatch._record import SeriesKey
 from streamwatch._tapstate import TapState, guarded, summarize_into, summarize_many, summarize_pack
 from streamwatch._torchpath import GROUP_ELEMENTS, Packing, Packings, batches
 
-__all__ = ["NO_HOOK", "UNSEEN_FORWARD", "ParamTaps", "place_in_backward"]
+__all__ = ["NO_HOOK", "UNOBSERVED_OPTIMIZER", "UNSEEN_FORWARD", "ParamTaps", "place_in_backward"]
 
 GradKey = tuple[SeriesKey, nn.Parameter]
 """A ``param_grad`` row's key and the parameter whose gradient it reads."""
+
+UNOBSERVED_OPTIMIZER = "unobserved_optimizer"
+"""The ``statistics().skipped`` reason of sampled steps in which an optimizer the Watch does not observe
+stepped some of the model's parameters: their updates are not recorded (:meth:`ParamTaps.new_step`)."""
 
 UNSEEN_FORWARD = "unseen_forward"
 """The ``statistics().skipped`` reason of sampled steps whose forward pass no hook saw (compiled code that
@@ -145,9 +152,24 @@ class ParamTaps:
             after = guarded(state, functools.partial(self._after_optimizer_step, i), eager=True)
             self.step_registrations.append(functools.partial(optimizer.register_step_pre_hook, before))
             self.step_registrations.append(functools.partial(optimizer.register_step_post_hook, after))
+        # Any optimizer's step, on the steps the hooks are in: one the Watch does not observe that steps
+        # the model (a loop that made a new optimizer, or a second one not passed) is counted, and warned
+        # about if the observed ones did not step (their learning rates are then no longer the run's)
+        self._foreign: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        self._ids = {id(param) for _, _, param in params}
+        self.stepped = False  # this step: an observed optimizer stepped
+        self.foreign: str | None = None  # this step: an unobserved optimizer stepped the model (its class)
+        self._warned_foreign = False
+        if optimizers:
+            seen = guarded(state, self._any_optimizer_step, eager=True)
+            self.step_registrations.append(functools.partial(register_optimizer_step_pre_hook, seen))
 
     def new_step(self) -> None:
-        """A step begins: nothing of it is read yet."""
+        """A step begins: nothing of it is read yet. An unobserved optimizer that stepped the model in
+        the step before is counted now, and warned about once if the observed ones did not step."""
+        if self.foreign is not None:
+            self._unobserved_optimizer(self.foreign)
+        self.stepped, self.foreign = False, None
         self.grads_taken = self.params_taken = False
         self._grads_after = None
         if self.several:
@@ -303,8 +325,39 @@ class ParamTaps:
             self._split_signature = signature
         return self._owned[index]
 
+    def _any_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """torch's global pre-step hook: note an optimizer the Watch does not observe that steps some
+        of the model's parameters (an observed one, or a wrapper sharing its groups, is ours)."""
+        groups = optimizer.param_groups
+        if any(groups is each.param_groups for each in self._optimizers):
+            return
+        owns = self._foreign.get(optimizer)
+        if owns is None:
+            ids = self._ids
+            owns = self._foreign[optimizer] = any(id(p) in ids for group in groups for p in group["params"])
+        if owns:
+            self.foreign = type(optimizer).__name__
+
+    def _unobserved_optimizer(self, name: str) -> None:
+        self.state.skip(UNOBSERVED_OPTIMIZER)
+        if self.stepped or self._warned_foreign:
+            return
+        self._warned_foreign = True
+        observed = ", ".join(type(each).__name__ for each in self._optimizers)
+        warnings.warn(
+            f"streamwatch: an optimizer this watch does not observe ({name}) stepped the model's parameters "
+            f"and the observed one(s) ({observed}) did not: the updates are not recorded (counted in "
+            "statistics().skipped['unobserved_optimizer']) and the learning rates recorded are the observed "
+            "optimizer's, not the run's. If the loop made a new optimizer, close the watch and observe the "
+            "new one (observe(model, new_optimizer, start_step=...)); pass several as a list "
+            "(docs/observe.md#several-optimizers)",
+            RuntimeWarning,
+            stacklevel=user_frame(),  # (the user's watch.step())
+        )
+
     def _before_optimizer_step(self, index: int, optimizer: Any, args: Any, kwargs: Any) -> None:
         state = self.state
+        self.stepped = True
         several, first = self.several, not self._pre_ran
         if first or not several:  # (several: the optimizer part runs from the first one's step)
             state.times.optimizer_start = state.times.clock()

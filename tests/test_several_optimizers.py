@@ -287,3 +287,81 @@ def test_lightning_optimizers_in_the_list_are_read_when_the_optimizers_they_wrap
     for record, (grads, before, after, stepped), want in zip(records.items, seen, lrs, strict=True):
         _assert_rows(record, grads, before, after, stepped)
         assert [record.scalars["lr/0"], record.scalars["lr/1"]] == want
+
+
+def _swap_run(
+    every: int | None, swap: bool, second: bool = False, foreign_model: bool = False
+) -> tuple[list[warnings.WarningMessage], dict[str, int], list[StepRecord], nn.Module]:
+    """12 steps of SGD under a watch; with ``swap`` the loop makes an Adam at step 4 and steps only it
+    from then on; with ``second`` a second SGD, not observed, steps the last layer too; with
+    ``foreign_model`` an optimizer of another model steps alongside."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model[0].parameters() if second else model.parameters(), lr=0.1)
+    other = torch.optim.SGD(model[2].parameters(), lr=0.1) if second else None
+    elsewhere = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1) if foreign_model else None
+    records = sw.sinks.collect()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with sw.observe(model, opt, every=every, cadence={"update": 1}, sinks=[records]) as watch:
+            for k in range(12):
+                if swap and k == 4:
+                    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+                g = torch.Generator().manual_seed(k)
+                model.zero_grad()
+                model(torch.randn(5, 4, generator=g)).pow(2).mean().backward()
+                for each in (opt, other, elsewhere):
+                    if each is not None:
+                        each.step()
+                watch.step()
+    ours = [w for w in caught if "streamwatch" in str(w.message)]
+    return ours, dict(watch.statistics().skipped), records.items, model
+
+
+@pytest.mark.parametrize("every", [1, None], ids=["every1", "governor"])
+def test_an_optimizer_made_mid_run_is_warned_about_once_and_counted(every: int | None) -> None:
+    """The loop replaces its optimizer at step 4: the watch still reads the old one's learning rate, and
+    no update is recorded. That is warned about once, at the user's ``watch.step()`` line, and each
+    sampled step after it is counted; training is as unobserved."""
+    caught, skipped, records, model = _swap_run(every, swap=True)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert "does not observe (Adam) stepped the model's parameters and the observed one(s) (SGD)" in str(
+        caught[0].message
+    )
+    assert caught[0].filename == __file__
+    assert caught[0].category is RuntimeWarning
+    sampled_after = [r.step for r in records if r.keys and r.step >= 4]
+    assert skipped["unobserved_optimizer"] == len(sampled_after) >= 1
+    if every == 1:
+        assert skipped["unobserved_optimizer"] == 8
+    assert not any(r.rows("update") for r in records if r.step >= 4)
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt: torch.optim.Optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for k in range(12):
+        if k == 4:
+            opt = torch.optim.Adam(plain.parameters(), lr=1e-3)
+        plain.zero_grad()
+        plain(torch.randn(5, 4, generator=torch.Generator().manual_seed(k))).pow(2).mean().backward()
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
+
+
+def test_a_second_optimizer_not_passed_is_counted_not_warned_and_another_models_is_neither() -> None:
+    """A second optimizer stepping the model alongside the observed one (documented: its parameters have
+    no update rows) is counted on each sampled step, not warned about; an optimizer of another model is
+    not counted at all, and neither is anything without an observed optimizer."""
+    caught, skipped, _, _ = _swap_run(1, swap=False, second=True)
+    assert caught == []
+    assert skipped["unobserved_optimizer"] == 12
+    caught, skipped, _, _ = _swap_run(1, swap=False, foreign_model=True)
+    assert caught == []
+    assert "unobserved_optimizer" not in skipped
+    model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sw.observe(model, every=1) as watch:
+        for _ in range(3):
+            model(torch.ones(2, 3)).sum().backward()
+            opt.step()
+            watch.step()
+    assert "unobserved_optimizer" not in watch.statistics().skipped
