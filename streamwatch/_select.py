@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 __all__ = [
     "PARALLEL",
@@ -172,7 +173,16 @@ def describe_modules(model: nn.Module, limit: int = 8) -> str:
 
 def check_hookable(model: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
     """Refuse TorchScript modules before any hook is installed: they run without Python hooks, so
-    streamwatch would observe nothing (and torch refuses the registration half-way)."""
+    streamwatch would observe nothing (and torch refuses the registration half-way). Refuse a lazy
+    module's parameters not made yet (``nn.LazyLinear`` before its first forward): torch refuses their
+    hooks and shapes, as ``DistributedDataParallel`` and ``torch.compile`` do."""
+    lazy = [name for name, param in model.named_parameters() if is_lazy(param)]
+    if lazy:
+        raise ValueError(
+            f"`model` has parameters a lazy module has not made yet ({', '.join(lazy[:3])}"
+            f"{', ...' if len(lazy) > 3 else ''}): run one forward pass on a batch of the real shape before "
+            "observe() (and before making the optimizer), as torch asks for LazyModules"
+        )
     script = torch.jit.ScriptModule
     if isinstance(model, script):
         raise TypeError(

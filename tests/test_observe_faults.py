@@ -262,6 +262,34 @@ def test_a_torchscript_model_is_refused_with_a_clear_error(
         sw.observe(model, every=1)
 
 
+@pytest.mark.filterwarnings("ignore:Lazy modules are a new feature:UserWarning")
+def test_a_lazy_module_before_its_first_forward_is_refused_then_observed_after_it() -> None:
+    """``nn.LazyLinear`` makes its parameters at its first forward; before it, torch refuses their hooks
+    (the error was torch's, from deep in hook registration). The refusal says what to do, leaves nothing
+    attached, and after one forward the same model is observed and its weights recorded."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.LazyLinear(2))
+    threads = _streamwatch_threads()
+    hooks = [(dict(m._forward_hooks), dict(m._forward_pre_hooks)) for m in model.modules()]  # (torch's own)
+    with pytest.raises(
+        ValueError, match=r"lazy module has not made yet \(0\.weight, 0\.bias, 2\.weight, \.\.\.\)"
+    ):
+        sw.observe(model, every=1)
+    assert _streamwatch_threads() == threads
+    assert [(dict(m._forward_hooks), dict(m._forward_pre_hooks)) for m in model.modules()] == hooks
+    model(torch.randn(3, 5))  # the parameters are made
+    records = sw.sinks.collect()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with sw.observe(model, opt, every=1, cadence={"param": 1}, sinks=[records]) as watch:
+        model(torch.randn(3, 5)).pow(2).mean().backward()
+        opt.step()
+        watch.step()
+    weight = records.items[0].keys.index(sw.SeriesKey("train", "0", "param", "weight"))
+    assert records.items[0].column("sum")[weight] == pytest.approx(
+        float(model[0].weight.detach().double().sum())
+    )
+
+
 # -- finding 3: train accuracy for every common target layout ------------------------------------------
 
 N = 12
