@@ -405,7 +405,9 @@ class ParamTaps:
             self.summarize_grads(grads)
         found = getattr(optimizer, "found_inf", None)  # a GradScaler's, for a fused optimizer: a step
         if self._before is not None and isinstance(found, torch.Tensor):  # it skips inside the kernel
-            self.found_inf = found.detach().reshape(()).to(torch.float32, copy=True)  # (read by the worker)
+            flag = found.detach().reshape(()).to(torch.float32, copy=True)  # (read by the worker)
+            held = self.found_inf  # (several: a step any of them skipped has no update rows at all, not
+            self.found_inf = flag if held is None or not self.several else torch.maximum(held, flag)  # Δ=0)
         self._summarize_updates()
         if state.on.get("param"):
             self.summarize_params(self._split(index)[0])

@@ -365,3 +365,34 @@ def test_a_second_optimizer_not_passed_is_counted_not_warned_and_another_models_
             opt.step()
             watch.step()
     assert "unobserved_optimizer" not in watch.statistics().skipped
+
+
+def test_fused_optimizers_under_a_grad_scaler_a_step_either_skipped_has_no_update_rows() -> None:
+    """Two fused Adams under one ``GradScaler``; at step 1 only the first one's gradients hold an inf, so
+    the scaler skips its step inside the kernel (its weights do not move) and the second steps. That
+    step's update rows are dropped, all of them (the flags stay on the device: which rows are whose is not
+    read there): the first optimizer's Δ of 0 is no update. Steps 0 and 2 have every update row."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    first = torch.optim.Adam(model[0].parameters(), lr=1e-2, fused=True)
+    second = torch.optim.Adam(model[2].parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu")
+    records = sw.sinks.collect()
+    moved = []
+    with sw.observe(model, [first, second], every=1, cadence=CADENCE, sinks=[records]) as watch:
+        for k in range(3):
+            model.zero_grad()
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(k))
+            scaler.scale(model(x).pow(2).mean()).backward()
+            if k == 1:
+                model[0].weight.grad[0, 0] = float("inf")
+            before = _clone(model)
+            scaler.step(first)
+            scaler.step(second)
+            scaler.update()
+            moved.append({n for n, p in model.named_parameters() if not torch.equal(p, before[n])})
+            watch.step()
+    every = {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert moved == [every, {"2.weight", "2.bias"}, every]
+    updates = [{f"{k.layer}.{k.name}" for k in r.keys if k.kind == "update"} for r in records.items]
+    assert updates == [moved[0], set(), moved[2]]
