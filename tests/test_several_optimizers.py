@@ -396,3 +396,26 @@ def test_fused_optimizers_under_a_grad_scaler_a_step_either_skipped_has_no_updat
     assert moved == [every, {"2.weight", "2.bias"}, every]
     updates = [{f"{k.layer}.{k.name}" for k in r.keys if k.kind == "update"} for r in records.items]
     assert updates == [moved[0], set(), moved[2]]
+
+
+def test_no_hook_is_left_on_the_optimizers_or_torchs_global_table() -> None:
+    """The global pre-step hook (an unobserved optimizer) is in only on the steps whose hooks are in,
+    and ``close()`` takes it and every optimizer's hooks out: nothing keeps the watch alive or runs."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks as global_hooks
+
+    before = len(global_hooks)
+    model = nn.Linear(3, 2)
+    first, second = torch.optim.SGD([model.weight], lr=0.1), torch.optim.Adam([model.bias])
+    watch = sw.observe(model, [first, second], every=3)
+    inside = []
+    for _ in range(4):
+        inside.append(len(global_hooks) - before)
+        model(torch.ones(2, 3)).sum().backward()
+        first.step()
+        second.step()
+        watch.step()
+    watch.close()
+    assert inside == [1, 0, 0, 1]  # (steps 0 and 3 are sampled)
+    assert len(global_hooks) == before
+    for opt in (first, second):
+        assert len(opt._optimizer_step_pre_hooks) == len(opt._optimizer_step_post_hooks) == 0
