@@ -419,3 +419,56 @@ def test_no_hook_is_left_on_the_optimizers_or_torchs_global_table() -> None:
     assert len(global_hooks) == before
     for opt in (first, second):
         assert len(opt._optimizer_step_pre_hooks) == len(opt._optimizer_step_post_hooks) == 0
+
+
+@pytest.mark.parametrize("every", [1, None])
+def test_a_param_group_added_mid_run_is_read_from_then_on(every: int | None) -> None:
+    """Progressive unfreezing: the embedding frozen and left out of AdamW, then unfrozen and handed to it
+    with ``add_param_group`` at step 3 (as gradual-unfreezing recipes do). From then on its gradient,
+    update and weight rows equal torch's, its group's rate is ``lr/1`` on every step (the quiet ones
+    too), and training is bit for bit as unobserved."""
+
+    def run(
+        observe: bool,
+    ) -> tuple[nn.Module, list[tuple[Snapshot, Snapshot, Snapshot, set[str]]], list[StepRecord]]:
+        model = _model()
+        model[0].requires_grad_(False)
+        opt = torch.optim.AdamW([p for n, p in model.named_parameters() if not n.startswith("0.")], lr=3e-3)
+        records = sw.sinks.collect()
+        watch = sw.observe(model, opt, every=every, cadence=CADENCE, sinks=[records]) if observe else None
+        seen = []
+        for k in range(6):
+            if k == 3:
+                model[0].requires_grad_(True)
+                opt.add_param_group({"params": list(model[0].parameters()), "lr": 1e-3})
+            x, y = _batch(k)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            grads, before = _clone(model, grads=True), _clone(model)
+            opt.step()
+            stepped = {
+                n
+                for n, p in model.named_parameters()
+                if any(p is q for g in opt.param_groups for q in g["params"])
+            }
+            seen.append((grads, before, _clone(model), stepped))
+            if watch is not None:
+                watch.step(loss=loss)
+        if watch is not None:
+            watch.close()
+        return model, seen, records.items
+
+    plain, _, _ = run(False)
+    model, seen, items = run(True)
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
+    assert [len(stepped) for *_, stepped in seen] == [4, 4, 4, 5, 5, 5]
+    steps = [s for r in items for s in r.every_step()]
+    assert [s.step for s in steps] == list(range(6))
+    assert [sorted(k for k in s.scalars if k.startswith("lr/")) for s in steps] == [["lr/0"]] * 3 + [
+        ["lr/0", "lr/1"]
+    ] * 3
+    assert [s.scalars.get("lr/1") for s in steps] == [None] * 3 + [1e-3] * 3
+    for record in items:
+        if record.keys:  # (a sampled step)
+            _assert_rows(record, *seen[record.step])
