@@ -69,7 +69,9 @@ from streamwatch._torchhooks import (
     CHECKPOINT_FORWARD,
     HookGroup,
     HookGuards,
+    accumulates,
     call_slot_free,
+    graph_task,
     hold_call_slot,
     holds_call_slot,
     in_checkpoint,
@@ -180,6 +182,7 @@ class TapSet:
         self.parameters = ParamTaps(state, params, optimizers, state.taps)  # the parameter kinds' taps
         self._probes: list[GradProbe] = []  # output gradients in compiled code (_gradprobe)
         self._model: Callable[[], nn.Module | None] = lambda: None  # (weakly, once installed)
+        self._auxiliary = (-1, False)  # (graph task id, whether that backward is auxiliary): see _grad_hook
         try:
             self._install(model, modules, params)
             self._drain_params = [param for _, _, param in params]
@@ -484,9 +487,23 @@ class TapSet:
         state = self.state
 
         def body(grad: torch.Tensor) -> None:
+            if torch.is_grad_enabled() and self._auxiliary_pass():  # (grad mode is on: create_graph)
+                state.skip("auxiliary_backward")
+                return
             summarize_into(state, key, grad, channel_last)
 
         return guarded(state, body)
+
+    def _auxiliary_pass(self) -> bool:
+        """Whether the backward running now (one with ``create_graph=True``) adds to no gradient of the
+        model's parameters: ``torch.autograd.grad`` for a gradient penalty (WGAN-GP, R1) or a
+        meta-learning inner step. Its output and input gradients are not the step's (the training
+        ``backward()`` fires the same hooks again), so they are skipped and counted. Told once per pass."""
+        task = graph_task()
+        if self._auxiliary[0] != task:
+            model = self._model()
+            self._auxiliary = (task, model is not None and not accumulates(model.parameters()))
+        return self._auxiliary[1]
 
     # -- parameters -------------------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ import collections
 import functools
 import operator
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -47,8 +47,10 @@ __all__ = [
     "CHECKPOINT_FORWARD",
     "HookGroup",
     "HookGuards",
+    "accumulates",
     "call_slot_free",
     "entries_of",
+    "graph_task",
     "hold_call_slot",
     "holds_call_slot",
     "in_checkpoint",
@@ -62,6 +64,7 @@ _SLOT = "_compiled_call_impl"
 
 
 _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)  # -1 outside a backward pass
+_WILL_EXECUTE = getattr(torch._C, "_will_engine_execute_node", None)
 _CHECKPOINT_FUNCTION = getattr(torch.utils.checkpoint, "CheckpointFunction", None)
 CHECKPOINT_FORWARD = getattr(getattr(_CHECKPOINT_FUNCTION, "forward", None), "__code__", None)
 CHECKPOINT_BACKWARD = getattr(getattr(_CHECKPOINT_FUNCTION, "backward", None), "__code__", None)
@@ -74,6 +77,52 @@ def recomputing() -> bool:
     if torch.compiler.is_compiling() or _GRAPH_TASK_ID is None:
         return False
     return bool(_GRAPH_TASK_ID() != -1)
+
+
+def graph_task() -> int:
+    """The running backward pass's id (``torch._C._current_graph_task_id``), -1 outside one (or where
+    torch does not say)."""
+    return -1 if _GRAPH_TASK_ID is None else int(_GRAPH_TASK_ID())
+
+
+def accumulates(params: Iterable[torch.Tensor]) -> bool:
+    """Whether the backward pass running now adds to the ``.grad`` of one of ``params``: a
+    ``backward()`` does (those in its graph); ``torch.autograd.grad`` does not (a gradient penalty's
+    pass, a meta-learning inner step). True where it cannot be told: no parameter needs a gradient, or
+    torch lacks ``_will_engine_execute_node``.
+
+    Call it inside a backward pass that builds a graph (``create_graph=True``: grad mode is on there):
+    it takes a view of each parameter to reach the gradient accumulator its graph holds, one small node
+    per parameter, so it is for the rare passes that need telling apart, once per pass.
+
+    Example:
+        >>> import torch
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> seen = []
+        >>> def hook(grad):
+        ...     with torch.enable_grad():  # (as in a create_graph pass)
+        ...         seen.append(accumulates([w]))
+        >>> y = (w * 3).sum(); _ = y.grad_fn.register_prehook(hook)
+        >>> _ = torch.autograd.grad(y, w, retain_graph=True); y.backward()
+        >>> seen
+        [False, True]
+    """
+    if _WILL_EXECUTE is None:
+        return True
+    told = False
+    for param in params:
+        if not param.requires_grad:
+            continue
+        node = param.view_as(param).grad_fn
+        if node is None:  # (grad mode off after all: cannot tell)
+            return True
+        told = True
+        try:
+            if _WILL_EXECUTE(node.next_functions[0][0]):
+                return True
+        except RuntimeError:  # torch.autograd.grad captures this parameter's gradient: no accumulation
+            continue
+    return not told
 
 
 def in_checkpoint(code: Any) -> bool:
