@@ -510,3 +510,11 @@ def test_output_gradients_of_a_compiled_model_are_recorded_as_eager_ones_are_wit
             i, j = got.keys.index(key), want.keys.index(key)
             for name in ("count", "sumsq", "min", "max", "sumabs"):
                 assert got.column(name)[i] == pytest.approx(want.column(name)[j], rel=1e-4), (layer, name)
+
+
+def test_a_gradient_penaltys_pass_is_skipped_on_the_device_thread_too() -> None:
+    """WGAN-GP on the GPU: the hooks run on autograd's device thread, where grad mode and the running
+    backward are that thread's; the penalty's ``create_graph`` pass is told apart there as well."""
+    from tests.test_gradient_penalty import check_penalty_pass
+
+    check_penalty_pass("cuda")

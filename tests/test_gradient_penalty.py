@@ -26,9 +26,9 @@ LAYERS = ("0", "1", "2")
 Outputs = dict[str, list[torch.Tensor]]
 
 
-def _critic() -> nn.Sequential:
+def _critic(device: str) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).to(device)
 
 
 def _keep_outputs(model: nn.Sequential) -> tuple[Outputs, list[object]]:
@@ -47,11 +47,14 @@ def _keep_outputs(model: nn.Sequential) -> tuple[Outputs, list[object]]:
 
 
 def _train(
-    step: Callable[[nn.Module, Outputs, int], torch.Tensor], observe: bool, taps: tuple[str, ...] = ()
+    step: Callable[[nn.Module, Outputs, int], torch.Tensor],
+    observe: bool,
+    taps: tuple[str, ...] = (),
+    device: str = "cpu",
 ) -> tuple[nn.Module, list[StepRecord], list[dict[str, torch.Tensor]], sw.Watch | None]:
     """``STEPS`` Adam steps of ``step``; per step each layer's output gradients of the training
     backward (those of the penalty pass set aside by ``step``), concatenated over the layer's calls."""
-    model = _critic()
+    model = _critic(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     records = sw.sinks.collect()
     kinds = ("activation", "output_grad", "param_grad", *taps)
@@ -78,19 +81,20 @@ def _train(
     return model, records.items, expected, watch
 
 
-def _batch(k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _batch(k: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(k)
     real, fake, a = (
         torch.randn(5, 6, generator=g),
         torch.randn(5, 6, generator=g),
         torch.rand(5, 1, generator=g),
     )
+    real, fake, a = real.to(device), fake.to(device), a.to(device)
     return real, fake, (a * real + (1 - a) * fake).requires_grad_()
 
 
 def _wgan_gp(model: nn.Module, outputs: Outputs, k: int) -> torch.Tensor:
     """A WGAN-GP critic step: the penalty's gradient at a mix of real and fake samples."""
-    real, fake, mix = _batch(k)
+    real, fake, mix = _batch(k, _device(model))
     (grad,) = torch.autograd.grad(model(mix).sum(), mix, create_graph=True)
     for outs in outputs.values():
         for o in outs:
@@ -122,12 +126,17 @@ def _assert_output_grads(records: list[StepRecord], expected: list[dict[str, tor
             assert_row(record, SeriesKey("train", name, "output_grad", ""), grad, unit_dim=1)
 
 
-def test_a_gradient_penaltys_pass_is_skipped_and_counted_the_training_backward_recorded() -> None:
+def _device(model: nn.Module) -> str:
+    return str(next(model.parameters()).device)
+
+
+def check_penalty_pass(device: str) -> None:
     """Output gradients equal the training backward's alone (with the penalty pass's mixed in, the
     first layer counted 120 elements a step instead of 80); the penalty pass is counted once per
-    hooked output it fired; training is bit for bit as unobserved."""
-    plain, _, _, _ = _train(_wgan_gp, observe=False)
-    model, records, expected, watch = _train(_wgan_gp, observe=True)
+    hooked output it fired; training is bit for bit as unobserved. (``tests/test_cuda.py`` runs it on
+    a GPU, where the hooks run on autograd's device thread.)"""
+    plain, _, _, _ = _train(_wgan_gp, observe=False, device=device)
+    model, records, expected, watch = _train(_wgan_gp, observe=True, device=device)
     assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
     _assert_output_grads(records, expected)
     # the mix's forward: its last output feeds only the penalty's autograd.grad (no row of the training
@@ -137,6 +146,10 @@ def test_a_gradient_penaltys_pass_is_skipped_and_counted_the_training_backward_r
     assert watch is not None
     assert watch.statistics().skipped == {"auxiliary_backward": 3 * STEPS}
     assert watch.statistics().hook_errors == 0
+
+
+def test_a_gradient_penaltys_pass_is_skipped_and_counted_the_training_backward_recorded() -> None:
+    check_penalty_pass("cpu")
 
 
 def test_an_inputs_gradient_in_the_penalty_pass_is_skipped_too() -> None:
