@@ -4,6 +4,7 @@ One Watch per model and per module (:class:`Attachments`): a module two observed
 both models' passes in each watch's rows. The optimizer a framework wraps is unwrapped to the torch
 optimizers whose hooks fire (:func:`unwrap_optimizers`: one, or several such as Muon's with AdamW's), and
 one that steps none of the model's parameters is warned about (:func:`check_optimizer_steps`).
+:func:`checked` runs every check ``observe()`` makes before it attaches anything.
 
 Example:
     >>> import torch
@@ -22,11 +23,15 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from streamwatch._options import Options
+from streamwatch._select import check_hookable, describe_modules
+
 __all__ = [
     "OBSERVED",
     "Attachments",
     "OptimizerArg",
     "check_optimizer_steps",
+    "checked",
     "on_cpu",
     "unwrap_optimizer",
     "unwrap_optimizers",
@@ -176,9 +181,12 @@ def _short(value: object, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def check_optimizer_steps(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+def check_optimizer_steps(
+    model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], stacklevel: int = 2
+) -> None:
     """Warn when an optimizer steps none of ``model``'s parameters (another model's optimizer): its
-    ``update`` and ``param`` taps, read around its step, would then watch nothing of the model."""
+    ``update`` and ``param`` taps, read around its step, would then watch nothing of the model.
+    ``stacklevel``: the caller's frame the warning names, as ``warnings.warn`` counts from here."""
     own = {id(p) for p in model.parameters()}
     for i, optimizer in enumerate(optimizers):
         stepped = [p for group in optimizer.param_groups for p in group.get("params", ())]
@@ -191,5 +199,48 @@ def check_optimizer_steps(model: nn.Module, optimizers: tuple[torch.optim.Optimi
             "and weight rows are read around its step, so they would watch nothing of this model; pass the "
             "optimizer that steps it, observe(model, optimizer)",
             UserWarning,
+            stacklevel=stacklevel,
+        )
+
+
+def checked(
+    model: object, optimizer: object, options: Options
+) -> tuple[tuple[torch.optim.Optimizer, ...], list[tuple[str, nn.Module]]]:
+    """What ``observe(model, optimizer, ...)`` checks before it attaches anything (a refused call touches
+    nothing): the model, the optimizers (unwrapped), the metrics that need one, the modules ``select``
+    picks and whether torch can hook them. Returns the optimizers and the modules.
+
+    Example:
+        >>> from streamwatch._options import parse_options
+        >>> from streamwatch._options import OBSERVE_DEFAULTS
+        >>> options = parse_options(**OBSERVE_DEFAULTS)
+        >>> optimizers, modules = checked(torch.nn.Linear(2, 1), None, options)
+        >>> optimizers, [name for name, _ in modules]
+        ((), [''])
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}")
+    optimizers = unwrap_optimizers(optimizer)
+    if options.taps_asked and "update" in options.taps and not optimizers:
+        warnings.warn(
+            "streamwatch: taps include 'update', which is read around optimizer.step() (its hooks): "
+            "without an optimizer no update is recorded; pass it, observe(model, optimizer, ...)",
+            UserWarning,
             stacklevel=4,  # the user's observe() call (through Watch.__init__)
         )
+    for metric in options.metrics:
+        if metric.requires_optimizer and not optimizers:
+            raise ValueError(
+                f"{metric!r} measures what optimizer.step() does: pass the optimizer, "
+                "streamwatch.observe(model, optimizer, metrics=[...])"
+            )
+    modules = options.select.modules(model)
+    if not modules:
+        raise ValueError(
+            f"`select` matched no module of {type(model).__name__} (select={options.select!r}); its "
+            f"modules are {describe_modules(model)}. Observing no layer is never what is wanted: match "
+            "these qualified names (globs), or pass select=None for every leaf module"
+        )
+    check_hookable(model, modules)
+    check_optimizer_steps(model, optimizers, stacklevel=5)  # the user's observe() call
+    return optimizers, modules

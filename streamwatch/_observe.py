@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping
 from types import MappingProxyType, TracebackType
@@ -36,7 +35,7 @@ from torch import nn
 
 from streamwatch import _kernel, _triton
 from streamwatch._accuracy import AMBIGUOUS
-from streamwatch._attach import OBSERVED, OptimizerArg, check_optimizer_steps, on_cpu, unwrap_optimizers
+from streamwatch._attach import OBSERVED, OptimizerArg, checked, on_cpu
 from streamwatch._boundary import SCALAR_SECONDS, StepBoundary, paused
 from streamwatch._cadence import Cadence
 from streamwatch._channel import OverflowPolicy, Receiver, channel
@@ -55,7 +54,7 @@ from streamwatch._options import DEFAULT_OVERHEAD, STATS, Options, check_start_s
 from streamwatch._outbox import Outbox, release_dropped
 from streamwatch._pipeline import Pipeline, Sink, source
 from streamwatch._record import PendingRecord, Sample
-from streamwatch._select import check_hookable, describe_modules, named_params
+from streamwatch._select import named_params
 from streamwatch._store import SeriesStore, Served, WatchStatistics
 from streamwatch._taps import DEFAULT_TAPS, KINDS, TapSet
 from streamwatch._tapstate import TapState
@@ -93,33 +92,9 @@ class Watch:
     """A running observation of one model. Create it with :func:`observe`."""
 
     def __init__(self, model: nn.Module, optimizer: OptimizerArg, options: Options) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}")
-        optimizers = unwrap_optimizers(optimizer)
         # Every argument is checked before anything is attached: a refused observe() touches nothing.
-        if options.taps_asked and "update" in options.taps and not optimizers:
-            warnings.warn(
-                "streamwatch: taps include 'update', which is read around optimizer.step() (its hooks): "
-                "without an optimizer no update is recorded; pass it, observe(model, optimizer, ...)",
-                UserWarning,
-                stacklevel=3,  # the user's observe() call
-            )
-        for metric in options.metrics:
-            if metric.requires_optimizer and not optimizers:
-                raise ValueError(
-                    f"{metric!r} measures what optimizer.step() does: pass the optimizer, "
-                    "streamwatch.observe(model, optimizer, metrics=[...])"
-                )
+        optimizers, modules = checked(model, optimizer, options)
         detailed = this_rank_keeps_detail(options.detail)  # per-layer series on this rank? (docs/scale.md)
-        modules = options.select.modules(model)
-        if not modules:
-            raise ValueError(
-                f"`select` matched no module of {type(model).__name__} (select={options.select!r}); its "
-                f"modules are {describe_modules(model)}. Observing no layer is never what is wanted: match "
-                "these qualified names (globs), or pass select=None for every leaf module"
-            )
-        check_hookable(model, modules)
-        check_optimizer_steps(model, optimizers)
         OBSERVED.claim(model, modules)
         self._claimed = modules  # (given back by close(), or by _undo())
         self._every = options.every

@@ -314,9 +314,13 @@ def test_another_models_optimizer_is_warned_about_naming_the_mismatch() -> None:
     model, other = _model(), nn.Linear(3, 3)
     with pytest.warns(
         UserWarning, match=r"`optimizer` \(SGD, 2 parameters\) steps none of `model`'s 4 parameters"
-    ):
+    ) as caught:
         watch = sw.observe(model, torch.optim.SGD(other.parameters(), lr=0.1), every=1)
     watch.close()
+    assert [w.filename for w in caught] == [__file__]  # at the observe() call
+    with pytest.warns(UserWarning, match=r"without an optimizer no update is recorded") as caught:
+        sw.observe(model, taps=("activation", "update"), every=1).close()
+    assert [w.filename for w in caught] == [__file__]
     both = torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an optimizer that steps the model among others: quietly
