@@ -75,6 +75,7 @@ from streamwatch._torchhooks import (
     hold_call_slot,
     holds_call_slot,
     in_checkpoint,
+    in_transform,
     recomputing,
     release_call_slot,
     remove_grad_hook,
@@ -391,6 +392,10 @@ class TapSet:
             if state.paused:
                 return None
             state.seen = True
+            if in_transform():  # (torch.func's wrapped tensors: nothing to read, no hook to take)
+                for _, leaf in leaves:
+                    state.skip("functorch" if isinstance(leaf, torch.Tensor) else "non_tensor")
+                return None
             grad = torch.is_grad_enabled()
             train = (module.training or (grad and state.root_training)) and (
                 grad or in_checkpoint(CHECKPOINT_FORWARD)

@@ -10,6 +10,9 @@
 * **Backward and checkpointing** (:func:`recomputing`, :func:`in_checkpoint`): whether a forward runs
   inside a backward pass (``torch._C._current_graph_task_id``; absent: never), and whether a
   re-entrant checkpoint's ``forward``/``backward`` is on the stack (its code objects; absent: never).
+  Which backward runs (:func:`accumulates`: ``torch._C._will_engine_execute_node``; absent: every
+  pass counts), and whether a ``torch.func`` transform does (:func:`in_transform`:
+  ``torch._C._functorch.maybe_current_level``; absent: never).
 * **Dynamo's hook guards** (:class:`HookGuards`): by default dynamo does not check that a module whose
   hooks were empty when it compiled a graph still has none (``torch._dynamo.config``'s
   ``skip_nnmodule_hook_guards``), so a graph compiled for another instance of an observed model's class
@@ -54,6 +57,7 @@ __all__ = [
     "hold_call_slot",
     "holds_call_slot",
     "in_checkpoint",
+    "in_transform",
     "recomputing",
     "release_call_slot",
     "remove_grad_hook",
@@ -65,6 +69,7 @@ _SLOT = "_compiled_call_impl"
 
 _GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)  # -1 outside a backward pass
 _WILL_EXECUTE = getattr(torch._C, "_will_engine_execute_node", None)
+_FUNCTORCH_LEVEL = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", None)
 _CHECKPOINT_FUNCTION = getattr(torch.utils.checkpoint, "CheckpointFunction", None)
 CHECKPOINT_FORWARD = getattr(getattr(_CHECKPOINT_FUNCTION, "forward", None), "__code__", None)
 CHECKPOINT_BACKWARD = getattr(getattr(_CHECKPOINT_FUNCTION, "backward", None), "__code__", None)
@@ -77,6 +82,23 @@ def recomputing() -> bool:
     if torch.compiler.is_compiling() or _GRAPH_TASK_ID is None:
         return False
     return bool(_GRAPH_TASK_ID() != -1)
+
+
+def in_transform() -> bool:
+    """Whether code runs inside a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ... over
+    ``functional_call``: per-sample gradients, ensembles). Its tensors are functorch's wrappers, with no
+    storage to read and a batch dimension they hide: not summarised. Never inside a compiled graph.
+
+    Example:
+        >>> import torch
+        >>> seen = []
+        >>> _ = torch.func.vmap(lambda x: seen.append(in_transform()) or x)(torch.ones(2, 3))
+        >>> seen, in_transform()
+        ([True], False)
+    """
+    if _FUNCTORCH_LEVEL is None or torch.compiler.is_compiling():
+        return False
+    return _FUNCTORCH_LEVEL() is not None
 
 
 def graph_task() -> int:

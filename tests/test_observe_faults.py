@@ -290,6 +290,54 @@ def test_a_lazy_module_before_its_first_forward_is_refused_then_observed_after_i
     )
 
 
+def test_per_sample_gradients_with_torch_func_are_skipped_counted_and_the_plain_forward_recorded() -> None:
+    """torch's per-sample-gradient recipe (``vmap(grad(...))`` over ``functional_call``, as DP-SGD
+    loops use it) calls the observed modules inside the transforms, with functorch's wrapped tensors:
+    three hook errors a step, raised again at ``close()``, crashed the loop's end. Now those calls are
+    skipped and counted (``skipped["functorch"]``, one per tensor), the loop's own forward is recorded
+    against torch, and training is bit for bit as unobserved."""
+    from torch.func import functional_call, grad, vmap
+
+    def run(observe: bool) -> tuple[nn.Module, list[sw.StepRecord], list[torch.Tensor], sw.Watch | None]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        records = sw.sinks.collect()
+        watch = sw.observe(model, opt, every=1, sinks=[records]) if observe else None
+
+        def loss_of_one(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return nn.functional.cross_entropy(functional_call(model, params, (x[None],)), y[None])
+
+        hidden = []
+        for k in range(3):
+            g = torch.Generator().manual_seed(k)
+            x, y = torch.randn(4, 3, generator=g), torch.randint(0, 2, (4,), generator=g)
+            params = {n: p.detach() for n, p in model.named_parameters()}
+            per_sample = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, x, y)
+            for n, p in model.named_parameters():
+                p.grad = per_sample[n].clamp(-1.0, 1.0).mean(0)  # (clipped per sample, then averaged)
+            opt.step()
+            with torch.no_grad():
+                hidden.append(nn.functional.linear(x, model[0].weight, model[0].bias))  # (its reference)
+                loss = nn.functional.cross_entropy(model(x), y)
+            if watch is not None:
+                watch.step(loss=loss)
+        if watch is not None:
+            watch.close()  # (raised the hook errors before)
+        return model, records.items, hidden, watch
+
+    plain, _, _, _ = run(False)
+    model, records, hidden, watch = run(True)
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
+    assert watch is not None
+    assert watch.statistics().hook_errors == 0
+    assert watch.statistics().skipped == {"functorch": 3 * 3}  # 3 modules, one call each in the vmap
+    for record, h in zip(records, hidden, strict=True):
+        row = record.keys.index(sw.SeriesKey("eval", "0", "activation", ""))
+        assert record.column("count")[row] == h.numel()
+        assert record.column("sum")[row] == pytest.approx(float(h.double().sum()), rel=1e-6)
+
+
 # -- finding 3: train accuracy for every common target layout ------------------------------------------
 
 N = 12
