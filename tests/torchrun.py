@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -78,6 +79,14 @@ def finish(proc: subprocess.Popen[bytes], out: Path, timeout: float = 60) -> Non
         proc.wait()
         raise
     assert rc == 0, (out / "torchrun.log").read_text(errors="replace")[-3000:]
+
+
+def write_json(path: Path, value: object) -> None:
+    """Write ``value`` as JSON to ``path`` whole or not at all (a temporary file, then a rename): the test
+    polls for the file and reads it as soon as it exists, which caught a half-written one under load."""
+    temporary = path.with_name(path.name + ".partial")
+    temporary.write_text(json.dumps(value))
+    os.replace(temporary, path)
 
 
 def linger(watch: object, out: Path, timeout: float = 90) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import streamwatch as sw
-from tests.torchrun import linger
+from tests.torchrun import linger, write_json
 
 
 def main() -> None:
@@ -68,14 +67,13 @@ def main() -> None:
     watch.flush()
     snapshot = [{"name": s.name, "labels": dict(s.labels), "value": s.value} for s in watch.snapshot()]
     first = watch.statistics().first_nonfinite
-    (args.out / f"snapshot-{rank}.json").write_text(
-        json.dumps(
-            {
-                "port": exporter.port,
-                "samples": snapshot,
-                "first_nonfinite": None if first is None else dataclasses.asdict(first),
-            }
-        )
+    write_json(
+        args.out / f"snapshot-{rank}.json",
+        {
+            "port": exporter.port,
+            "samples": snapshot,
+            "first_nonfinite": None if first is None else dataclasses.asdict(first),
+        },
     )
     linger(watch, args.out)
 

@@ -18,7 +18,6 @@ It writes them to ``DIR/ref-<rank>.json`` and keeps serving until ``DIR/done`` e
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import streamwatch as sw
-from tests.torchrun import linger
+from tests.torchrun import linger, write_json
 
 
 def _sumsq(t: torch.Tensor) -> float:
@@ -123,7 +122,7 @@ def main() -> None:
         full[n].update(param_sums=_sums(after), update_sums=_sums(after - before[n]))
         local[n].update(param=_sumsq(after_local), update=_sumsq(after_local - before_local[n]))
     watch.flush()
-    (args.out / f"ref-{rank}.json").write_text(json.dumps({"full": full, "local": local}))
+    write_json(args.out / f"ref-{rank}.json", {"full": full, "local": local})
     linger(watch, args.out)
 
 
