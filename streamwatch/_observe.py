@@ -35,6 +35,7 @@ from torch import nn
 
 from streamwatch import _kernel, _triton
 from streamwatch._accuracy import AMBIGUOUS
+from streamwatch._allowance import EvalAllowance
 from streamwatch._attach import OBSERVED, OptimizerArg, checked, on_cpu
 from streamwatch._boundary import SCALAR_SECONDS, StepBoundary, paused
 from streamwatch._cadence import Cadence
@@ -138,6 +139,8 @@ class Watch:
             self._governor = (
                 None if options.budget is None else Governor(options.budget, clock=_governor_clock)
             )
+            if options.budget is not None:  # evaluation passes' share of it (_allowance)
+                self._taps.eval_allowance = EvalAllowance(options.budget, clock=_governor_clock)
             periods = [(kind, options.cadence[kind]) for kind in KINDS if kind in options.taps]
             rank = position()[0]
             self._outbox = Outbox(

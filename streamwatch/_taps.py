@@ -52,12 +52,14 @@ import functools
 import itertools
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from time import perf_counter
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from streamwatch._allowance import EvalAllowance
 from streamwatch._clip_tap import ClipHandle
 from streamwatch._gradprobe import GradProbe
 from streamwatch._param_taps import ParamTaps
@@ -171,6 +173,8 @@ class TapSet:
         self._armed_now = (False, False, False)  # whether each of _GROUPS has its hooks in
         self._has_group = (False, False, False)  # whether each of _GROUPS has registrations
         self._eval_armed = False  # the forward hooks are in for an evaluation pass only
+        self.eval_allowance: EvalAllowance | None = None  # evaluation passes' share of the budget (governor)
+        self._eval_spent = 0.0  # the pass's arming time, less the hooks' busy time when it began
         # Gradient hooks on leaf tensors (a parameter a module returns as is, an input made with
         # requires_grad): such a tensor outlives the step and keeps its hooks, so they are held here,
         # one per tensor and key, and removed at the next step boundary (arm) and at remove().
@@ -342,7 +346,8 @@ class TapSet:
                 state.compiled = True
         static = self.static or state.compiled
         self.static = static
-        self._eval_armed = False
+        if self._eval_armed:  # (evaluation passes ran up to this boundary: their hooks go below)
+            self._charge_eval()
         if self._leaf_hooks:
             self._release_leaves()
         self.parameters.new_step()
@@ -520,14 +525,22 @@ class TapSet:
         state = self.state
         state.root_training = training = module.training and torch.is_grad_enabled()
         if not training:
-            state.quiet = 0  # an evaluation pass records: the step ends at a full boundary
             if not self._armed_now[0] and not state.paused and self._has_group[0]:
-                # An evaluation pass is summarised whatever the step samples: its hooks go in for it.
+                # Evaluation passes are summarised whatever the step samples (under the governor, within
+                # their share of the budget, granted from one training forward or boundary to the next:
+                # _allowance): their hooks go in for them.
+                allowance = self.eval_allowance
+                if allowance is not None and not allowance.grant():
+                    state.skip("eval_budget")  # (it runs without hooks; the step may still be quiet)
+                    return
+                arming = perf_counter()
                 try:
                     self._set_group("forward", True)
                 except Exception as exc:  # never into the user's forward
                     state.fail(exc)
                 self._eval_armed = True
+                self._eval_spent = perf_counter() - arming - state.busy  # (+ the hooks' busy at its end)
+            state.quiet = 0  # an evaluation pass records: the step ends at a full boundary
         else:
             if (
                 self._eval_armed
@@ -539,9 +552,8 @@ class TapSet:
                     times.forward_start = times.clock()
 
     def _root_forward_end(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._eval_armed:
-            self._end_eval()
-            return
+        if self._eval_armed:  # (its hooks stay in for the passes after it: the next training forward,
+            return  # pass_ends() or the step boundary take them out, _end_eval)
         if not _steps_forward(module):
             return
         self.state.times.forward_end = self.state.times.clock()
@@ -558,12 +570,21 @@ class TapSet:
             self._end_eval()
 
     def _end_eval(self) -> None:
-        """An evaluation pass is over: the forward hooks go back to what the step samples."""
-        self._eval_armed = False
+        """Evaluation passes are over (a training forward begins, or a framework's batch ended): the
+        forward hooks go back to what the step samples, and what the passes took is charged."""
+        disarming = perf_counter()
         try:
             self._set_group("forward", self.static or self.state.forward)
         except Exception as exc:  # never into the user's forward
             self.state.fail(exc)
+        self._charge_eval(perf_counter() - disarming)
+
+    def _charge_eval(self, more: float = 0.0) -> None:
+        """The evaluation passes since their hooks went in are over: what they took (putting the hooks in
+        and out, the hooks themselves) is charged to the evaluation allowance, under the governor."""
+        self._eval_armed = False
+        if self.eval_allowance is not None:
+            self.eval_allowance.charge(self._eval_spent + self.state.busy + more)
 
     def remove(self) -> None:
         """Remove every hook. Idempotent."""

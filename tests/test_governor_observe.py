@@ -22,7 +22,7 @@ from rich.console import Console
 from torch import nn
 
 import streamwatch as sw
-from streamwatch import _boundary, _observe
+from streamwatch import _allowance, _boundary, _observe
 from streamwatch._governor import Governor
 from streamwatch._live import LiveView, format_percent
 from streamwatch.testing import FakeClock
@@ -432,3 +432,56 @@ def test_escalated_steps_are_forced_samples_the_governor_does_not_measure(
     assert watch.statistics().escalations == 1
     assert "for the next 3 steps" in caplog.text
     assert [i for i, forced in enumerate(seen) if forced] == [6, 7, 8]  # the steps after the trip
+
+
+def test_evaluation_passes_between_sampled_steps_spend_their_share_of_the_budget(
+    fake_clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop with evaluation passes on every step (a reinforcement-learning loop generating with its
+    policy) paid for all of them on every step, which the governor could not sample away. Under the
+    governor the passes of an unsampled step are summarised within their allowance (``_allowance``), the
+    passes up to the training forward as a whole: here it holds almost nothing (``WINDOW_SECONDS`` made
+    tiny) and refills by 50 µs a step (a 1 % budget's half of a 10 ms step), less than four passes
+    take, so most unsampled steps' passes are skipped, four counts each. A sampled step's hooks are in:
+    its passes are summarised. Every evaluation row covers a step's four passes and equals torch's."""
+    monkeypatch.setattr(_allowance, "WINDOW_SECONDS", 1e-6)
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    records = sw.sinks.collect()
+    outputs: dict[int, torch.Tensor] = {}  # layer 0's outputs of the step's evaluation passes
+    steps, budget = 200, 0.01
+    reference_clock = FakeClock()
+    reference = Governor(budget, clock=reference_clock)  # (which steps the watch samples)
+    with sw.observe(model, opt, overhead=budget, sinks=[records]) as watch:
+        for step, (x, y) in enumerate(_batches(steps)):
+            seconds = PLAIN * (1 + COST) if reference.sampling else PLAIN
+            model.eval()
+            with torch.no_grad():
+                outputs[step] = torch.cat([F.linear(x + j, model[0].weight, model[0].bias) for j in range(4)])
+                for j in range(4):
+                    model(x + j)
+            model.train()
+            loss, _ = _train_step(model, opt, x, y)
+            fake_clock.advance(seconds)
+            reference_clock.advance(seconds)
+            watch.step(loss=loss)
+            reference.tick()
+        assert watch.flush()
+        stats = watch.statistics()
+    key = sw.SeriesKey("eval", "0", "activation", "")
+    recorded = {}  # step -> whether it was sampled
+    for record in records.items:
+        if key in record.keys:
+            row, reference = record.keys.index(key), outputs[record.step].double()
+            assert record.column("count")[row] == reference.numel()  # (all four passes)
+            assert record.column("sum")[row] == pytest.approx(float(reference.sum()), rel=1e-6)
+            assert record.column("max")[row] == pytest.approx(float(reference.max()), rel=1e-6)
+            recorded[record.step] = bool(record.rows(phase="train"))
+    granted = [step for step, sampled in recorded.items() if not sampled]
+    assert any(recorded.values()), recorded  # (sampled steps: every pass)
+    assert len(granted) >= 2, recorded  # (unsampled steps granted, the first and after refills)
+    # every step's passes: recorded, skipped (four counts), or run in a dark pair (no hook, none seen)
+    skipped_steps = steps - len(recorded) - stats.dark_steps
+    assert skipped_steps > len(granted), (recorded, stats.dark_steps)
+    assert stats.skipped == {"eval_budget": 4 * skipped_steps}
