@@ -174,7 +174,7 @@ class TapSet:
         self._has_group = (False, False, False)  # whether each of _GROUPS has registrations
         self._eval_armed = False  # the forward hooks are in for an evaluation pass only
         self.eval_allowance: EvalAllowance | None = None  # evaluation passes' share of the budget (governor)
-        self._eval_spent = 0.0  # the pass's arming time, less the hooks' busy time when it began
+        self._eval_mark = 0.0  # the hooks' busy time already charged to the allowance (less arming's)
         # Gradient hooks on leaf tensors (a parameter a module returns as is, an input made with
         # requires_grad): such a tensor outlives the step and keeps its hooks, so they are held here,
         # one per tensor and key, and removed at the next step boundary (arm) and at remove().
@@ -525,11 +525,18 @@ class TapSet:
         state = self.state
         state.root_training = training = module.training and torch.is_grad_enabled()
         if not training:
-            if not self._armed_now[0] and not state.paused and self._has_group[0]:
+            allowance = self.eval_allowance
+            if self._eval_armed and allowance is not None:
+                # another evaluation pass with their hooks in: what the last took is spent, and this one
+                # is granted on its own (a long evaluation loop stops when the allowance is spent)
+                self._charge_eval(ended=False)
+                if not allowance.grant():
+                    self._end_eval()
+                    state.skip("eval_budget")
+                    return
+            elif not self._armed_now[0] and not state.paused and self._has_group[0]:
                 # Evaluation passes are summarised whatever the step samples (under the governor, within
-                # their share of the budget, granted from one training forward or boundary to the next:
-                # _allowance): their hooks go in for them.
-                allowance = self.eval_allowance
+                # their share of the budget: _allowance): their hooks go in for them.
                 if allowance is not None and not allowance.grant():
                     state.skip("eval_budget")  # (it runs without hooks; the step may still be quiet)
                     return
@@ -539,7 +546,7 @@ class TapSet:
                 except Exception as exc:  # never into the user's forward
                     state.fail(exc)
                 self._eval_armed = True
-                self._eval_spent = perf_counter() - arming - state.busy  # (+ the hooks' busy at its end)
+                self._eval_mark = state.busy - (perf_counter() - arming)  # (spent: busy since, and this)
             state.quiet = 0  # an evaluation pass records: the step ends at a full boundary
         else:
             if (
@@ -570,21 +577,26 @@ class TapSet:
             self._end_eval()
 
     def _end_eval(self) -> None:
-        """Evaluation passes are over (a training forward begins, or a framework's batch ended): the
-        forward hooks go back to what the step samples, and what the passes took is charged."""
+        """Evaluation passes are over (a training forward begins, a framework's batch ended, or the
+        allowance is spent): the forward hooks go back to what the step samples, and what the passes took
+        is charged."""
         disarming = perf_counter()
         try:
             self._set_group("forward", self.static or self.state.forward)
         except Exception as exc:  # never into the user's forward
             self.state.fail(exc)
-        self._charge_eval(perf_counter() - disarming)
+        self._charge_eval(more=perf_counter() - disarming)
 
-    def _charge_eval(self, more: float = 0.0) -> None:
-        """The evaluation passes since their hooks went in are over: what they took (putting the hooks in
-        and out, the hooks themselves) is charged to the evaluation allowance, under the governor."""
-        self._eval_armed = False
+    def _charge_eval(self, ended: bool = True, more: float = 0.0) -> None:
+        """Charge what the evaluation passes took since the last charge (their hooks, putting the hooks
+        in and ``more``: taking them out) to the evaluation allowance, under the governor; ``ended``: their
+        hooks are out (or going out at the step boundary)."""
+        busy = self.state.busy
         if self.eval_allowance is not None:
-            self.eval_allowance.charge(self._eval_spent + self.state.busy + more)
+            self.eval_allowance.charge(busy - self._eval_mark + more)
+        self._eval_mark = busy
+        if ended:
+            self._eval_armed = False
 
     def remove(self) -> None:
         """Remove every hook. Idempotent."""

@@ -439,18 +439,19 @@ def test_evaluation_passes_between_sampled_steps_spend_their_share_of_the_budget
 ) -> None:
     """A loop with evaluation passes on every step (a reinforcement-learning loop generating with its
     policy) paid for all of them on every step, which the governor could not sample away. Under the
-    governor the passes of an unsampled step are summarised within their allowance (``_allowance``), the
-    passes up to the training forward as a whole: here it holds almost nothing (``WINDOW_SECONDS`` made
-    tiny) and refills by 50 µs a step (a 1 % budget's half of a 10 ms step), less than four passes
-    take, so most unsampled steps' passes are skipped, four counts each. A sampled step's hooks are in:
-    its passes are summarised. Every evaluation row covers a step's four passes and equals torch's."""
+    governor each pass between sampled steps is granted on its own while the allowance
+    (``_allowance``) is not spent, and charged what it took: here the allowance holds almost nothing
+    (``WINDOW_SECONDS`` made tiny) and refills by 10 µs a step on the fake clock (a 0.2 % budget's half of
+    a 10 ms step), so an unsampled step summarises its first pass at most and skips the others, each
+    counted. A sampled step's hooks are in: its four passes are summarised. Every evaluation row equals
+    torch's reference of the passes it covers."""
     monkeypatch.setattr(_allowance, "WINDOW_SECONDS", 1e-6)
     torch.manual_seed(0)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     records = sw.sinks.collect()
-    outputs: dict[int, torch.Tensor] = {}  # layer 0's outputs of the step's evaluation passes
-    steps, budget = 200, 0.01
+    outputs: dict[int, list[torch.Tensor]] = {}  # layer 0's output of each evaluation pass, by step
+    steps, budget = 400, 0.002
     reference_clock = FakeClock()
     reference = Governor(budget, clock=reference_clock)  # (which steps the watch samples)
     with sw.observe(model, opt, overhead=budget, sinks=[records]) as watch:
@@ -458,7 +459,7 @@ def test_evaluation_passes_between_sampled_steps_spend_their_share_of_the_budget
             seconds = PLAIN * (1 + COST) if reference.sampling else PLAIN
             model.eval()
             with torch.no_grad():
-                outputs[step] = torch.cat([F.linear(x + j, model[0].weight, model[0].bias) for j in range(4)])
+                outputs[step] = [F.linear(x + j, model[0].weight, model[0].bias) for j in range(4)]
                 for j in range(4):
                     model(x + j)
             model.train()
@@ -470,18 +471,23 @@ def test_evaluation_passes_between_sampled_steps_spend_their_share_of_the_budget
         assert watch.flush()
         stats = watch.statistics()
     key = sw.SeriesKey("eval", "0", "activation", "")
-    recorded = {}  # step -> whether it was sampled
+    covered = {}  # step -> (passes its record covers, whether it was sampled)
     for record in records.items:
         if key in record.keys:
-            row, reference = record.keys.index(key), outputs[record.step].double()
-            assert record.column("count")[row] == reference.numel()  # (all four passes)
-            assert record.column("sum")[row] == pytest.approx(float(reference.sum()), rel=1e-6)
-            assert record.column("max")[row] == pytest.approx(float(reference.max()), rel=1e-6)
-            recorded[record.step] = bool(record.rows(phase="train"))
-    granted = [step for step, sampled in recorded.items() if not sampled]
-    assert any(recorded.values()), recorded  # (sampled steps: every pass)
-    assert len(granted) >= 2, recorded  # (unsampled steps granted, the first and after refills)
-    # every step's passes: recorded, skipped (four counts), or run in a dark pair (no hook, none seen)
-    skipped_steps = steps - len(recorded) - stats.dark_steps
-    assert skipped_steps > len(granted), (recorded, stats.dark_steps)
-    assert stats.skipped == {"eval_budget": 4 * skipped_steps}
+            row, per_pass = record.keys.index(key), outputs[record.step][0].numel()
+            passes = int(record.column("count")[row]) // per_pass
+            reference_rows = torch.cat(outputs[record.step][:passes]).double()  # (the first ones)
+            assert record.column("count")[row] == passes * per_pass
+            assert record.column("sum")[row] == pytest.approx(float(reference_rows.sum()), rel=1e-6)
+            assert record.column("max")[row] == pytest.approx(float(reference_rows.max()), rel=1e-6)
+            covered[record.step] = (passes, bool(record.rows(phase="train")))
+    sampled = [step for step, (_, train) in covered.items() if train]
+    granted = [step for step, (_, train) in covered.items() if not train]
+    assert sampled, covered
+    assert all(covered[step][0] == 4 for step in sampled), covered
+    assert len(granted) >= 2, covered  # (the first unsampled step, and after refills)
+    assert all(covered[step][0] == 1 for step in granted), covered
+    # every step's passes: recorded, skipped (each counted), or run in a dark pair (no hook, none seen)
+    skipped_steps = steps - len(covered) - stats.dark_steps
+    assert skipped_steps > 0, (covered, stats.dark_steps)  # (10 µs a step refills less than a pass)
+    assert stats.skipped == {"eval_budget": 3 * len(granted) + 4 * skipped_steps}
