@@ -4,14 +4,16 @@ An evaluation pass (a forward under ``model.eval()`` or ``torch.no_grad()``) is 
 step samples: a validation loop between two training steps is recorded as ``phase="eval"``. A loop that
 runs such passes on every step — a reinforcement-learning loop generating with the policy token by token,
 PPO's pass for the old log-probabilities, an evaluation batch per step — would then pay for them on every
-step, a cost the overhead governor cannot sample away: measured on a small language model generating
-32 tokens a step, 1.27–1.34× under the 2 % budget (docs/governor.md, *Evaluation passes*).
+step, a cost the overhead governor cannot sample away: 1.20–1.29× under the 2 % budget on a small
+language model generating 8 tokens a step (``benchmarks/bench_eval_passes.py``; docs/governor.md,
+*Evaluation passes between sampled steps*).
 
 Under the governor, an :class:`EvalAllowance` gives those passes a share of the budget: it fills at
 ``budget × EVAL_SHARE`` seconds of streamwatch's own time per second of wall time, up to
-``WINDOW_SECONDS`` of that (it starts full, so a first validation loop is recorded whole), and each pass
-summarised spends what its hooks took. A pass that begins with the allowance spent runs without hooks,
-counted (``skipped["eval_budget"]``). With ``every=N`` there is no allowance: every pass is summarised.
+``WINDOW_SECONDS`` of that (it starts full, so a first validation loop is recorded whole); each pass is
+granted on its own and spends what its hooks took (``TapSet`` grants and charges). A pass that begins
+with the allowance spent runs without hooks, counted (``skipped["eval_budget"]``). With ``every=N``
+there is no allowance: every pass is summarised.
 
 Example:
     >>> clock = iter([0.0, 0.0, 0.0, 10.0]).__next__
