@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from streamwatch._buffer import StepBuffer
 from streamwatch._failures import user_frame
@@ -160,9 +160,16 @@ class ParamTaps:
         self.stepped = False  # this step: an observed optimizer stepped
         self.foreign: str | None = None  # this step: an unobserved optimizer stepped the model (its class)
         self._warned_foreign = False
+        # An optimizer sharing an observed one's param groups that steps outside its step (SAM's
+        # first_step/second_step steps its base_optimizer) stands in for it: its step is read as the
+        # observed one's would be (_stand_in)
+        self._stepping: set[int] = set()  # observed optimizers inside their step now (by position)
+        self._stand_in: tuple[Any, int] | None = None  # the optimizer standing in now, for which one
         if optimizers:
             seen = guarded(state, self._any_optimizer_step, eager=True)
             self.step_registrations.append(functools.partial(register_optimizer_step_pre_hook, seen))
+            done = guarded(state, self._any_optimizer_stepped, eager=True)
+            self.step_registrations.append(functools.partial(register_optimizer_step_post_hook, done))
 
     def new_step(self) -> None:
         """A step begins: nothing of it is read yet. An unobserved optimizer that stepped the model in
@@ -170,6 +177,8 @@ class ParamTaps:
         if self.foreign is not None:
             self._unobserved_optimizer(self.foreign)
         self.stepped, self.foreign = False, None
+        self._stepping.clear()  # (a step that raised inside the optimizer's step left it there)
+        self._stand_in = None
         self.grads_taken = self.params_taken = False
         self._grads_after = None
         if self.several:
@@ -326,17 +335,33 @@ class ParamTaps:
         return self._owned[index]
 
     def _any_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """torch's global pre-step hook: note an optimizer the Watch does not observe that steps some
-        of the model's parameters (an observed one, or a wrapper sharing its groups, is ours)."""
+        """torch's global pre-step hook (it runs before the optimizer's own): note an optimizer the Watch
+        does not observe that steps some of the model's parameters. One sharing an observed optimizer's
+        param groups is ours: inside that one's step (a wrapper stepping the optimizer it wraps) or with
+        its hooks (a wrapper sharing its state) nothing is to do; otherwise it stands in for it (SAM,
+        whose ``second_step`` steps its ``base_optimizer``: the observed SAM never steps itself)."""
         groups = optimizer.param_groups
-        if any(groups is each.param_groups for each in self._optimizers):
-            return
+        for index, each in enumerate(self._optimizers):
+            if groups is each.param_groups:
+                hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+                if index not in self._stepping and hooks is not each._optimizer_step_pre_hooks:
+                    self._stand_in = (optimizer, index)
+                    self._before_optimizer_step(index, optimizer, args, kwargs)
+                return
         owns = self._foreign.get(optimizer)
         if owns is None:
             ids = self._ids
             owns = self._foreign[optimizer] = any(id(p) in ids for group in groups for p in group["params"])
         if owns:
             self.foreign = type(optimizer).__name__
+
+    def _any_optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """torch's global post-step hook: the step of an optimizer standing in for an observed one is
+        over (:meth:`_any_optimizer_step`)."""
+        stand_in = self._stand_in
+        if stand_in is not None and stand_in[0] is optimizer:
+            self._stand_in = None
+            self._after_optimizer_step(stand_in[1], optimizer, args, kwargs)
 
     def _unobserved_optimizer(self, name: str) -> None:
         self.state.skip(UNOBSERVED_OPTIMIZER)
@@ -358,6 +383,7 @@ class ParamTaps:
     def _before_optimizer_step(self, index: int, optimizer: Any, args: Any, kwargs: Any) -> None:
         state = self.state
         self.stepped = True
+        self._stepping.add(index)
         several, first = self.several, not self._pre_ran
         if first or not several:  # (several: the optimizer part runs from the first one's step)
             state.times.optimizer_start = state.times.clock()
@@ -392,6 +418,7 @@ class ParamTaps:
 
     def _after_optimizer_step(self, index: int, optimizer: Any, args: Any, kwargs: Any) -> None:
         state = self.state
+        self._stepping.discard(index)
         state.times.optimizer_end = state.times.clock()
         if self.several:
             self._post_ran.add(index)
@@ -507,6 +534,7 @@ class ParamTaps:
         self._other_grads = []
         self._owned = {}
         self._optimizers = ()
+        self._stand_in = None  # (an optimizer of the user's: not kept alive by a closed Watch)
         self.params = []
         self._grads = []
         self.grad_registrations, self.step_registrations = [], []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -401,15 +402,19 @@ def test_fused_optimizers_under_a_grad_scaler_a_step_either_skipped_has_no_updat
 def test_no_hook_is_left_on_the_optimizers_or_torchs_global_table() -> None:
     """The global pre-step hook (an unobserved optimizer) is in only on the steps whose hooks are in,
     and ``close()`` takes it and every optimizer's hooks out: nothing keeps the watch alive or runs."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks as global_post_hooks
     from torch.optim.optimizer import _global_optimizer_pre_hooks as global_hooks
 
-    before = len(global_hooks)
+    before, before_post = len(global_hooks), len(global_post_hooks)
     model = nn.Linear(3, 2)
     first, second = torch.optim.SGD([model.weight], lr=0.1), torch.optim.Adam([model.bias])
     watch = sw.observe(model, [first, second], every=3)
     inside = []
     for _ in range(4):
         inside.append(len(global_hooks) - before)
+        assert (
+            len(global_post_hooks) - before_post == inside[-1]
+        )  # (the stand-in's end: _any_optimizer_stepped)
         model(torch.ones(2, 3)).sum().backward()
         first.step()
         second.step()
@@ -417,6 +422,7 @@ def test_no_hook_is_left_on_the_optimizers_or_torchs_global_table() -> None:
     watch.close()
     assert inside == [1, 0, 0, 1]  # (steps 0 and 3 are sampled)
     assert len(global_hooks) == before
+    assert len(global_post_hooks) == before_post
     for opt in (first, second):
         assert len(opt._optimizer_step_pre_hooks) == len(opt._optimizer_step_post_hooks) == 0
 
@@ -472,3 +478,93 @@ def test_a_param_group_added_mid_run_is_read_from_then_on(every: int | None) -> 
     for record in items:
         if record.keys:  # (a sampled step)
             _assert_rows(record, *seen[record.step])
+
+
+class _SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimisation as its reference implementation (davda54/sam) writes it: a wrapper
+    sharing its ``base_optimizer``'s param groups, stepped as ``first_step`` (to the worst nearby point)
+    and ``second_step`` (back, then the base optimizer's step with the gradient taken there), or as
+    ``step(closure)``. ``seen`` keeps the gradients and weights just before the base step."""
+
+    def __init__(
+        self, params: Any, base: type[torch.optim.Optimizer], rho: float = 0.05, **kwargs: Any
+    ) -> None:
+        super().__init__(params, {"rho": rho, **kwargs})
+        self.base_optimizer = base(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+        self.seen: list[tuple[Snapshot, Snapshot]] = []
+        self.model: nn.Module | None = None
+
+    @torch.no_grad()
+    def first_step(self, zero_grad: bool = False) -> None:
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.norm(torch.stack([p.grad.norm(p=2) for p in params]), p=2)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["old_p"] = p.data.clone()
+                    p.add_(p.grad * (group["rho"] / (norm + 1e-12)))
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self, zero_grad: bool = False) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data = self.state[p]["old_p"]
+        assert self.model is not None
+        self.seen.append((_clone(self.model, grads=True), _clone(self.model)))
+        self.base_optimizer.step()
+        if zero_grad:
+            self.zero_grad()
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        with torch.enable_grad():
+            self.first_step(zero_grad=True)
+            closure()
+        self.second_step()
+
+
+@pytest.mark.parametrize("usage", ["two_steps", "closure"])
+def test_sams_base_optimizer_stands_in_for_it_when_it_steps_outside_sams_step(usage: str) -> None:
+    """SAM's ``first_step``/``second_step`` never call SAM's own ``step``: observed as given, its
+    parameter gradients and updates were not recorded, silently (its base optimizer shares its groups,
+    so it was not counted as another optimizer either). Now the base optimizer's step stands in for it:
+    the gradient it applies (taken at the perturbed point) and its update are recorded, equal to torch's.
+    With ``step(closure)`` SAM's own hooks read the step as a whole, the gradient after it as with any
+    closure: the same values. Training is bit for bit as unobserved."""
+
+    def run(observe: bool) -> tuple[nn.Module, _SAM, list[StepRecord]]:
+        model = _model()
+        opt = _SAM(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+        opt.model = model
+        records = sw.sinks.collect()
+        watch = sw.observe(model, opt, every=1, cadence=CADENCE, sinks=[records]) if observe else None
+        for k in range(3):
+            x, y = _batch(k)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            if usage == "two_steps":
+                opt.first_step(zero_grad=True)
+                F.cross_entropy(model(x), y).backward()
+                opt.second_step(zero_grad=True)
+            else:
+                opt.step(lambda x=x, y=y: F.cross_entropy(model(x), y).backward())
+                opt.zero_grad()
+            if watch is not None:
+                watch.step(loss=loss)
+        if watch is not None:
+            watch.close()
+            assert watch.statistics().skipped == {}
+        return model, opt, records.items
+
+    plain, _, _ = run(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model, opt, items = run(True)
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
+    assert [r.step for r in items] == [0, 1, 2]
+    afters = [before for _, before in opt.seen[1:]] + [_clone(model)]
+    for record, (grads, before), after in zip(items, opt.seen, afters, strict=True):
+        _assert_rows(record, grads, before, after, set(after))
