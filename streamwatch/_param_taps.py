@@ -339,7 +339,9 @@ class ParamTaps:
         does not observe that steps some of the model's parameters. One sharing an observed optimizer's
         param groups is ours: inside that one's step (a wrapper stepping the optimizer it wraps) or with
         its hooks (a wrapper sharing its state) nothing is to do; otherwise it stands in for it (SAM,
-        whose ``second_step`` steps its ``base_optimizer``: the observed SAM never steps itself)."""
+        whose ``second_step`` steps its ``base_optimizer``: the observed SAM never steps itself). Any
+        optimizer stepping inside an observed one's step is part of it (ZeroRedundancyOptimizer's local
+        optimizer, whose groups are its shard's)."""
         groups = optimizer.param_groups
         for index, each in enumerate(self._optimizers):
             if groups is each.param_groups:
@@ -348,6 +350,8 @@ class ParamTaps:
                     self._stand_in = (optimizer, index)
                     self._before_optimizer_step(index, optimizer, args, kwargs)
                 return
+        if self._stepping:  # inside an observed optimizer's step: the one it wraps (ZeroRedundancyOptimizer's
+            return  # local optimizer over this rank's shard), part of that step
         owns = self._foreign.get(optimizer)
         if owns is None:
             ids = self._ids

@@ -568,3 +568,40 @@ def test_sams_base_optimizer_stands_in_for_it_when_it_steps_outside_sams_step(us
     afters = [before for _, before in opt.seen[1:]] + [_clone(model)]
     for record, (grads, before), after in zip(items, opt.seen, afters, strict=True):
         _assert_rows(record, grads, before, after, set(after))
+
+
+class _Sharded(torch.optim.Optimizer):
+    """Built as ``ZeroRedundancyOptimizer`` is: its step steps a local optimizer of its own param groups
+    (the rank's shard; here every parameter)."""
+
+    def __init__(self, params: Any) -> None:
+        params = list(params)
+        super().__init__(params, {})
+        self.local = torch.optim.Adam(params, lr=1e-3)
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.local.step()
+
+
+def test_an_optimizer_stepped_inside_the_observed_ones_step_is_part_of_it() -> None:
+    """ZeroRedundancyOptimizer steps a local optimizer inside its own step, over param groups of its
+    own: that one was counted as an optimizer the watch does not observe on every sampled step. It is
+    part of the observed step; the rows are read at the observed optimizer's hooks, equal to torch's."""
+    model = _model()
+    opt = _Sharded(model.parameters())
+    records = sw.sinks.collect()
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with sw.observe(model, opt, every=1, cadence=CADENCE, sinks=[records]) as watch:
+            for k in range(3):
+                x, y = _batch(k)
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                grads, before = _clone(model, grads=True), _clone(model)
+                opt.step()
+                seen.append((grads, before, _clone(model), set(grads)))
+                watch.step()
+    assert watch.statistics().skipped == {}
+    for record, rows in zip(records.items, seen, strict=True):
+        _assert_rows(record, *rows)
