@@ -20,6 +20,7 @@ from torch import nn
 import streamwatch as sw
 from streamwatch import SeriesKey, StepRecord
 from tests.test_observe_battery import assert_row
+from tests.training import same_weights
 
 STEPS = 3
 LAYERS = ("0", "1", "2")
@@ -137,7 +138,7 @@ def check_penalty_pass(device: str) -> None:
     a GPU, where the hooks run on autograd's device thread.)"""
     plain, _, _, _ = _train(_wgan_gp, observe=False, device=device)
     model, records, expected, watch = _train(_wgan_gp, observe=True, device=device)
-    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
+    assert same_weights(plain, model)
     _assert_output_grads(records, expected)
     # the mix's forward: its last output feeds only the penalty's autograd.grad (no row of the training
     # backward's), its other two outputs are reached by both passes
@@ -182,7 +183,7 @@ def test_a_training_backward_that_builds_a_graph_is_recorded() -> None:
     recorded as any backward's, and nothing is skipped."""
     plain, _, _, _ = _train(_hessian_style, observe=False)
     model, records, expected, watch = _train(_hessian_style, observe=True)
-    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
+    assert same_weights(plain, model)
     _assert_output_grads(records, expected)
     assert watch is not None
     assert watch.statistics().skipped == {}

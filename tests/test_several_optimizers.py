@@ -18,6 +18,7 @@ from torch import nn
 import streamwatch as sw
 from streamwatch import SeriesKey, StepRecord
 from tests.test_observe_battery import assert_row
+from tests.training import same_weights
 
 Snapshot = dict[str, torch.Tensor]
 CADENCE = {"param": 1, "update": 1, "param_grad": 1}
@@ -96,7 +97,7 @@ def test_muon_with_adamw_every_parameter_is_read_around_its_own_optimizers_step(
     records = sw.sinks.collect()
     plain, _, _ = _train(5, None)
     model, seen, lrs = _train(5, lambda m, o: sw.observe(m, o, every=1, cadence=CADENCE, sinks=[records]))
-    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
+    assert same_weights(plain, model)
     assert [r.step for r in records.items] == [0, 1, 2, 3, 4]
     assert lrs == [[0.02, 3e-3], [0.02, 1.5e-3], [0.02, 1.5e-3], [0.02, 7.5e-4], [0.02, 7.5e-4]]
     for record, (grads, before, after, stepped), want in zip(records.items, seen, lrs, strict=True):
@@ -174,7 +175,7 @@ def test_a_gans_halves_each_read_at_their_own_step() -> None:
 
     plain, _, _ = gan(False)
     model, seen, items = gan(True)
-    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
+    assert same_weights(plain, model)
     assert len(items) == 3
     for record, (grads, before, after) in zip(items, seen, strict=True):
         _assert_rows(record, grads, before, after, set(after))
@@ -345,7 +346,7 @@ def test_an_optimizer_made_mid_run_is_warned_about_once_and_counted(every: int |
         plain.zero_grad()
         plain(torch.randn(5, 4, generator=torch.Generator().manual_seed(k))).pow(2).mean().backward()
         opt.step()
-    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
+    assert same_weights(plain, model)
 
 
 def test_a_second_optimizer_not_passed_is_counted_not_warned_and_another_models_is_neither() -> None:
@@ -467,7 +468,7 @@ def test_a_param_group_added_mid_run_is_read_from_then_on(every: int | None) -> 
 
     plain, _, _ = run(False)
     model, seen, items = run(True)
-    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
+    assert same_weights(plain, model)
     assert [len(stepped) for *_, stepped in seen] == [4, 4, 4, 5, 5, 5]
     steps = [s for r in items for s in r.every_step()]
     assert [s.step for s in steps] == list(range(6))
@@ -563,7 +564,7 @@ def test_sams_base_optimizer_stands_in_for_it_when_it_steps_outside_sams_step(us
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model, opt, items = run(True)
-    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters(), strict=True))
+    assert same_weights(plain, model)
     assert [r.step for r in items] == [0, 1, 2]
     afters = [before for _, before in opt.seen[1:]] + [_clone(model)]
     for record, (grads, before), after in zip(items, opt.seen, afters, strict=True):

@@ -154,6 +154,11 @@ def train(
     return losses
 
 
+def same_weights(a: nn.Module, b: nn.Module) -> bool:
+    """Whether two models trained apart (one observed, one not) hold bit-identical parameters."""
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
 def root_seen(model: nn.Module) -> bool:
     """Whether a Watch sees ``model``'s calls: through its call slot or a forward pre-hook."""
     return "_compiled_call_impl" in model.__dict__ or bool(model._forward_pre_hooks)
