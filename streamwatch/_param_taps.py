@@ -367,6 +367,12 @@ class ParamTaps:
             self._stand_in = None
             self._after_optimizer_step(stand_in[1], optimizer, args, kwargs)
 
+    def _standing_in(self, index: int, optimizer: Any) -> bool:
+        """Whether another optimizer stands in for observed optimizer ``index`` now, and steps it inside
+        its own step (a wrapper sharing its groups, Lookahead's, with the inner one observed)."""
+        stand_in = self._stand_in
+        return stand_in is not None and stand_in[1] == index and stand_in[0] is not optimizer
+
     def _unobserved_optimizer(self, name: str) -> None:
         self.state.skip(UNOBSERVED_OPTIMIZER)
         if self.stepped or self._warned_foreign:
@@ -385,6 +391,8 @@ class ParamTaps:
         )
 
     def _before_optimizer_step(self, index: int, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._standing_in(index, optimizer):
+            return  # (the wrapper standing in for it reads the step: it began first, it ends last)
         state = self.state
         self.stepped = True
         self._stepping.add(index)
@@ -421,6 +429,8 @@ class ParamTaps:
             state.call(metric.before_optimizer_step, state.buffer)
 
     def _after_optimizer_step(self, index: int, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._standing_in(index, optimizer):
+            return
         state = self.state
         self._stepping.discard(index)
         state.times.optimizer_end = state.times.clock()

@@ -606,3 +606,53 @@ def test_an_optimizer_stepped_inside_the_observed_ones_step_is_part_of_it() -> N
     assert watch.statistics().skipped == {}
     for record, rows in zip(records.items, seen, strict=True):
         _assert_rows(record, *rows)
+
+
+class _Lookahead(torch.optim.Optimizer):
+    """Lookahead as torch-optimizer writes it: a wrapper sharing its inner optimizer's param groups that
+    steps the inner one inside its own step, then pulls the weights toward slow copies every ``k``."""
+
+    def __init__(self, inner: torch.optim.Optimizer, k: int = 2, alpha: float = 0.5) -> None:
+        super().__init__(inner.param_groups, {})
+        self.inner, self.k, self.alpha, self.steps = inner, k, alpha, 0
+        self.param_groups = inner.param_groups
+        self.slow = [p.detach().clone() for group in self.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.inner.step()
+        self.steps += 1
+        if self.steps % self.k == 0:
+            params = [p for group in self.param_groups for p in group["params"]]
+            for p, slow in zip(params, self.slow, strict=True):
+                slow.add_(p - slow, alpha=self.alpha)
+                p.copy_(slow)
+
+
+@pytest.mark.parametrize("observed", ["wrapper", "inner"])
+def test_a_wrapper_stepping_the_observed_inner_optimizer_is_read_once_around_its_whole_step(
+    observed: str,
+) -> None:
+    """Lookahead observed, or its inner optimizer observed while the loop steps Lookahead: either way
+    each step is read once (not the inner step's rows beside the wrapper's), its update the whole
+    step's Δ, slow-weight pull included, equal to torch's."""
+    model = _model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = _Lookahead(inner)
+    records = sw.sinks.collect()
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        target = opt if observed == "wrapper" else inner
+        with sw.observe(model, target, every=1, cadence=CADENCE, sinks=[records]) as watch:
+            for k in range(4):
+                x, y = _batch(k)
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                grads, before = _clone(model, grads=True), _clone(model)
+                opt.step()
+                seen.append((grads, before, _clone(model), set(grads)))
+                watch.step()
+    assert watch.statistics().skipped == {}
+    for record, rows in zip(records.items, seen, strict=True):
+        _assert_rows(record, *rows)
