@@ -38,7 +38,7 @@ from streamwatch._governor import Governor
 from streamwatch._guard import Alarm, NonFiniteGuard
 from streamwatch._logbook import LogBook, Value
 from streamwatch._nonfinite import NonFiniteTracker
-from streamwatch._outbox import LR_OF, Outbox
+from streamwatch._outbox import Outbox, learning_rates
 from streamwatch._record import PendingRecord
 from streamwatch._step_args import NO_ARGS, StepArgs, check_step, dark_ready, read_loss
 from streamwatch._steptimes import StepTimes
@@ -283,8 +283,8 @@ class StepBoundary:
         logged = book.pending
         if logged is not None:
             book.pending = None
-        groups = outbox.groups  # (the learning rates in C: no Python frame)
-        lrs = None if groups is None else list(map(LR_OF, groups))
+        groups = outbox.groups  # (their learning rates as they are now: tensors read at once)
+        lrs = None if groups is None else learning_rates(groups)
         log.entries.append((self.step, now, now - self._last, value, batch_size, lrs, logged))
         self.state.quiet -= 1
         self.step += 1

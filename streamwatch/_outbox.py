@@ -40,12 +40,49 @@ from streamwatch._record import SKIPPED_UPDATE, STEP_VALUE, PendingRecord
 from streamwatch._step_args import StepArgs, read_loss
 from streamwatch._tapstate import TapState
 
-__all__ = ["LR_OF", "STEP_LOG_CAPACITY", "Groups", "LoggedStep", "Outbox", "StepLog", "release_dropped"]
+__all__ = [
+    "LR_OF",
+    "STEP_LOG_CAPACITY",
+    "Groups",
+    "LoggedStep",
+    "Outbox",
+    "StepLog",
+    "learning_rates",
+    "release_dropped",
+]
 
 _LR_NAMES = tuple(f"lr/{i}" for i in range(64))  # (param groups' scalar names, made once)
 LR_OF = operator.methodcaller("get", "lr")
-"""A param group's learning rate (None without one): ``list(map(LR_OF, groups))`` reads them with no
-Python frame (the quiet step's)."""
+"""A param group's learning rate (None without one)."""
+
+_NUMBERS = frozenset({float, int, type(None)})
+
+
+def learning_rates(groups: Iterable[dict[str, Any]]) -> list[Value | None]:
+    """The param groups' learning rates as they are now. Numbers are read as they are; a tensor (the
+    compiled-optimizer recipe's ``lr=torch.tensor(0.01)``, which torch's schedulers update in place with
+    ``fill_``) is read now: its value on the CPU, a copy on a device (no sync; read with the record's
+    copy). Kept as the tensor, an unsampled step's rate read at the next record was that record's.
+
+    Example:
+        >>> import torch
+        >>> lr = torch.tensor(0.5)
+        >>> rates = learning_rates([{"lr": 0.1}, {"lr": lr}])
+        >>> _ = lr.fill_(0.25); rates
+        [0.1, 0.5]
+    """
+    rates = list(map(LR_OF, groups))
+    if _NUMBERS.issuperset(map(type, rates)):  # (the common case: no Python frame per group)
+        return rates
+    return [_rate_now(rate) for rate in rates]
+
+
+def _rate_now(rate: Any) -> Any:
+    if isinstance(rate, torch.Tensor):
+        rate = rate.detach()
+        return rate.item() if rate.is_cpu else rate.clone()
+    return rate
+
 
 STEP_LOG_CAPACITY = 4096
 """Steps the log holds between records at most (a full log sends one at the next step's end): at a
@@ -185,7 +222,7 @@ class Outbox:
     def learning_rates(self) -> list[Value | None]:
         """The param groups' learning rates now (none without an optimizer)."""
         groups = self.groups
-        return [] if groups is None else list(map(LR_OF, groups))
+        return [] if groups is None else learning_rates(groups)
 
     def log(
         self,

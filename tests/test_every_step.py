@@ -73,11 +73,14 @@ def test_a_300_step_governed_loop_reads_back_every_step_with_its_loss(tmp_path: 
     assert s["loss"] == losses
 
 
-def test_each_step_keeps_its_own_learning_rate_step_time_and_throughput() -> None:
+@pytest.mark.parametrize("tensor_lr", [False, True])
+def test_each_step_keeps_its_own_learning_rate_step_time_and_throughput(tensor_lr: bool) -> None:
     """A scheduler changes the learning rate every step: each unsampled step carries the rate at its own
-    end, not the next record's; step time and throughput are its own too."""
+    end, not the next record's; step time and throughput are its own too. A tensor rate (the compiled
+    optimizer recipe's ``lr=torch.tensor(0.1)``, which the scheduler updates in place) is read at each
+    step's end: kept as the tensor, the unsampled steps read the rate at the next record."""
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1) if tensor_lr else 0.1)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     records = sw.sinks.collect()
     rates = []
@@ -85,7 +88,7 @@ def test_each_step_keeps_its_own_learning_rate_step_time_and_throughput() -> Non
         for step in range(20):
             _train_step(model, opt, step)
             schedule.step()
-            rates.append(opt.param_groups[0]["lr"])
+            rates.append(float(opt.param_groups[0]["lr"]))
             watch.step(loss=0.5, batch_size=8)
     steps = [s for r in records.items for s in r.every_step()]
     assert [s.step for s in steps] == list(range(20))
