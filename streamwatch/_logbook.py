@@ -100,7 +100,7 @@ class LogBook:
 
 def log_value(name: object, value: object) -> float | torch.Tensor:
     """One ``watch.log()`` value, checked: a real number (Python, numpy, a 0-d array) as a float, or a
-    one-element real tensor (a CPU one read now; a device one kept as a 0-d view, read with the record's
+    one-element real tensor (a CPU one read now; a device one copied as it is now, read with the record's
     copy: no host sync). NaN and ±inf are values like any other (recorded as they are).
 
     Example:
@@ -124,7 +124,9 @@ def log_value(name: object, value: object) -> float | torch.Tensor:
                 f"Expected `watch.log()` value {name!r} to be a real number or a one-element real tensor, "
                 f"got a tensor of shape {list(value.shape)} ({value.dtype})"
             )
-        return float(value.detach()) if value.is_cpu else value.detach().reshape(())
+        # (a device one is copied, one small kernel and no sync: a loop may update it in place, a running
+        # count or sum, before the record that reads it)
+        return float(value.detach()) if value.is_cpu else value.detach().reshape(()).clone()
     try:
         return number_loss(value)
     except TypeError:

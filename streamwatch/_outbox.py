@@ -123,7 +123,8 @@ class StepLog:
         lrs: list[Value | None] | None,
         values: dict[str, Value] | None,
     ) -> None:
-        """Keep one step's values (a device loss or value as a 0-d view: nothing is read here)."""
+        """Keep one step's values (a device loss as a 0-d view, device values and rates as copies: nothing
+        is read here)."""
         self.entries.append((step, at, seconds, loss, batch_size, lrs, values))
 
     @property

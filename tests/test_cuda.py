@@ -356,16 +356,20 @@ def test_a_sampled_step_keeps_the_launch_budget_on_the_gpu(case: str) -> None:
 
 
 def test_unsampled_steps_keep_their_device_loss_and_logged_values_without_a_sync() -> None:
-    """An unsampled step's device loss and a device value given to ``watch.log`` wait in the step log as
-    0-d views (no sync) and are read with the next record's one copy: every step's loss comes back."""
+    """An unsampled step's device loss and a device value given to ``watch.log`` wait in the step log
+    (no sync) and are read with the next record's one copy: every step's loss comes back. A logged device
+    tensor the loop updates in place (a running count) is copied when logged: each step has its own."""
     model, opt = make()
     x = torch.randn(32, 64, device="cuda")
     y = torch.randint(0, 10, (32,), device="cuda")
     records = sw.sinks.collect()
     watch = sw.observe(model, opt, sinks=[records], every=4)
     losses = [train_step(model, opt, watch, x, y).detach().clone()]  # warm-up (step 0, sampled)
+    count = torch.zeros((), device="cuda")
     with no_host_sync():
         for _ in range(9):
+            count += 1  # (in place)
+            watch.log(count=count)
             loss = torch.nn.functional.cross_entropy(model(x), y)
             opt.zero_grad()
             loss.backward()
@@ -380,6 +384,7 @@ def test_unsampled_steps_keep_their_device_loss_and_logged_values_without_a_sync
         assert s.scalars["loss"] == pytest.approx(loss.item(), rel=1e-6)
         if s.step:
             assert s.scalars["log/double"] == pytest.approx(2 * loss.item(), rel=1e-6)
+            assert s.scalars["log/count"] == s.step
 
 
 def test_a_device_loss_past_the_spike_line_is_sent_within_a_sentinel_batch(
