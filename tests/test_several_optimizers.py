@@ -590,12 +590,20 @@ def test_an_optimizer_stepped_inside_the_observed_ones_step_is_part_of_it() -> N
     part of the observed step; the rows are read at the observed optimizer's hooks, equal to torch's."""
     model = _model()
     opt = _Sharded(model.parameters())
+    _check_wrapped(model, opt, observed=opt, steps=3)
+
+
+def _check_wrapped(
+    model: nn.Module, opt: torch.optim.Optimizer, observed: torch.optim.Optimizer, steps: int
+) -> None:
+    """Train ``steps`` steps with ``opt`` stepped and ``observed`` given to the watch, nothing warned:
+    nothing skipped, and each step's rows those of the whole ``opt.step()`` (torch's tensors)."""
     records = sw.sinks.collect()
     seen = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with sw.observe(model, opt, every=1, cadence=CADENCE, sinks=[records]) as watch:
-            for k in range(3):
+        with sw.observe(model, observed, every=1, cadence=CADENCE, sinks=[records]) as watch:
+            for k in range(steps):
                 x, y = _batch(k)
                 opt.zero_grad()
                 F.cross_entropy(model(x), y).backward()
@@ -639,20 +647,4 @@ def test_a_wrapper_stepping_the_observed_inner_optimizer_is_read_once_around_its
     model = _model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     opt = _Lookahead(inner)
-    records = sw.sinks.collect()
-    seen = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        target = opt if observed == "wrapper" else inner
-        with sw.observe(model, target, every=1, cadence=CADENCE, sinks=[records]) as watch:
-            for k in range(4):
-                x, y = _batch(k)
-                opt.zero_grad()
-                F.cross_entropy(model(x), y).backward()
-                grads, before = _clone(model, grads=True), _clone(model)
-                opt.step()
-                seen.append((grads, before, _clone(model), set(grads)))
-                watch.step()
-    assert watch.statistics().skipped == {}
-    for record, rows in zip(records.items, seen, strict=True):
-        _assert_rows(record, *rows)
+    _check_wrapped(model, opt, observed=opt if observed == "wrapper" else inner, steps=4)
