@@ -33,11 +33,13 @@ __all__ = [
     "resolve_select",
 ]
 
-WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
-"""The attributes torch's module wrappers keep the wrapped module under: ``torch.compile``'s
-``OptimizedModule``, ``checkpoint_wrapper`` and FSDP1. Left out of layer names, as
+WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_forward_module")
+"""The attributes module wrappers keep the wrapped module under: ``torch.compile``'s ``OptimizedModule``,
+``checkpoint_wrapper``, FSDP1 and Lightning Fabric's ``_FabricModule`` (what ``fabric.setup`` returns; it
+holds the module a second time as ``_original_module``, listed once). Left out of layer names, as
 ``torch.distributed.checkpoint`` leaves them out of its parameter names: a block compiled on its own
-(``model.layers[i] = torch.compile(block)``) is ``layers.0.attn``, as uncompiled."""
+(``model.layers[i] = torch.compile(block)``) is ``layers.0.attn``, as uncompiled, and a model set up by
+Fabric has the names it has without Fabric."""
 
 PARALLEL = (nn.DataParallel, nn.parallel.DistributedDataParallel)
 """Wrappers that keep the model under ``module``: that name is left out only for these classes (a model's

@@ -13,6 +13,8 @@
 * Accelerate: ``observe(accelerator.unwrap_model(model), optimizer)`` unchanged, one record per
   optimizer step under ``accelerator.accumulate``; the ``AcceleratedOptimizer`` itself is unwrapped to
   the optimizer it steps.
+* Lightning Fabric: ``observe()`` of what ``fabric.setup`` returns records the model under its own layer
+  names, clipped gradients with the norm ``fabric.clip_gradients`` returned, training unchanged.
 * ``import streamwatch`` imports none of the trainer libraries, and a missing one is an ImportError
   naming the extra.
 """
@@ -869,6 +871,148 @@ def test_accelerate_wrapped_optimizer_is_unwrapped_to_the_one_it_steps() -> None
 
     with pytest.raises(TypeError, match=r"has no step hooks.*pass the torch optimizer it wraps"):
         sw.observe(model, Hollow())
+
+
+def _fabric_training(fabric_module: Any, watch_options: dict[str, Any] | None) -> dict[str, Any]:
+    """Four optimizer steps of two micro-batches each under a real CPU ``Fabric`` (bf16 autocast, Dropout,
+    ``fabric.clip_gradients``), observed through what ``fabric.setup`` returns when ``watch_options`` is
+    given; what the loop saw (clipped gradients, the norms ``clip_gradients`` returned, the losses)."""
+    fabric = fabric_module.Fabric(accelerator="cpu", devices=1, precision="bf16-mixed")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.1), nn.ReLU(), nn.Linear(16, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    set_up, set_up_optimizer = fabric.setup(model, optimizer)
+    loader = DataLoader(_dataset(64, seed=3), batch_size=8)
+    seen: dict[str, Any] = {"model": model, "optimizer": optimizer, "grads": [], "norms": [], "losses": []}
+    watch = None if watch_options is None else sw.observe(set_up, set_up_optimizer, **watch_options)
+    batches = iter(loader)
+    for _ in range(4):
+        total = torch.zeros(())
+        for micro in range(2):
+            x, y = next(batches)
+            with fabric.no_backward_sync(set_up, enabled=micro == 0):
+                loss = F.cross_entropy(set_up(x), y) / 2
+                fabric.backward(loss)
+            total += loss.detach().float()
+        seen["norms"].append(float(fabric.clip_gradients(set_up, set_up_optimizer, max_norm=0.5)))
+        seen["grads"].append({name: p.grad.detach().clone() for name, p in model.named_parameters()})
+        set_up_optimizer.step()
+        set_up_optimizer.zero_grad()
+        seen["losses"].append(float(total))
+        if watch is not None:
+            watch.step(loss=total)
+    if watch is not None:
+        watch.close()
+    return seen
+
+
+def test_fabric_observe_what_setup_returns_under_the_models_own_names() -> None:
+    """``observe(model, optimizer)`` with what ``fabric.setup`` returns: the module's own layer names (not
+    ``_forward_module.0``), gradients as clipped by ``fabric.clip_gradients`` with the norm it returned
+    before clipping, the losses the loop computed, training bit-identical, and no hook left."""
+    fabric_module = pytest.importorskip("lightning.fabric")
+    records = sw.sinks.collect()
+    options = {"every": 1, "cadence": {"param": 1, "update": 1}, "sinks": [records]}
+    watched = _fabric_training(fabric_module, options)
+    plain = _fabric_training(fabric_module, None)
+    assert watched["model"] is not plain["model"]
+    for a, b in zip(watched["model"].parameters(), plain["model"].parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert len(records.items) == 4
+    assert {k.layer for r in records.items for k in r.keys} == {"0", "1", "2", "3"}
+    for record, grads, norm, loss in zip(
+        records.items, watched["grads"], watched["norms"], watched["losses"], strict=True
+    ):
+        assert record.scalars["loss"] == loss
+        assert record.scalars["log/grad_norm"] == pytest.approx(norm, rel=1e-6)
+        assert {k.kind for k in record.keys} == {"activation", "output_grad", "param", "param_grad", "update"}
+        for i, key in enumerate(record.keys):
+            if key.kind == "param_grad":
+                reference = grads[f"{key.layer}.{key.name}"].double()
+                assert record.column("sumsq")[i] == pytest.approx(float(reference.pow(2).sum()), rel=1e-6)
+    assert _leftover_hooks(watched["model"], watched["optimizer"]) == []
+
+
+def test_fabric_a_compiled_model_set_up_is_named_as_the_model() -> None:
+    """``fabric.setup(torch.compile(model))`` wraps the compiled module and keeps the model beside it:
+    each layer is listed once, under its own name."""
+    fabric_module = pytest.importorskip("lightning.fabric")
+    from streamwatch._select import named_layers
+
+    fabric = fabric_module.Fabric(accelerator="cpu", devices=1)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 3)))
+    set_up = fabric.setup(torch.compile(model, backend="eager"))
+    names = [name for name, _ in set_up.named_modules()]
+    assert names[:3] == ["", "_forward_module", "_forward_module._orig_mod"]
+    assert [(name, type(m).__name__) for name, m in named_layers(set_up)] == [
+        ("", "Sequential"),
+        ("0", "Linear"),
+        ("1", "ReLU"),
+        ("2", "Sequential"),
+        ("2.0", "Linear"),
+    ]
+
+
+_FABRIC_DDP_SCRIPT = """
+import json, os, sys, warnings
+warnings.simplefilter("error")
+import torch
+from lightning.fabric import Fabric
+import streamwatch as sw
+
+fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+fabric.launch()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+set_up, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+records = sw.sinks.collect()
+g = torch.Generator().manual_seed(fabric.global_rank)
+grads = []
+with sw.observe(set_up, optimizer, every=1, sinks=[records]) as watch:
+    for _ in range(3):
+        x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+        fabric.backward(torch.nn.functional.cross_entropy(set_up(x), y))
+        grads.append(float(model[2].weight.grad.double().pow(2).sum()))  # averaged over the ranks by DDP
+        optimizer.step()
+        optimizer.zero_grad()
+        watch.step()
+rows = [[float(r.column("sumsq")[i]) for i, k in enumerate(r.keys)
+         if (k.layer, k.kind, k.name) == ("2", "param_grad", "weight")] for r in records.items]
+out = {"rank": fabric.global_rank, "forward_module": type(set_up._forward_module).__name__,
+       "layers": sorted({k.layer for r in records.items for k in r.keys}),
+       "record_ranks": [r.rank for r in records.items], "rows": rows, "grads": grads}
+with open(os.path.join(sys.argv[1], f"rank{fabric.global_rank}.json"), "w") as f:
+    json.dump(out, f)
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_fabric_ddp_records_each_ranks_averaged_gradients_under_the_models_names(tmp_path: Path) -> None:
+    """A 2-rank ``Fabric(strategy="ddp")`` job under ``torchrun`` (gloo): ``fabric.setup`` wraps the model in
+    DDP inside its own wrapper; each rank's records carry its rank, the model's own layer names, and the
+    gradient DDP averaged."""
+    pytest.importorskip("lightning.fabric")
+    script = tmp_path / "ddp_fabric.py"
+    script.write_text(_FABRIC_DDP_SCRIPT)
+    done = subprocess.run(
+        torchrun.command(script, 2, str(tmp_path)),
+        env=torchrun.environment(),
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    outs = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for rank, out in enumerate(outs):
+        assert out["rank"] == rank
+        assert out["forward_module"] == "DistributedDataParallel"
+        assert out["layers"] == ["0", "1", "2"]
+        assert out["record_ranks"] == [rank] * 3
+        assert [row for (row,) in out["rows"]] == pytest.approx(out["grads"], rel=1e-6)
+    assert outs[0]["grads"] == outs[1]["grads"]  # (averaged: both ranks step the same gradient)
 
 
 # -- imports --------------------------------------------------------------------------------------------
