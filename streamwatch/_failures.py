@@ -91,14 +91,22 @@ class Failures:
         return warned
 
 
-def user_frame() -> int:
+def user_frame(through: str = "") -> int:
     """The ``stacklevel`` that points a warning, raised by this function's caller, at the first frame
-    outside streamwatch: the user's ``watch.step()`` call, however deep the boundary's calls are."""
+    outside streamwatch: the user's ``watch.step()`` call, however deep the boundary's calls are. With
+    ``through="torch"``, outside torch too: a hook's warning points at the user's ``optimizer.step()``.
+
+    Example:
+        >>> user_frame() >= 1, user_frame("torch") >= 1
+        (True, True)
+    """
     level, frame = 1, sys._getframe(1)  # level 1: the caller, who warns
-    while frame is not None and _ours(frame.f_globals.get("__name__", "")):
+    while frame is not None and _ours(frame.f_globals.get("__name__", ""), through):
         frame, level = frame.f_back, level + 1  # type: ignore[assignment]
     return level
 
 
-def _ours(module: str) -> bool:
+def _ours(module: str, through: str = "") -> bool:
+    if through and (module == through or module.startswith(through + ".")):
+        return True
     return module == "streamwatch" or module.startswith("streamwatch.")

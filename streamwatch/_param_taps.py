@@ -132,6 +132,7 @@ class ParamTaps:
         self._grads_after: list[tuple[SeriesKey, nn.Parameter]] | None = None
         self._closure = False  # the optimizer step under way was given a closure
         self._warned_unseen = False  # _unseen_forward warned
+        self._warned_eval_mode = False  # _trained_in_eval_mode warned
         self.params_taken = False
         self.grads_taken = False  # this step's gradients are summarised (at the optimizer's pre-step)
         self.grad_registrations: list[Callable[[], Any]] = []
@@ -308,7 +309,24 @@ class ParamTaps:
             "check module hooks. Call observe() before any instance of the class runs compiled, or "
             "torch._dynamo.reset() after observe() (docs/observe.md#torchcompile)",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=user_frame("torch"),
+        )
+
+    def _trained_in_eval_mode(self) -> None:
+        """The optimizer steps after forwards of the model in eval mode with gradients on, and no forward in
+        train mode since its last step the hooks saw: most often an evaluation left the model in eval
+        mode (``model.train()`` forgotten), so its dropout and batch norm no longer train. Warned once."""
+        self._warned_eval_mode = True
+        warnings.warn(
+            "streamwatch: the optimizer steps gradients of forward passes run with the model in eval mode "
+            "(model.training is False, gradients on), and no forward in train mode came since its last "
+            "step: did an evaluation leave the model in eval mode? Its Dropout and BatchNorm layers then "
+            "run as in evaluation. Call model.train() before training. While the model trains in eval mode "
+            "its forwards are recorded as phase='eval', without output gradients (docs/observe.md#phases); "
+            "to keep a layer in eval mode inside training (a frozen BatchNorm), call model.train() and "
+            "then layer.eval()",
+            RuntimeWarning,
+            stacklevel=user_frame("torch"),
         )
 
     def _split(self, index: int) -> tuple[list[tuple[str, str, nn.Parameter]], list[GradKey]]:
@@ -403,6 +421,10 @@ class ParamTaps:
             self._pre_ran.add(index)
         if state.forward and not state.seen and not _has_closure(args, kwargs):
             self._unseen_forward()
+        if first:
+            if state.eval_with_grad and not state.trained and not self._warned_eval_mode:
+                self._trained_in_eval_mode()
+            state.eval_with_grad = state.trained = False
         on = state.on
         if on.get("param_grad") or on.get("update") or on.get("param"):
             params, grads = self._split(index)

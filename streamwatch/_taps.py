@@ -523,8 +523,11 @@ class TapSet:
             self.state.compiled = True  # every hook stays in from the next step boundary on
             return
         state = self.state
-        state.root_training = training = module.training and torch.is_grad_enabled()
+        grad = torch.is_grad_enabled()
+        state.root_training = training = module.training and grad
         if not training:
+            if grad and not state.paused:  # (in eval mode: an evaluation without no_grad, or training)
+                state.eval_with_grad = True
             allowance = self.eval_allowance
             if self._eval_armed and allowance is not None:
                 # another evaluation pass with their hooks in: what the last took is spent, and this one
@@ -549,6 +552,7 @@ class TapSet:
                 self._eval_mark = state.busy - (perf_counter() - arming)  # (spent: busy since, and this)
             state.quiet = 0  # an evaluation pass records: the step ends at a full boundary
         else:
+            state.trained = True
             if (
                 self._eval_armed
             ):  # a training forward after an evaluation pass (no root forward hook ended it)

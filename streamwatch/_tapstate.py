@@ -102,6 +102,10 @@ class TapState:
     # the root module's last call was a training forward (train mode, gradients on): a submodule in eval
     # mode inside it (a frozen BatchNorm) is part of the training step, not an evaluation pass
     root_training: bool = False
+    # since the last optimizer step the hooks saw: the root module ran a training forward / a forward in
+    # eval mode with gradients on (an optimizer stepping those alone: a model trained in eval mode, warned)
+    trained: bool = False
+    eval_with_grad: bool = False
     compiled: bool = False  # a hook ran inside torch.compile: hooks stay installed (TapSet.static)
     seen: bool = False  # a forward-side hook or the root module's call ran since the last full boundary
     # reasons compiled code skipped something (``skip``): noted in the graph, moved to ``noted`` outside

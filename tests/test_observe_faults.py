@@ -8,6 +8,7 @@ quietly — a bad argument gets a clear error naming it, and whatever fails leav
 from __future__ import annotations
 
 import fractions
+import inspect
 import re
 import threading
 import time
@@ -571,6 +572,96 @@ def test_a_checkpointed_block_in_evaluation_is_still_an_eval_forward() -> None:
             model(torch.randn(4, 4, requires_grad=True))
         watch.step()
     assert {k.phase for k in recs.items[0].keys} == {"eval"}
+
+
+# -- a model left in eval mode while it trains ------------------------------------------------------------
+
+
+def _dropout_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.ReLU(), nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+
+def _line() -> int:
+    """The caller's line number."""
+    frame = inspect.currentframe()
+    caller = None if frame is None else frame.f_back
+    assert caller is not None
+    return caller.f_lineno
+
+
+@pytest.mark.parametrize("every", [1, None], ids=["every_1", "governor"])
+def test_training_left_in_eval_mode_after_a_validation_is_warned_once_at_the_optimizer_step(
+    every: int | None,
+) -> None:
+    """The classic bug: a validation calls ``model.eval()`` and training goes on without ``model.train()``.
+    The optimizer's next sampled step warns, once, pointing at the loop's ``optimizer.step()`` line; the
+    rows say what was run (``eval`` forwards, ``train`` gradients)."""
+    torch.manual_seed(0)
+    model = _dropout_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    recs = sw.sinks.collect()
+    options: dict[str, Any] = {"every": every} if every else {}
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(16, 4), torch.randint(0, 3, (16,))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with sw.observe(model, opt, sinks=[recs], **options) as watch:
+            for step in range(2500):
+                if step == 5:  # a validation that leaves the model in eval mode
+                    model.eval()
+                    with torch.no_grad():
+                        model(batch()[0])
+                x, y = batch()
+                loss = nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                line = _line() + 1
+                opt.step()
+                watch.step(loss=loss)
+                if caught and step > 5 + 20:  # (a few steps more: warned once only)
+                    break
+    found = [w for w in caught if "eval mode" in str(w.message)]
+    assert len(found) == 1, [str(w.message) for w in caught]
+    assert issubclass(found[0].category, RuntimeWarning)
+    assert "model.train()" in str(found[0].message)
+    assert (found[0].filename, found[0].lineno) == (__file__, line)
+    assert len(caught) == 1  # (nothing else to say about this loop)
+    assert watch.statistics().hook_errors == 0
+    late = [r for r in recs.items if r.step > 5 and r.rows("param_grad")]
+    assert late, "a sampled step after the validation"
+    assert all({k.phase for k in r.keys if k.kind == "activation"} == {"eval"} for r in late)
+    assert all(not r.rows("output_grad") for r in late)
+
+
+def test_no_eval_mode_warning_for_evaluations_a_frozen_batchnorm_or_generation_before_training() -> None:
+    """Forwards in eval mode with gradients on that are not the training: a validation that forgot
+    ``torch.no_grad()`` (then ``model.train()``), generation in eval mode before a training forward in the
+    same step (RL), a BatchNorm frozen with ``model.train(); bn.eval()``: no warning (pytest makes one an
+    error), on every step."""
+    torch.manual_seed(0)
+    model = _dropout_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with sw.observe(model, opt, every=1) as watch:
+        for step in range(12):
+            x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+            if step % 3 == 0:  # an evaluation without no_grad, between steps
+                model.eval()
+                model(x).sum()
+                model.train()
+            if step % 3 == 1:  # generation in eval mode (gradients on) before this step's training forward
+                model.eval()
+                model(x)
+                model.train()
+            if step >= 6:
+                model[3].eval()  # a frozen BatchNorm inside a training model
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            watch.step(loss=loss)
+    assert watch.statistics().steps == 12
 
 
 # -- finding 5: argument validation ------------------------------------------------------------------
