@@ -28,6 +28,7 @@ __all__ = [
     "Select",
     "check_hookable",
     "describe_modules",
+    "is_adapter",
     "named_layers",
     "named_params",
     "resolve_select",
@@ -90,7 +91,8 @@ class Select:
         depth: only modules at this depth (``0`` is the model itself, ``1`` its children, ...).
         indices: positions in ``model.named_modules()`` order (torchfunc's ``indices``; torch's wrappers
             left out: :func:`named_layers`).
-        leaves: only modules without children (default when no other criterion is given).
+        leaves: only modules without children, and adapters of a layer (PEFT's LoRA layers:
+            :func:`is_adapter`), the default when no other criterion is given.
 
     A single class, glob or index is read as a one-element tuple (``Select(names="fc")`` is
     ``Select(names=("fc",))``); anything else that is not a criterion is refused with a ``TypeError``.
@@ -130,7 +132,7 @@ class Select:
             leaves = not (self.types or self.names or self.depth is not None or self.indices)
         picked = []
         for index, (name, module) in enumerate(named_layers(model)):
-            if leaves and next(module.children(), None) is not None:
+            if leaves and next(module.children(), None) is not None and not is_adapter(module):
                 continue
             if self.types and not isinstance(module, self.types):
                 continue
@@ -142,6 +144,24 @@ class Select:
                 continue
             picked.append((name, module))
         return picked
+
+
+def is_adapter(module: nn.Module) -> bool:
+    """Whether ``module`` adapts a layer it holds as ``base_layer`` (PEFT's tuner layers: a LoRA ``Linear``
+    adds its low-rank path to its base layer's output). Its output is what the model sees of the layer, so
+    the default selection takes it beside the leaves inside it.
+
+    Example:
+        >>> class Adapted(nn.Module):
+        ...     def __init__(self) -> None:
+        ...         super().__init__()
+        ...         self.base_layer, self.up = nn.Linear(2, 2), nn.Linear(2, 2)
+        >>> is_adapter(Adapted()), is_adapter(nn.Sequential(nn.Linear(2, 2)))
+        (True, False)
+        >>> [name for name, _ in Select().modules(nn.Sequential(Adapted()))]
+        ['0', '0.base_layer', '0.up']
+    """
+    return "base_layer" in module._modules
 
 
 _CRITERIA = {

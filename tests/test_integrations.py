@@ -15,6 +15,8 @@
   the optimizer it steps.
 * Lightning Fabric: ``observe()`` of what ``fabric.setup`` returns records the model under its own layer
   names, clipped gradients with the norm ``fabric.clip_gradients`` returned, training unchanged.
+* PEFT: a LoRA layer is recorded as the layer the model sees (its adapted output and output gradient),
+  beside the leaves inside it.
 * ``import streamwatch`` imports none of the trainer libraries, and a missing one is an ImportError
   naming the extra.
 """
@@ -1013,6 +1015,82 @@ def test_fabric_ddp_records_each_ranks_averaged_gradients_under_the_models_names
         assert out["record_ranks"] == [rank] * 3
         assert [row for (row,) in out["rows"]] == pytest.approx(out["grads"], rel=1e-6)
     assert outs[0]["grads"] == outs[1]["grads"]  # (averaged: both ranks step the same gradient)
+
+
+# -- PEFT -------------------------------------------------------------------------------------------------
+
+
+def _lora_training(peft: Any, observed: bool) -> dict[str, Any]:
+    """Three steps of a LoRA fine-tune (PEFT on an MLP, both adapters initialised at random so that the
+    adapted output differs from the base layer's), with the outputs and output gradients of each adapted
+    layer and its base layer taken by hooks of the test's own."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    config = peft.LoraConfig(r=4, target_modules=["0", "2"], lora_dropout=0.0, init_lora_weights=False)
+    model = peft.get_peft_model(net, config)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    seen: dict[str, Any] = {"model": model, "outputs": [], "grads": []}
+
+    def keep(name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+            seen["outputs"][-1][name] = output.detach().clone()
+            if output.requires_grad:  # (the first base layer's does not: frozen, on the input)
+                output.register_hook(lambda grad: seen["grads"][-1].__setitem__(name, grad.clone()))
+
+        return hook
+
+    for name in ("0", "2"):
+        adapter = model.base_model.model[int(name)]
+        adapter.register_forward_hook(keep(f"base_model.model.{name}"))
+        adapter.base_layer.register_forward_hook(keep(f"base_model.model.{name}.base_layer"))
+    records = sw.sinks.collect()
+    watch = sw.observe(model, optimizer, every=1, sinks=[records]) if observed else None
+    for x, y in DataLoader(_dataset(24, seed=4), batch_size=8):
+        seen["outputs"].append({})
+        seen["grads"].append({})
+        loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if watch is not None:
+            watch.step(loss=loss)
+    if watch is not None:
+        watch.close()
+    seen["records"] = records.items
+    return seen
+
+
+def test_peft_lora_layers_are_recorded_as_the_layers_the_model_sees() -> None:
+    """A LoRA layer holds the layer it adapts as ``base_layer`` and adds its low-rank path: the default
+    selection records the adapted layer itself (what the next layer sees, its output gradient) beside
+    the leaves inside it, each against the tensors torch computed; the frozen base weights get no
+    gradient row; training is unchanged."""
+    peft = pytest.importorskip("peft")
+    watched, plain = _lora_training(peft, True), _lora_training(peft, False)
+    for a, b in zip(watched["model"].parameters(), plain["model"].parameters(), strict=True):
+        assert torch.equal(a, b)
+    layers = {k.layer for r in watched["records"] for k in r.keys if k.kind == "activation"}
+    adapted = {"base_model.model.0", "base_model.model.2"}
+    inside = {f"{a}.{part}" for a in adapted for part in ("base_layer", "lora_A.default", "lora_B.default")}
+    dropout = {f"{a}.lora_dropout.default" for a in adapted}  # (an Identity at lora_dropout=0)
+    assert layers == adapted | inside | dropout | {"base_model.model.1"}
+    assert len(watched["records"]) == 3
+    for record, outputs, grads in zip(watched["records"], watched["outputs"], watched["grads"], strict=True):
+        assert set(grads) == adapted | {"base_model.model.2.base_layer"}
+        assert sw.SeriesKey("train", "base_model.model.0.base_layer", "output_grad", "") not in record.keys
+        for layer in adapted | {f"{a}.base_layer" for a in adapted}:
+            references = [("activation", outputs[layer])]
+            if layer in grads:
+                references.append(("output_grad", grads[layer]))
+            for kind, reference in references:
+                row = record.keys.index(sw.SeriesKey("train", layer, kind, ""))
+                assert record.column("count")[row] == reference.numel()
+                expected = float(reference.double().pow(2).sum())
+                assert record.column("sumsq")[row] == pytest.approx(expected, rel=1e-6), (layer, kind)
+        for name in adapted:  # (the adapter changes the output: the two rows differ)
+            assert not torch.equal(outputs[name], outputs[f"{name}.base_layer"])
+        with_grads = {(k.layer, k.name) for k in record.keys if k.kind == "param_grad"}
+        assert with_grads == {(f"{a}.lora_{ab}.default", "weight") for a in adapted for ab in "AB"}
 
 
 # -- imports --------------------------------------------------------------------------------------------
