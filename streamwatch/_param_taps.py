@@ -51,6 +51,10 @@ UNSEEN_FORWARD = "unseen_forward"
 ran a graph traced without them)."""
 
 
+UNSTEPPED_STEPS = 4
+"""Sampled steps without an optimizer step (after its first) before :meth:`ParamTaps._count_step` warns."""
+
+
 def _has_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether an optimizer step hook's call passes a closure: ``step(closure)`` or ``step(closure=...)``
     (torch hands the hooks the step's arguments with the optimizer itself first)."""
@@ -133,6 +137,8 @@ class ParamTaps:
         self._closure = False  # the optimizer step under way was given a closure
         self._warned_unseen = False  # _unseen_forward warned
         self._warned_eval_mode = False  # _trained_in_eval_mode warned
+        self._step_counts = [0, 0]  # steps with the hooks in: with an optimizer step, without (after one)
+        self._warned_unstepped = False  # _count_step warned
         self.params_taken = False
         self.grads_taken = False  # this step's gradients are summarised (at the optimizer's pre-step)
         self.grad_registrations: list[Callable[[], Any]] = []
@@ -172,11 +178,15 @@ class ParamTaps:
             done = guarded(state, self._any_optimizer_stepped, eager=True)
             self.step_registrations.append(functools.partial(register_optimizer_step_post_hook, done))
 
-    def new_step(self) -> None:
+    def new_step(self, hooked: bool = False) -> None:
         """A step begins: nothing of it is read yet. An unobserved optimizer that stepped the model in
-        the step before is counted now, and warned about once if the observed ones did not step."""
+        the step before is counted now, and warned about once if the observed ones did not step.
+        ``hooked``: the step before had the optimizer's hooks in, so whether it stepped is known
+        (:meth:`_count_step`)."""
         if self.foreign is not None:
             self._unobserved_optimizer(self.foreign)
+        if hooked and self.has_optimizer and not self._warned_unstepped and self.foreign is None:
+            self._count_step(self.stepped)  # (an unobserved optimizer's step is warned about above)
         self.stepped, self.foreign = False, None
         self._stepping.clear()  # (a step that raised inside the optimizer's step left it there)
         self._stand_in = None
@@ -390,6 +400,30 @@ class ParamTaps:
         its own step (a wrapper sharing its groups, Lookahead's, with the inner one observed)."""
         stand_in = self._stand_in
         return stand_in is not None and stand_in[1] == index and stand_in[0] is not optimizer
+
+    def _count_step(self, stepped: bool) -> None:
+        """Count a step whose optimizer hooks were in: with or without an observed optimizer's step. Once
+        the optimizer has stepped, steps without a step as many as those with one (at least
+        :data:`UNSTEPPED_STEPS`) mean ``watch.step()`` ends micro-batches, not optimizer steps: warned once.
+        (A ``GradScaler`` skips its first steps, before the optimizer ever stepped, and a rare one later.)"""
+        counts = self._step_counts
+        if stepped:
+            counts[0] += 1
+        elif counts[0]:
+            counts[1] += 1
+            if counts[1] >= UNSTEPPED_STEPS and counts[1] >= counts[0]:
+                self._warned_unstepped = True
+                warnings.warn(
+                    f"streamwatch: watch.step() ended {counts[1]} sampled steps in which no observed "
+                    f"optimizer stepped, and {counts[0]} in which one did. A streamwatch step is one "
+                    "optimizer step: with gradient accumulation, call watch.step() once, after "
+                    "optimizer.step(), with the "
+                    "whole step's loss; as it is, each record holds a micro-batch and its gradient rows a "
+                    "part-accumulated gradient (or the last step's). If the optimizer is meant to skip these "
+                    "steps, ignore this warning (docs/observe.md#one-step-one-optimizer-step)",
+                    RuntimeWarning,
+                    stacklevel=user_frame(),
+                )
 
     def _unobserved_optimizer(self, name: str) -> None:
         self.state.skip(UNOBSERVED_OPTIMIZER)

@@ -350,7 +350,7 @@ class TapSet:
             self._charge_eval()
         if self._leaf_hooks:
             self._release_leaves()
-        self.parameters.new_step()
+        self.parameters.new_step(self._armed_now[2])
         state.seen = False
         self.guards.hold()  # (dynamo loaded since the last boundary: its hook check goes on now)
         self._arms += 1

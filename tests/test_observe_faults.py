@@ -664,6 +664,71 @@ def test_no_eval_mode_warning_for_evaluations_a_frozen_batchnorm_or_generation_b
     assert watch.statistics().steps == 12
 
 
+# -- watch.step() per micro-batch -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("every", [1, None], ids=["every_1", "governor"])
+def test_watch_step_per_micro_batch_under_accumulation_is_warned_once_at_the_watch_step(
+    every: int | None,
+) -> None:
+    """Gradient accumulation over 4 micro-batches with ``watch.step()`` after each one (not after the
+    optimizer's step): warned once, at the loop's ``watch.step()`` line, naming the counts."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    options: dict[str, Any] = {"every": every} if every else {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with sw.observe(model, opt, **options) as watch:
+            for step in range(4000):
+                loss = nn.functional.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))) / 4
+                loss.backward()
+                if step % 4 == 3:
+                    opt.step()
+                    opt.zero_grad()
+                line = _line() + 1
+                watch.step(loss=loss)
+                if caught and step % 4 == 3:
+                    break
+            for _ in range(40):  # (more of the same: warned once only)
+                for micro in range(4):
+                    model(torch.randn(8, 4)).sum().backward()
+                    if micro == 3:
+                        opt.step()
+                        opt.zero_grad()
+                    watch.step()
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert issubclass(caught[0].category, RuntimeWarning)
+    message = str(caught[0].message)
+    assert re.search(r"ended \d+ sampled steps in which no observed\s+optimizer stepped, and \d+ in", message)
+    assert "once, after optimizer.step()" in message
+    assert (caught[0].filename, caught[0].lineno) == (__file__, line)
+
+
+def test_no_micro_batch_warning_for_steps_a_scaler_skips_or_one_step_per_watch_step() -> None:
+    """Steps without an optimizer step that are not micro-batches: a ``GradScaler``'s first steps (before
+    the optimizer ever stepped) and a rare skip later; and accumulation done right (``watch.step()`` after
+    the optimizer's step). No warning (pytest makes one an error), every step sampled."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with sw.observe(model, opt, every=1) as watch:
+        for step in range(60):
+            loss = nn.functional.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 3, (8,)))
+            opt.zero_grad()
+            loss.backward()
+            if step >= 6 and step % 10 != 0:  # (skipped: the first six, then one in ten)
+                opt.step()
+            watch.step(loss=loss)
+        for _ in range(10):  # accumulation over 3 micro-batches, watch.step() once per optimizer step
+            for _ in range(3):
+                model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            watch.step()
+    assert watch.statistics().steps == 70
+
+
 # -- finding 5: argument validation ------------------------------------------------------------------
 
 
