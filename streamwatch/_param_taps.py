@@ -33,6 +33,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from streamwatch._buffer import StepBuffer
 from streamwatch._failures import user_frame
+from streamwatch._loopchecks import LoopChecks
 from streamwatch._record import SeriesKey
 from streamwatch._tapstate import TapState, guarded, summarize_into, summarize_many, summarize_pack
 from streamwatch._torchpath import GROUP_ELEMENTS, Packing, Packings, batches
@@ -49,10 +50,6 @@ stepped some of the model's parameters: their updates are not recorded (:meth:`P
 UNSEEN_FORWARD = "unseen_forward"
 """The ``statistics().skipped`` reason of sampled steps whose forward pass no hook saw (compiled code that
 ran a graph traced without them)."""
-
-
-UNSTEPPED_STEPS = 4
-"""Sampled steps without an optimizer step (after its first) before :meth:`ParamTaps._count_step` warns."""
 
 
 def _has_closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -135,10 +132,7 @@ class ParamTaps:
         self._before_params: list[tuple[str, str, nn.Parameter]] = []
         self._grads_after: list[tuple[SeriesKey, nn.Parameter]] | None = None
         self._closure = False  # the optimizer step under way was given a closure
-        self._warned_unseen = False  # _unseen_forward warned
-        self._warned_eval_mode = False  # _trained_in_eval_mode warned
-        self._step_counts = [0, 0]  # steps with the hooks in: with an optimizer step, without (after one)
-        self._warned_unstepped = False  # _count_step warned
+        self.checks = LoopChecks()  # how the loop uses the watch, as these hooks see it
         self.params_taken = False
         self.grads_taken = False  # this step's gradients are summarised (at the optimizer's pre-step)
         self.grad_registrations: list[Callable[[], Any]] = []
@@ -182,11 +176,13 @@ class ParamTaps:
         """A step begins: nothing of it is read yet. An unobserved optimizer that stepped the model in
         the step before is counted now, and warned about once if the observed ones did not step.
         ``hooked``: the step before had the optimizer's hooks in, so whether it stepped is known
-        (:meth:`_count_step`)."""
-        if self.foreign is not None:
-            self._unobserved_optimizer(self.foreign)
-        if hooked and self.has_optimizer and not self._warned_unstepped and self.foreign is None:
-            self._count_step(self.stepped)  # (an unobserved optimizer's step is warned about above)
+        (``LoopChecks.step_ends``)."""
+        foreign = self.foreign
+        if foreign is not None:
+            self._unobserved_optimizer(foreign)
+        stepped = self.stepped if self.has_optimizer and foreign is None else None  # (foreign: warned above)
+        if self.checks.step_ends(self.state.seen, hooked, stepped):
+            self.state.skip(UNSEEN_FORWARD)
         self.stepped, self.foreign = False, None
         self._stepping.clear()  # (a step that raised inside the optimizer's step left it there)
         self._stand_in = None
@@ -299,46 +295,6 @@ class ParamTaps:
         for metric in state.step_metrics:
             state.call(metric.after_optimizer_step, state.buffer)
 
-    def _unseen_forward(self) -> None:
-        """The optimizer steps gradients of a forward pass no hook of this Watch saw, on a step that samples
-        the forward side: compiled code ran a graph traced without the hooks, or the loop called
-        ``model.forward`` (no module hook runs). Counted (``skipped``) and warned about once; nothing else
-        to do from here (docs/observe.md#torchcompile)."""
-        if not any(param.grad is not None for _, _, param in self.params):
-            return  # (no forward at all: nothing was missed)
-        self.state.skip(UNSEEN_FORWARD)
-        if self._warned_unseen:
-            return
-        self._warned_unseen = True
-        warnings.warn(
-            "streamwatch: the optimizer steps gradients of a forward pass that no streamwatch hook saw, so "
-            "this step has no activations (counted in statistics().skipped['unseen_forward']). Either the "
-            "forward was called as model.forward(x), which skips every module hook: call model(x); or a "
-            "compiled graph traced without the hooks ran: dynamo reuses a graph compiled for another "
-            "instance of the model's class, or compiled before observe(), since by default it does not "
-            "check module hooks. Call observe() before any instance of the class runs compiled, or "
-            "torch._dynamo.reset() after observe() (docs/observe.md#torchcompile)",
-            RuntimeWarning,
-            stacklevel=user_frame("torch"),
-        )
-
-    def _trained_in_eval_mode(self) -> None:
-        """The optimizer steps after forwards of the model in eval mode with gradients on, and no forward in
-        train mode since its last step the hooks saw: most often an evaluation left the model in eval
-        mode (``model.train()`` forgotten), so its dropout and batch norm no longer train. Warned once."""
-        self._warned_eval_mode = True
-        warnings.warn(
-            "streamwatch: the optimizer steps gradients of forward passes run with the model in eval mode "
-            "(model.training is False, gradients on), and no forward in train mode came since its last "
-            "step: did an evaluation leave the model in eval mode? Its Dropout and BatchNorm layers then "
-            "run as in evaluation. Call model.train() before training. While the model trains in eval mode "
-            "its forwards are recorded as phase='eval', without output gradients (docs/observe.md#phases); "
-            "to keep a layer in eval mode inside training (a frozen BatchNorm), call model.train() and "
-            "then layer.eval()",
-            RuntimeWarning,
-            stacklevel=user_frame("torch"),
-        )
-
     def _split(self, index: int) -> tuple[list[tuple[str, str, nn.Parameter]], list[GradKey]]:
         """The parameters optimizer ``index`` steps (its param groups, as they are now), their gradient keys;
         sets those no observed optimizer steps aside for :meth:`summarize_rest`. Cached while the groups
@@ -401,30 +357,6 @@ class ParamTaps:
         stand_in = self._stand_in
         return stand_in is not None and stand_in[1] == index and stand_in[0] is not optimizer
 
-    def _count_step(self, stepped: bool) -> None:
-        """Count a step whose optimizer hooks were in: with or without an observed optimizer's step. Once
-        the optimizer has stepped, steps without a step as many as those with one (at least
-        :data:`UNSTEPPED_STEPS`) mean ``watch.step()`` ends micro-batches, not optimizer steps: warned once.
-        (A ``GradScaler`` skips its first steps, before the optimizer ever stepped, and a rare one later.)"""
-        counts = self._step_counts
-        if stepped:
-            counts[0] += 1
-        elif counts[0]:
-            counts[1] += 1
-            if counts[1] >= UNSTEPPED_STEPS and counts[1] >= counts[0]:
-                self._warned_unstepped = True
-                warnings.warn(
-                    f"streamwatch: watch.step() ended {counts[1]} sampled steps in which no observed "
-                    f"optimizer stepped, and {counts[0]} in which one did. A streamwatch step is one "
-                    "optimizer step: with gradient accumulation, call watch.step() once, after "
-                    "optimizer.step(), with the "
-                    "whole step's loss; as it is, each record holds a micro-batch and its gradient rows a "
-                    "part-accumulated gradient (or the last step's). If the optimizer is meant to skip these "
-                    "steps, ignore this warning (docs/observe.md#one-step-one-optimizer-step)",
-                    RuntimeWarning,
-                    stacklevel=user_frame(),
-                )
-
     def _unobserved_optimizer(self, name: str) -> None:
         self.state.skip(UNOBSERVED_OPTIMIZER)
         if self.stepped or self._warned_foreign:
@@ -453,11 +385,11 @@ class ParamTaps:
             state.times.optimizer_start = state.times.clock()
         if several:
             self._pre_ran.add(index)
-        if state.forward and not state.seen and not _has_closure(args, kwargs):
-            self._unseen_forward()
+        if not state.seen and not _has_closure(args, kwargs):  # (no forward of this step seen yet)
+            has_grads = any(param.grad is not None for _, _, param in self.params)
+            self.checks.optimizer_steps(state.seen, state.forward, has_grads)
         if first:
-            if state.eval_with_grad and not state.trained and not self._warned_eval_mode:
-                self._trained_in_eval_mode()
+            self.checks.eval_mode(state.eval_with_grad, state.trained)
             state.eval_with_grad = state.trained = False
         on = state.on
         if on.get("param_grad") or on.get("update") or on.get("param"):

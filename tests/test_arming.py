@@ -515,13 +515,14 @@ def test_a_forward_no_hook_saw_is_counted_and_warned_about_once(call: str) -> No
         for _ in range(4):
             outputs = model(x) if call == "model(x)" else model.forward(x)
             nn.functional.cross_entropy(outputs, y).backward()
-            if call == "model.forward(x)" and watch.statistics().steps == 2:
-                with pytest.warns(RuntimeWarning, match=r"called as model.forward\(x\)"):
-                    opt.step()
-            else:
-                opt.step()
+            opt.step()
             opt.zero_grad()
-            watch.step()
+            if call == "model.forward(x)" and watch.statistics().steps == 2:  # (judged at the step's end)
+                with pytest.warns(RuntimeWarning, match=r"called as model.forward\(x\)") as said:
+                    watch.step()
+                assert said[0].filename == __file__
+            else:
+                watch.step()
         skipped = watch.statistics().skipped.get("unseen_forward", 0)
     activations = [any(k.kind == "activation" for k in r.keys) for r in records.items]
     if call == "model(x)":

@@ -729,6 +729,35 @@ def test_no_micro_batch_warning_for_steps_a_scaler_skips_or_one_step_per_watch_s
     assert watch.statistics().steps == 70
 
 
+@pytest.mark.parametrize("every", [1, None], ids=["every_1", "governor"])
+def test_optimizer_step_after_watch_step_is_warned_once_not_taken_for_an_unseen_forward(
+    every: int | None,
+) -> None:
+    """``watch.step()`` before ``optimizer.step()``: each step's gradients are stepped in the next step,
+    before its forward. Warned once, at the loop's ``watch.step()`` line, saying so (not that a forward
+    went unseen, which nothing counts)."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    options: dict[str, Any] = {"every": every} if every else {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with sw.observe(model, opt, **options) as watch:
+            for _ in range(400):
+                loss = nn.functional.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 3, (8,)))
+                opt.zero_grad()
+                loss.backward()
+                line = _line() + 1
+                watch.step(loss=loss)
+                opt.step()
+                if watch.statistics().sampled >= 4:
+                    break
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert "the loop calls optimizer.step() after watch.step()" in str(caught[0].message)
+    assert (caught[0].filename, caught[0].lineno) == (__file__, line)
+    assert "unseen_forward" not in watch.statistics().skipped
+
+
 # -- finding 5: argument validation ------------------------------------------------------------------
 
 
