@@ -67,7 +67,8 @@ class LoopChecks:
                 "then run as in evaluation. Call model.train() before training. While the model trains in "
                 "eval mode its forwards are recorded as phase='eval', without output gradients "
                 "(docs/observe.md#phases); to keep a layer in eval mode inside training (a frozen "
-                "BatchNorm), call model.train() and then layer.eval()",
+                "BatchNorm), call model.train() and then layer.eval(). If the model trains in eval mode on "
+                "purpose (dropout off in a policy-gradient loop), ignore this warning",
                 "torch",
             )
 
