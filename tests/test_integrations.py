@@ -42,6 +42,7 @@ import streamwatch as sw
 from streamwatch._taps import KINDS
 from tests import torchrun
 from tests.hfnet import HFNet
+from tests.training import train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -451,15 +452,7 @@ if torch.distributed.is_initialized():
 def test_lightning_ddp_records_carry_the_trainers_global_rank(pl: Any, tmp_path: Path) -> None:
     script = tmp_path / "ddp_lightning.py"
     script.write_text(_DDP_SCRIPT)
-    done = subprocess.run(
-        torchrun.command(script, 2, str(tmp_path)),
-        env=torchrun.environment(),
-        capture_output=True,
-        text=True,
-        timeout=110,
-        check=False,
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    torchrun.run(script, 2, str(tmp_path))
     for rank in (0, 1):
         out = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert (out["global_rank"], out["world_size"]) == (rank, 2)
@@ -998,15 +991,7 @@ def test_fabric_ddp_records_each_ranks_averaged_gradients_under_the_models_names
     pytest.importorskip("lightning.fabric")
     script = tmp_path / "ddp_fabric.py"
     script.write_text(_FABRIC_DDP_SCRIPT)
-    done = subprocess.run(
-        torchrun.command(script, 2, str(tmp_path)),
-        env=torchrun.environment(),
-        capture_output=True,
-        text=True,
-        timeout=110,
-        check=False,
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    torchrun.run(script, 2, str(tmp_path))
     outs = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for rank, out in enumerate(outs):
         assert out["rank"] == rank
@@ -1045,17 +1030,17 @@ def _lora_training(peft: Any, observed: bool) -> dict[str, Any]:
         adapter.base_layer.register_forward_hook(keep(f"base_model.model.{name}.base_layer"))
     records = sw.sinks.collect()
     watch = sw.observe(model, optimizer, every=1, sinks=[records]) if observed else None
-    for x, y in DataLoader(_dataset(24, seed=4), batch_size=8):
+
+    def next_step(_: object) -> None:
         seen["outputs"].append({})
         seen["grads"].append({})
-        loss = F.cross_entropy(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if watch is not None:
-            watch.step(loss=loss)
+
+    next_step(None)
+    data = DataLoader(_dataset(24, seed=4), batch_size=8)
+    train(model, optimizer, watch, data=data, report_outputs=False, after_opt_step=next_step)
     if watch is not None:
         watch.close()
+    del seen["outputs"][-1], seen["grads"][-1]  # (the step after the last)
     seen["records"] = records.items
     return seen
 

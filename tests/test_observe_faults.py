@@ -667,36 +667,49 @@ def test_no_eval_mode_warning_for_evaluations_a_frozen_batchnorm_or_generation_b
 # -- watch.step() per micro-batch -----------------------------------------------------------------------
 
 
+def _mistaken_loop(
+    every: int | None, body: Callable[[nn.Module, torch.optim.Optimizer, sw.Watch, int], int], more: int
+) -> tuple[list[warnings.WarningMessage], sw.Watch, int]:
+    """Train ``_mlp()`` with SGD under ``observe(every=every)`` (None: the governor), one ``body(model, opt,
+    watch, step)`` per step (it returns its ``watch.step()``'s line), until ``more`` steps after the first
+    warning (at most 4000); the warnings caught, the watch, the line."""
+    torch.manual_seed(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    options: dict[str, Any] = {"every": every} if every else {}
+    line, warned_at = 0, None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with sw.observe(model, opt, **options) as watch:
+            for step in range(4000):
+                line = body(model, opt, watch, step)
+                warned_at = step if caught and warned_at is None else warned_at
+                if warned_at is not None and step >= warned_at + more:
+                    break
+    return caught, watch, line
+
+
+def _batch_loss(model: nn.Module) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 3, (8,)))
+
+
 @pytest.mark.parametrize("every", [1, None], ids=["every_1", "governor"])
 def test_watch_step_per_micro_batch_under_accumulation_is_warned_once_at_the_watch_step(
     every: int | None,
 ) -> None:
     """Gradient accumulation over 4 micro-batches with ``watch.step()`` after each one (not after the
     optimizer's step): warned once, at the loop's ``watch.step()`` line, naming the counts."""
-    torch.manual_seed(0)
-    model = _mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    options: dict[str, Any] = {"every": every} if every else {}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with sw.observe(model, opt, **options) as watch:
-            for step in range(4000):
-                loss = nn.functional.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 3, (8,))) / 4
-                loss.backward()
-                if step % 4 == 3:
-                    opt.step()
-                    opt.zero_grad()
-                line = _line() + 1
-                watch.step(loss=loss)
-                if caught and step % 4 == 3:
-                    break
-            for _ in range(40):  # (more of the same: warned once only)
-                for micro in range(4):
-                    model(torch.randn(8, 4)).sum().backward()
-                    if micro == 3:
-                        opt.step()
-                        opt.zero_grad()
-                    watch.step()
+
+    def body(model: nn.Module, opt: torch.optim.Optimizer, watch: sw.Watch, step: int) -> int:
+        (_batch_loss(model) / 4).backward()
+        if step % 4 == 3:
+            opt.step()
+            opt.zero_grad()
+        line = _line() + 1
+        watch.step()
+        return line
+
+    caught, _, line = _mistaken_loop(every, body, more=160)
     assert len(caught) == 1, [str(w.message) for w in caught]
     assert issubclass(caught[0].category, RuntimeWarning)
     message = str(caught[0].message)
@@ -736,22 +749,17 @@ def test_optimizer_step_after_watch_step_is_warned_once_not_taken_for_an_unseen_
     """``watch.step()`` before ``optimizer.step()``: each step's gradients are stepped in the next step,
     before its forward. Warned once, at the loop's ``watch.step()`` line, saying so (not that a forward
     went unseen, which nothing counts)."""
-    torch.manual_seed(0)
-    model = _mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    options: dict[str, Any] = {"every": every} if every else {}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with sw.observe(model, opt, **options) as watch:
-            for _ in range(400):
-                loss = nn.functional.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 3, (8,)))
-                opt.zero_grad()
-                loss.backward()
-                line = _line() + 1
-                watch.step(loss=loss)
-                opt.step()
-                if watch.statistics().sampled >= 4:
-                    break
+
+    def body(model: nn.Module, opt: torch.optim.Optimizer, watch: sw.Watch, step: int) -> int:
+        loss = _batch_loss(model)
+        opt.zero_grad()
+        loss.backward()
+        line = _line() + 1
+        watch.step(loss=loss)
+        opt.step()
+        return line
+
+    caught, watch, line = _mistaken_loop(every, body, more=40)
     assert len(caught) == 1, [str(w.message) for w in caught]
     assert "the loop calls optimizer.step() after watch.step()" in str(caught[0].message)
     assert (caught[0].filename, caught[0].lineno) == (__file__, line)

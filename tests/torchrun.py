@@ -61,6 +61,20 @@ def command(script: Path, ranks: int, *args: str) -> list[str]:
     ]
 
 
+def run(script: Path, ranks: int, *args: str, timeout: float = 110) -> None:
+    """Run ``script`` on ``ranks`` ranks to its end and assert that the job exited 0 (its output's tail in
+    the message)."""
+    done = subprocess.run(
+        command(script, ranks, *args),
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+
 def launch(script: Path, ranks: int, out: Path, *args: str) -> subprocess.Popen[bytes]:
     """Start ``script`` on ``ranks`` ranks, its output in ``out/torchrun.log``."""
     with (out / "torchrun.log").open("wb") as log:
