@@ -156,6 +156,7 @@ class TapSet:
         # (``_entry``) or, where the slot is taken, a forward pre-hook (``_root_handle``).
         self._entry: Callable[..., Any] | None = None
         self._root_handle: RemovableHandle | None = None
+        self._dark_entry: Callable[..., Any] | None = None  # the slot's entry in a dark pair (go_dark)
         # Hooks installed only while a step (or an evaluation pass) needs them, by group: "forward" (the
         # selected modules' forward and pre-forward hooks) and "param_grad" (post-accumulate hooks). An
         # unsampled step then runs the model with none of them: no Python call per module or parameter.
@@ -275,9 +276,11 @@ class TapSet:
     def _root_out(self) -> None:
         """Stop seeing the root module's calls (the slot emptied only if it still holds ours)."""
         entry, self._entry = self._entry, None
+        dark, self._dark_entry = self._dark_entry, None
         model = self._model()
-        if entry is not None and model is not None:
-            release_call_slot(model, entry)
+        for each in (entry, dark):
+            if each is not None and model is not None:
+                release_call_slot(model, each)
         handle, self._root_handle = self._root_handle, None
         if handle is not None:
             handle.remove()
@@ -289,11 +292,32 @@ class TapSet:
         if (self._entry is None and self._root_handle is None) or self.static or self.state.compiled:
             return False
         self._root_out()
+        model = self._model()
+        if model is not None and call_slot_free(model):
+            self._dark_entry = self._dark_call(model)
+            hold_call_slot(model, self._dark_entry)
         return True
+
+    def _dark_call(self, model: nn.Module) -> Callable[..., Any]:
+        """The root's call slot in a dark pair: no hook, no clock; an evaluation pass (eval mode or no
+        gradients) is only counted (``skipped["dark_step"]``): none of its hooks can go in there without
+        spoiling the pair's measurement, but it is not lost silently (docs/governor.md)."""
+        call: Callable[..., Any] = model._call_impl
+        skip = self.state.skip
+
+        def dark(*args: Any, **kwargs: Any) -> Any:
+            if not (model.training and torch.is_grad_enabled()):
+                skip("dark_step")
+            return call(*args, **kwargs)
+
+        return dark
 
     def go_light(self) -> None:
         """See the root module's calls again after a dark pair."""
         model = self._model()
+        dark, self._dark_entry = self._dark_entry, None
+        if dark is not None and model is not None:
+            release_call_slot(model, dark)
         if self._entry is None and self._root_handle is None and model is not None:
             self._root_in(model)
 

@@ -305,12 +305,18 @@ def test_dark_pairs_run_without_any_streamwatch_hook_and_end_with_both_boundarie
             if not root_seen(model):
                 hookless += 1
                 assert watch._boundary._dark  # (no hook only in a dark pair)
+                model.eval()  # an evaluation pass in a dark step: not summarised, counted
+                with torch.no_grad():
+                    model(x)
+                model.train()
             clock.advance(PLAIN * (1 + COST) if governor.sampling else PLAIN)
             loss, _ = _train(model, opt, x, y)
             watch.step(loss=loss, batch_size=12)
         watch.flush()
         stats = watch.statistics()
     assert stats.dark_steps == hookless == 2 * DARK_PAIRS
+    assert stats.skipped == {"dark_step": hookless}
+    assert not any(k.phase == "eval" for r in records.items for k in r.keys)
     assert stats.steps == 1500
     assert stats.failed_steps == 0
     assert not root_seen(model)  # (closed: every hook out)
@@ -491,8 +497,10 @@ def test_closing_in_a_dark_pair_runs_its_first_boundary(monkeypatch: pytest.Monk
     model, opt, watch, clock = _governed(monkeypatch)
     steps = _until_dark(watch, model, opt, clock)
     watch.step(loss=1.0)
+    assert "_compiled_call_impl" in model.__dict__  # (the dark pair's bare entry, counting evaluations)
     watch.close()
     assert watch.statistics().steps == steps + 1
+    assert "_compiled_call_impl" not in model.__dict__  # (nothing left in the slot)
     assert not root_seen(model)
 
 

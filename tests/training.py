@@ -160,8 +160,11 @@ def same_weights(a: nn.Module, b: nn.Module) -> bool:
 
 
 def root_seen(model: nn.Module) -> bool:
-    """Whether a Watch sees ``model``'s calls: through its call slot or a forward pre-hook."""
-    return "_compiled_call_impl" in model.__dict__ or bool(model._forward_pre_hooks)
+    """Whether a Watch sees ``model``'s calls: through its call slot or a forward pre-hook. The bare entry a
+    dark pair leaves in the slot (it only counts evaluation passes: ``TapSet._dark_call``) sees nothing."""
+    slot = model.__dict__.get("_compiled_call_impl")
+    dark = slot is not None and "._dark_call." in getattr(slot, "__qualname__", "")
+    return (slot is not None and not dark) or bool(model._forward_pre_hooks)
 
 
 def layer_mean_reference(layers: list[torch.Tensor]) -> dict[str, float]:
