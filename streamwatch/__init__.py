@@ -28,7 +28,15 @@ from streamwatch._exceptions import (
     WouldBlock,
 )
 from streamwatch._nonfinite import FirstNonFinite
-from streamwatch._observe import DEFAULT_METRICS, DEFAULT_OVERHEAD, SCALAR_SECONDS, Sample, Watch, observe
+from streamwatch._observe import (
+    DEFAULT_METRICS,
+    DEFAULT_OVERHEAD,
+    SCALAR_SECONDS,
+    Sample,
+    Watch,
+    observe,
+    unobserve,
+)
 from streamwatch._pipeline import Operator, Pipeline, Sink, source
 from streamwatch._record import SeriesKey, StepRecord
 from streamwatch._select import Select
@@ -79,6 +87,7 @@ __all__ = [
     "ops",
     "sinks",
     "source",
+    "unobserve",
 ]
 
 __version__ = _installed_version()

@@ -15,14 +15,17 @@ Example:
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from streamwatch._failures import user_frame
 from streamwatch._options import Options
 from streamwatch._select import check_hookable, describe_modules
 
@@ -48,16 +51,29 @@ class Attachments:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        # each observed model: its Watch (weakly) and where observe() was called for it
+        self._models: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[Any], str]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._modules: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
-    def claim(self, model: nn.Module, modules: list[tuple[str, nn.Module]]) -> None:
-        """Take ``model`` and its selected ``modules`` for one Watch, or raise naming the clash."""
+    def claim(self, model: nn.Module, modules: list[tuple[str, nn.Module]], watch: object) -> None:
+        """Take ``model`` and its selected ``modules`` for one ``watch``, or raise naming the clash and where
+        the other Watch was made."""
         with self._lock:
             if model in self._models:
+                other, site = self._models[model]
+                if other() is None:  # (collected: nothing holds it, nothing can close it or take its hooks)
+                    raise RuntimeError(
+                        f"{type(model).__name__} is observed by a Watch made at {site} that was dropped "
+                        "without close(): its hooks are still on the model. Keep the Watch observe() returns "
+                        "and close it (or use it as a context manager); observe a fresh copy of the model now"
+                    )
                 raise RuntimeError(
-                    f"{type(model).__name__} is already observed by another Watch; close that one first "
-                    "(one Watch per model — use watch.pipe() to add pipelines to it)"
+                    f"{type(model).__name__} is already observed by another Watch (made at {site}); close "
+                    "that one first: watch.close(), or streamwatch.unobserve(model) where you no longer hold "
+                    "it (a notebook cell run again). One Watch per model: use watch.pipe() to add pipelines "
+                    "to it"
                 )
             for name, module in modules:
                 owner = self._modules.get(module)
@@ -68,7 +84,9 @@ class Attachments:
                         "two observed models share would have both models' passes in each watch's rows. "
                         "Close that Watch first, or leave the shared module out of this one with select="
                     )
-            self._models.add(model)
+            frame = sys._getframe(user_frame() - 1)  # (the user's observe() call)
+            site = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+            self._models[model] = (weakref.ref(watch), site)
             for name, module in modules:
                 self._modules[module] = f"layer {name!r} of a {type(model).__name__}" if name else "its model"
 
@@ -76,9 +94,15 @@ class Attachments:
         """Give back what :meth:`claim` took (idempotent)."""
         with self._lock:
             if model is not None:
-                self._models.discard(model)
+                self._models.pop(model, None)
             for _, module in modules:
                 self._modules.pop(module, None)
+
+    def owner(self, model: nn.Module) -> Any:
+        """The open Watch observing ``model``, or None."""
+        with self._lock:
+            held = self._models.get(model)
+        return None if held is None else held[0]()
 
 
 OBSERVED = Attachments()

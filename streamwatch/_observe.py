@@ -96,7 +96,7 @@ class Watch:
         # Every argument is checked before anything is attached: a refused observe() touches nothing.
         optimizers, modules = checked(model, optimizer, options)
         detailed = this_rank_keeps_detail(options.detail)  # per-layer series on this rank? (docs/scale.md)
-        OBSERVED.claim(model, modules)
+        OBSERVED.claim(model, modules, self)
         self._claimed = modules  # (given back by close(), or by _undo())
         self._every = options.every
         self._close_timeout = options.close_timeout
@@ -748,7 +748,8 @@ def observe(
             before the first step (the Lightning callback does, once the trainer has restored its step).
 
     Raises:
-        RuntimeError: the model is already observed.
+        RuntimeError: the model is already observed (the message says where that Watch was made; close it,
+            or :func:`unobserve` the model).
         TypeError, ValueError: an argument is not what it should be; the message names it. Every
             argument is checked before anything is attached, and an observe() that fails part-way (a
             metric's ``bind`` raising, a hook torch refuses) takes back every hook and binding it made
@@ -775,3 +776,25 @@ def observe(
         start_step=start_step,
     )
     return Watch(model, optimizer, options)
+
+
+def unobserve(model: nn.Module) -> bool:
+    """Close the Watch observing ``model``, if one does: for the Watch you no longer hold (a notebook cell
+    run again after its ``observe()``, a loop that raised before ``close()``). What ``close()`` does is
+    done (the last records sent, the sinks closed, every hook removed). True if a Watch was closed.
+
+    Example:
+        >>> import torch, streamwatch as sw
+        >>> model = torch.nn.Linear(2, 1)
+        >>> _ = sw.observe(model, every=1)  # (not kept)
+        >>> sw.unobserve(model), sw.unobserve(model)
+        (True, False)
+        >>> sw.observe(model, every=1).close()
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}")
+    watch = OBSERVED.owner(model)
+    if watch is None or watch.closed:
+        return False
+    watch.close()
+    return True

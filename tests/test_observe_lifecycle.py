@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import inspect
 import re
 import threading
 import warnings
@@ -257,11 +258,14 @@ def test_closed_watch_lets_the_parameters_be_garbage_collected(train: Train) -> 
 
 def test_observing_an_observed_model_raises_until_the_first_watch_closes(train: Train) -> None:
     model = _model()
+    line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
     first = sw.observe(model, every=1)
     with pytest.raises(
         RuntimeError,
-        match=r"^Sequential is already observed by another Watch; close that one first "
-        r"\(one Watch per model — use watch\.pipe\(\) to add pipelines to it\)$",
+        match=rf"^Sequential is already observed by another Watch \(made at {re.escape(__file__)}:{line}\); "
+        r"close that one first: watch\.close\(\), or streamwatch\.unobserve\(model\) where you no longer "
+        r"hold it \(a notebook cell run again\)\. One Watch per model: use watch\.pipe\(\) to add pipelines "
+        r"to it$",
     ):
         sw.observe(model, every=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -273,6 +277,49 @@ def test_observing_an_observed_model_raises_until_the_first_watch_closes(train: 
     with sw.observe(model, opt, sinks=[recs], every=1) as second:
         train(model, opt, second, 1)
     assert len(recs.items) == 1
+
+
+def test_unobserve_closes_the_watch_of_a_model_whose_watch_was_not_kept(train: Train) -> None:
+    """A notebook cell run twice: the first ``observe()``'s Watch is alive (a cell's output, a callback
+    still holds it) but the loop no longer holds it, so the second is refused; ``streamwatch.unobserve
+    (model)`` closes it (its last records sent, every hook out), and the model can be observed again. On a
+    model no Watch observes it does nothing and says so."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recs = sw.sinks.collect()
+    elsewhere = [sw.observe(model, opt, sinks=[recs], every=1)]  # (held, but not by the loop below)
+    train(model, opt, elsewhere[0], 2)
+    with pytest.raises(RuntimeError, match=r"streamwatch\.unobserve\(model\)"):
+        sw.observe(model, opt, every=1)
+    assert sw.unobserve(model) is True
+    assert recs.closed
+    assert [r.step for r in recs.items] == [0, 1]
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert "_compiled_call_impl" not in model.__dict__
+    assert sw.unobserve(model) is False
+    with sw.observe(model, opt, every=1) as again:
+        train(model, opt, again, 1)
+    assert sw.unobserve(model) is False  # (closed by its with-block)
+    with pytest.raises(TypeError, match=r"`model` to be a torch\.nn\.Module, got str"):
+        sw.unobserve("model")  # type: ignore[arg-type]
+    assert elsewhere[0].closed
+
+
+def test_a_watch_dropped_without_close_is_named_when_its_model_is_observed_again() -> None:
+    """A Watch nothing holds is collected without ``close()``: its hooks stay on the model, which cannot be
+    observed again; the error says so, where that Watch was made, and what to do."""
+    model = _model()
+    line = inspect.currentframe().f_lineno + 3  # type: ignore[union-attr]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sw.observe(model, every=1)
+        gc.collect()
+    assert {w.category for w in caught} == {ResourceWarning}  # (the collected Watch's channel)
+    with pytest.raises(
+        RuntimeError, match=rf"made at {re.escape(__file__)}:{line} that was dropped without close\(\)"
+    ):
+        sw.observe(model, every=1)
+    assert sw.unobserve(model) is False
 
 
 def test_a_module_two_observed_models_share_is_refused_to_the_second_watch() -> None:
