@@ -16,6 +16,7 @@ from torch import nn
 
 import streamwatch as sw
 import streamwatch._channel
+import streamwatch._clip_tap
 import streamwatch._taps
 import streamwatch._tapstate
 from streamwatch._observe import STATS
@@ -320,6 +321,13 @@ def test_a_watch_dropped_without_close_is_named_when_its_model_is_observed_again
     ):
         sw.observe(model, every=1)
     assert sw.unobserve(model) is False
+    # (the test's own cleanup: the orphaned taps, reached through the root's call slot, take their hooks
+    # and the process-wide clip tap out, which later tests and doctests rely on)
+    entry = model.__dict__["_compiled_call_impl"]
+    cells = [c.cell_contents for c in entry.__closure__]
+    (start,) = [c for c in cells if inspect.ismethod(c) and c.__name__ == "_root_forward_start"]
+    start.__self__.remove()
+    assert torch.nn.utils.clip_grad_norm_ is streamwatch._clip_tap.ORIGINAL
 
 
 def test_a_module_two_observed_models_share_is_refused_to_the_second_watch() -> None:
