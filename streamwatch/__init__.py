@@ -5,6 +5,7 @@ from __future__ import annotations
 import typing as _typing
 
 from streamwatch import detectors, metrics, ops, sinks
+from streamwatch._attach import unobserve
 from streamwatch._channel import (
     OVERFLOW_POLICIES,
     ChannelStatistics,
@@ -35,7 +36,6 @@ from streamwatch._observe import (
     Sample,
     Watch,
     observe,
-    unobserve,
 )
 from streamwatch._pipeline import Operator, Pipeline, Sink, source
 from streamwatch._record import SeriesKey, StepRecord

@@ -36,6 +36,8 @@ __all__ = [
     "check_optimizer_steps",
     "checked",
     "on_cpu",
+    "orphan",
+    "unobserve",
     "unwrap_optimizer",
     "unwrap_optimizers",
 ]
@@ -268,3 +270,31 @@ def checked(
     check_hookable(model, modules)
     check_optimizer_steps(model, optimizers, stacklevel=5)  # the user's observe() call
     return optimizers, modules
+
+
+def orphan(state: Any) -> None:
+    """A Watch was collected without ``close()``: its hooks, still on the model, do nothing from now on
+    (setting a flag is safe at any moment; removing hooks from inside a collection is not)."""
+    state.paused = True
+
+
+def unobserve(model: nn.Module) -> bool:
+    """Close the Watch observing ``model``, if one does: for the Watch you no longer hold (a notebook cell
+    run again after its ``observe()``, a loop that raised before ``close()``). What ``close()`` does is
+    done (the last records sent, the sinks closed, every hook removed). True if a Watch was closed.
+
+    Example:
+        >>> import torch, streamwatch as sw
+        >>> model = torch.nn.Linear(2, 1)
+        >>> _ = sw.observe(model, every=1)  # (not kept)
+        >>> sw.unobserve(model), sw.unobserve(model)
+        (True, False)
+        >>> sw.observe(model, every=1).close()
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}")
+    watch = OBSERVED.owner(model)
+    if watch is None or watch.closed:
+        return False
+    watch.close()
+    return True

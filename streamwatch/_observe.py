@@ -36,7 +36,7 @@ from torch import nn
 from streamwatch import _kernel, _triton
 from streamwatch._accuracy import AMBIGUOUS
 from streamwatch._allowance import EvalAllowance
-from streamwatch._attach import OBSERVED, OptimizerArg, checked, on_cpu
+from streamwatch._attach import OBSERVED, OptimizerArg, checked, on_cpu, orphan
 from streamwatch._boundary import SCALAR_SECONDS, StepBoundary, paused
 from streamwatch._cadence import Cadence
 from streamwatch._channel import OverflowPolicy, Receiver, channel
@@ -179,6 +179,9 @@ class Watch:
             )
             self._taps.clip = log_clipping(model, self._boundary.logbook.add, state.fail)  # pre-clip norms
             self._worker.start()  # last: a failure before it leaves no thread and no sink touched
+            # A Watch collected without close() leaves its hooks on the model: they stop doing anything
+            # then (a buffer nobody drains would grow at every step). close() is still the way out.
+            weakref.finalize(self, orphan, state).atexit = False
         except BaseException:
             self._undo(model, metrics)
             raise
@@ -749,7 +752,7 @@ def observe(
 
     Raises:
         RuntimeError: the model is already observed (the message says where that Watch was made; close it,
-            or :func:`unobserve` the model).
+            or ``streamwatch.unobserve`` the model).
         TypeError, ValueError: an argument is not what it should be; the message names it. Every
             argument is checked before anything is attached, and an observe() that fails part-way (a
             metric's ``bind`` raising, a hook torch refuses) takes back every hook and binding it made
@@ -776,25 +779,3 @@ def observe(
         start_step=start_step,
     )
     return Watch(model, optimizer, options)
-
-
-def unobserve(model: nn.Module) -> bool:
-    """Close the Watch observing ``model``, if one does: for the Watch you no longer hold (a notebook cell
-    run again after its ``observe()``, a loop that raised before ``close()``). What ``close()`` does is
-    done (the last records sent, the sinks closed, every hook removed). True if a Watch was closed.
-
-    Example:
-        >>> import torch, streamwatch as sw
-        >>> model = torch.nn.Linear(2, 1)
-        >>> _ = sw.observe(model, every=1)  # (not kept)
-        >>> sw.unobserve(model), sw.unobserve(model)
-        (True, False)
-        >>> sw.observe(model, every=1).close()
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}")
-    watch = OBSERVED.owner(model)
-    if watch is None or watch.closed:
-        return False
-    watch.close()
-    return True

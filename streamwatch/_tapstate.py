@@ -98,7 +98,8 @@ class TapState:
     skipped: dict[str, int] = field(default_factory=dict)
     errors: list[BaseException] = field(default_factory=list)
     hook_errors: int = 0
-    paused: bool = False  # an opt-in metric runs the model itself (probe batch, Hessian): no taps
+    paused: bool = False  # an opt-in metric runs the model itself (probe batch, Hessian), or the Watch was
+    # collected without close() (``_attach.orphan``): no tap does anything
     # the root module's last call was a training forward (train mode, gradients on): a submodule in eval
     # mode inside it (a frozen BatchNorm) is part of the training step, not an evaluation pass
     root_training: bool = False
@@ -474,6 +475,8 @@ def guarded(state: TapState, fn: Callable[..., Any], eager: bool = False) -> Cal
     ``eager``, code ``torch.compile`` traces calls it as it is (a graph break) instead of tracing it."""
 
     def hook(*args: Any) -> Any:
+        if state.paused:  # (a metric runs the model itself; or the Watch was dropped unclosed: orphan)
+            return None
         compiling = torch.compiler.is_compiling()  # a constant to dynamo: no wall clock inside a graph
         start = 0.0 if compiling else perf_counter()
         result = None
