@@ -20,11 +20,13 @@ import threading
 import warnings
 import weakref
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
+from streamwatch._exit import at_exit
 from streamwatch._failures import user_frame
 from streamwatch._options import Options
 from streamwatch._select import check_hookable, describe_modules
@@ -35,8 +37,8 @@ __all__ = [
     "OptimizerArg",
     "check_optimizer_steps",
     "checked",
+    "close_at_exit",
     "on_cpu",
-    "orphan",
     "unobserve",
     "unwrap_optimizer",
     "unwrap_optimizers",
@@ -58,19 +60,16 @@ class Attachments:
             weakref.WeakKeyDictionary()
         )
         self._modules: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+        self._dropped: list[Any] = []  # the Closing of each Watch collected without close(), until reaped
 
-    def claim(self, model: nn.Module, modules: list[tuple[str, nn.Module]], watch: object) -> None:
+    def claim(self, model: nn.Module, modules: list[tuple[str, nn.Module]], watch: object) -> str:
         """Take ``model`` and its selected ``modules`` for one ``watch``, or raise naming the clash and where
-        the other Watch was made."""
+        the other Watch was made; first close the Watches dropped without ``close()`` (:meth:`reap`).
+        Returns where ``observe()`` was called (``file:line``)."""
+        self.reap()
         with self._lock:
             if model in self._models:
-                other, site = self._models[model]
-                if other() is None:  # (collected: nothing holds it, nothing can close it or take its hooks)
-                    raise RuntimeError(
-                        f"{type(model).__name__} is observed by a Watch made at {site} that was dropped "
-                        "without close(): its hooks are still on the model. Keep the Watch observe() returns "
-                        "and close it (or use it as a context manager); observe a fresh copy of the model now"
-                    )
+                _, site = self._models[model]
                 raise RuntimeError(
                     f"{type(model).__name__} is already observed by another Watch (made at {site}); close "
                     "that one first: watch.close(), or streamwatch.unobserve(model) where you no longer hold "
@@ -91,6 +90,7 @@ class Attachments:
             self._models[model] = (weakref.ref(watch), site)
             for name, module in modules:
                 self._modules[module] = f"layer {name!r} of a {type(model).__name__}" if name else "its model"
+            return site
 
     def release(self, model: nn.Module | None, modules: list[tuple[str, nn.Module]]) -> None:
         """Give back what :meth:`claim` took (idempotent)."""
@@ -106,8 +106,59 @@ class Attachments:
             held = self._models.get(model)
         return None if held is None else held[0]()
 
+    def drop(self, closing: Any, state: Any) -> None:
+        """A Watch was collected without ``close()`` (its finalizer, on whatever thread collected it): its
+        hooks, still on the model, do nothing from now on, and its :class:`~streamwatch._closing.Closing`
+        waits for :meth:`reap` (setting a flag and appending to a list are safe at any moment; taking
+        hooks out or waiting for the worker from inside a garbage collection is not)."""
+        state.paused = True
+        self._dropped.append(closing)
+
+    def reap(self) -> None:
+        """Close every Watch collected without ``close()``, on this thread (``observe()``, exit): its last
+        steps go to its sinks, its hooks come out, its model is free. What fails is warned about, naming
+        where the Watch was made."""
+        while self._dropped:
+            try:
+                closing = self._dropped.pop(0)
+            except IndexError:  # (another thread reaped it first)
+                return
+            _close(partial(closing.close, closing.timeout), closing.site, "dropped without close()")
+
+    def open_watches(self) -> list[tuple[Any, str]]:
+        """Every Watch still open, with where ``observe()`` made it, in the order they were made."""
+        with self._lock:
+            held = list(self._models.values())
+        watches = [(ref(), site) for ref, site in held]
+        return [(watch, site) for watch, site in watches if watch is not None and not watch.closed]
+
 
 OBSERVED = Attachments()
+
+
+def close_at_exit() -> None:
+    """At interpreter exit (a script that ends, or raises, without ``close()``): close every Watch left
+    open, dropped ones first, so every completed step reaches the sinks (a run file's last lines, the last
+    records). What fails is warned about, naming where that Watch was made. Python runs no exit handler
+    when a signal such as SIGTERM kills it (docs/observe.md#close says how to flush then)."""
+    OBSERVED.reap()
+    for watch, site in OBSERVED.open_watches():
+        _close(watch.close, site, "at exit")
+
+
+def _close(close: Any, site: str, when: str) -> None:
+    """``close()`` a Watch nobody closed: what it raises (failed pipelines, say) is warned about."""
+    try:
+        close()
+    except Exception as exc:
+        warnings.warn(
+            f"streamwatch: closing the Watch made at {site} ({when}) failed: {type(exc).__name__}: {exc}",
+            RuntimeWarning,
+            stacklevel=1,
+        )
+
+
+at_exit(close_at_exit)
 
 
 def on_cpu(model: nn.Module) -> bool:
@@ -270,12 +321,6 @@ def checked(
     check_hookable(model, modules)
     check_optimizer_steps(model, optimizers, stacklevel=5)  # the user's observe() call
     return optimizers, modules
-
-
-def orphan(state: Any) -> None:
-    """A Watch was collected without ``close()``: its hooks, still on the model, do nothing from now on
-    (setting a flag is safe at any moment; removing hooks from inside a collection is not)."""
-    state.paused = True
 
 
 def unobserve(model: nn.Module) -> bool:

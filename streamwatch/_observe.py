@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import time
 import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -36,16 +35,16 @@ from torch import nn
 from streamwatch import _kernel, _triton
 from streamwatch._accuracy import AMBIGUOUS
 from streamwatch._allowance import EvalAllowance
-from streamwatch._attach import OBSERVED, OptimizerArg, checked, on_cpu, orphan
+from streamwatch._attach import OBSERVED, OptimizerArg, checked, on_cpu
 from streamwatch._boundary import SCALAR_SECONDS, StepBoundary, paused
 from streamwatch._cadence import Cadence
 from streamwatch._channel import OverflowPolicy, Receiver, channel
 from streamwatch._clip_tap import log_clipping
 from streamwatch._clock import Clock
+from streamwatch._closing import Closing
 from streamwatch._detail import Detail, position, resolver, this_rank_keeps_detail
 from streamwatch._detectors import DEFAULT_DETECTORS, Detector
 from streamwatch._detectors import pipelines as detector_pipelines
-from streamwatch._exceptions import PipelineError
 from streamwatch._failures import Failures
 from streamwatch._families import check_served
 from streamwatch._governor import Governor
@@ -60,7 +59,7 @@ from streamwatch._store import SeriesStore, Served, WatchStatistics
 from streamwatch._taps import DEFAULT_TAPS, KINDS, TapSet
 from streamwatch._tapstate import TapState
 from streamwatch._validate import check_seconds
-from streamwatch._worker import Worker, give_up, seconds_or_forever
+from streamwatch._worker import Worker, seconds_or_forever
 from streamwatch.metrics._base import Binding, Metric
 from streamwatch.metrics._derived import DEFAULT_METRICS
 from streamwatch.sinks._prometheus import DEFAULT_PORT, Exporter
@@ -96,13 +95,11 @@ class Watch:
         # Every argument is checked before anything is attached: a refused observe() touches nothing.
         optimizers, modules = checked(model, optimizer, options)
         detailed = this_rank_keeps_detail(options.detail)  # per-layer series on this rank? (docs/scale.md)
-        OBSERVED.claim(model, modules, self)
+        site = OBSERVED.claim(model, modules, self)
         self._claimed = modules  # (given back by close(), or by _undo())
         self._every = options.every
         self._close_timeout = options.close_timeout
         self._detectors = options.detectors
-        self._stuck: tuple[str, ...] = ()  # what close() gave up on, and the records it left
-        self._unflushed = 0
         self._exporters: list[Exporter] = []
         self._model_ref = weakref.ref(model)
         kernel, triton, self._kernel_status = _summaries(on_cpu(model))
@@ -178,10 +175,23 @@ class Watch:
                 clock=_governor_clock,
             )
             self._taps.clip = log_clipping(model, self._boundary.logbook.add, state.fail)  # pre-clip norms
+            self._closing = Closing(
+                boundary=self._boundary,
+                sender=self._tx,
+                worker=self._worker,
+                failures=self._failures,
+                store=self._store,
+                exporters=self._exporters,
+                model=self._model_ref,
+                claimed=self._claimed,
+                site=site,
+                timeout=options.close_timeout,
+            )
             self._worker.start()  # last: a failure before it leaves no thread and no sink touched
-            # A Watch collected without close() leaves its hooks on the model: they stop doing anything
-            # then (a buffer nobody drains would grow at every step). close() is still the way out.
-            weakref.finalize(self, orphan, state).atexit = False
+            # collected without close(): its hooks pause now, and it is closed at the next observe() or
+            # at exit (_attach.Attachments.drop): every completed step still reaches the sinks
+            self._dropped = weakref.finalize(self, OBSERVED.drop, self._closing, state)
+            self._dropped.atexit = False
         except BaseException:
             self._undo(model, metrics)
             raise
@@ -513,8 +523,8 @@ class Watch:
             overhead_seconds_total=boundary.overhead_total,
             failed_steps=boundary.failed_steps,
             log_refused=boundary.logbook.refused,
-            stuck_pipelines=self._stuck,
-            unflushed_records=self._unflushed,
+            stuck_pipelines=self._closing.stuck,
+            unflushed_records=self._closing.unflushed,
             sampling_interval=self._every if governor is None else governor.interval,
             overhead_ratio=None if governor is None else governor.overhead_ratio,
             overhead_budget=None if governor is None else governor.budget,
@@ -559,42 +569,8 @@ class Watch:
             ((), 0)
         """
         wait = self._close_timeout if timeout is None else seconds_or_forever(timeout, "timeout")
-        boundary = self._boundary
-        if boundary.closed:
-            return
-        deferred = boundary.finish()  # (what a dark pair's last step raised: raised once closed)
-        for exporter in self._exporters:  # the final values stay readable through snapshot()
-            exporter.close()
-        deadline = None if wait is None else time.monotonic() + wait
-        evaluation_sent = boundary.send_last(wait)
-        OBSERVED.release(self._model_ref(), self._claimed)
-        self._claimed = []
-        self._tx.close()
-        errors = self._failures.warned()
-        finished = True
-        try:  # (what is left of the wait: the evaluation record's send may have used some)
-            self._worker.close(None if deadline is None else max(deadline - time.monotonic(), 1e-3))
-        except PipelineError as err:
-            errors.extend(err.errors)
-        except TimeoutError:
-            finished = False  # the worker may still be in the store: leave it be
-            self._stuck, self._unflushed, stuck_errors = give_up(
-                self._worker,
-                self._tx,
-                wait or math.inf,
-                evaluation_sent,  # (a TimeoutError: wait was a number)
-            )
-            errors.extend(stuck_errors)
-        if finished:
-            self._store.apply()  # the final values, and a metric failing on them, before reporting
-        errors.extend(self._failures.take())
-        if errors:
-            failed = PipelineError(errors)
-            if deferred is None:
-                raise failed from errors[0][1]
-            deferred.add_note(f"streamwatch: {failed}")
-        if deferred is not None:
-            raise deferred
+        self._dropped.detach()
+        self._closing.close(wait)
 
     @property
     def closed(self) -> bool:

@@ -30,7 +30,7 @@ Example:
 
 from __future__ import annotations
 
-import atexit
+import functools
 import math
 import os
 import shutil
@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from streamwatch._exit import at_exit
 from streamwatch._schema import DEVICE
 from streamwatch._torchpath import Packing, Row
 
@@ -162,7 +163,7 @@ def _own_cache() -> None:
     if _cache_dir is not None or "TRITON_CACHE_DIR" in os.environ or "TRITON_HOME" in os.environ:
         return
     _cache_dir = tempfile.mkdtemp(prefix="streamwatch-triton-")
-    atexit.register(shutil.rmtree, _cache_dir, True)
+    at_exit(functools.partial(shutil.rmtree, _cache_dir, True), cleanup=True)  # (after the last flush)
     os.environ["TRITON_CACHE_DIR"] = _cache_dir
 
 

@@ -306,44 +306,40 @@ def test_unobserve_closes_the_watch_of_a_model_whose_watch_was_not_kept(train: T
     assert elsewhere[0].closed
 
 
-def test_a_watch_dropped_without_close_goes_inert_and_is_named_when_its_model_is_observed_again(
-    train: Train,
-) -> None:
-    """A Watch nothing holds is collected without ``close()``: its hooks stay on the model but do nothing
-    from then on (before, with ``every=1`` they summarised every step into a buffer nobody drained: 6 rows
-    and 1.7 kB a step, and a step 10x slower), and the model cannot be observed again; the error says so,
-    where that Watch was made, and what to do."""
+def test_a_watch_dropped_without_close_pauses_and_is_closed_by_the_next_observe(train: Train) -> None:
+    """A Watch nothing holds (a function that returned without ``close()``, a notebook's output
+    overwritten) is collected: its hooks, still on the model, do nothing from then on (before they were
+    paused, with ``every=1`` they summarised every step into a buffer nobody drained: 6 rows and 1.7 kB a
+    step, and a step 10x slower), and the next ``observe()`` closes it as ``close()`` would: its steps
+    reach its sinks, its hooks and its worker thread are gone, and the model can be observed again."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     before = set(threading.enumerate())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
-        watch = sw.observe(model, opt, every=1)
-        (worker,) = set(threading.enumerate()) - before
-        train(model, opt, watch, 1)
-        del watch
-        gc.collect()  # (the Watch and its channel's sending end)
-        worker.join(JOIN_S)  # (it ends on the closed channel, and drops the receiving end)
-        assert not worker.is_alive()
-        gc.collect()
-    assert {w.category for w in caught} == {ResourceWarning}  # (the collected Watch's channel)
-    entry = model.__dict__["_compiled_call_impl"]  # (the orphaned taps, reached through the root's slot)
+    recs = sw.sinks.collect()
+    watch = sw.observe(model, opt, sinks=[recs], every=1)
+    (worker,) = set(threading.enumerate()) - before
+    train(model, opt, watch, 3)
+    del watch
+    gc.collect()
+    entry = model.__dict__["_compiled_call_impl"]  # (the dropped taps, reached through the root's slot)
     cells = [c.cell_contents for c in entry.__closure__]
     (start,) = [c for c in cells if inspect.ismethod(c) and c.__name__ == "_root_forward_start"]
-    orphaned = start.__self__
-    assert orphaned.state.paused
-    train(model, opt, None, 3)  # (the loop goes on: nothing is summarised)
-    assert len(orphaned.state.buffer) == 0
-    assert orphaned.state.hook_errors == 0
-    with pytest.raises(
-        RuntimeError, match=rf"made at {re.escape(__file__)}:{line} that was dropped without close\(\)"
-    ):
-        sw.observe(model, every=1)
-    assert sw.unobserve(model) is False
-    # (the test's own cleanup: the orphaned taps take their hooks and the process-wide clip tap out, which
-    # later tests and doctests rely on)
-    orphaned.remove()
+    dropped = start.__self__
+    assert dropped.state.paused
+    train(model, opt, None, 2)  # (the loop goes on: nothing is summarised)
+    assert len(dropped.state.buffer) == 0
+    assert dropped.state.hook_errors == 0
+    assert worker.is_alive()  # (closed on the user's thread, not in the collection)
+    assert not recs.closed
+    again_recs = sw.sinks.collect()
+    with sw.observe(model, opt, sinks=[again_recs], every=1) as again:
+        assert recs.closed
+        assert [r.step for r in recs.items] == [0, 1, 2]
+        worker.join(JOIN_S)
+        assert not worker.is_alive()
+        assert all(len(m._forward_hooks) == 1 for m in model.modules())  # (the new Watch's only)
+        train(model, opt, again, 1)
+    assert [r.step for r in again_recs.items] == [0]
     assert torch.nn.utils.clip_grad_norm_ is streamwatch._clip_tap.ORIGINAL
 
 

@@ -50,7 +50,8 @@ What it does, event by event:
   own.
 * ``on_train_end``: ``watch.close()`` (flush every step to every sink, close ``/metrics``, remove every
   hook). The Trainer has no event for a failed run: if ``trainer.train()`` raises, call
-  ``callback.close()`` (e.g. in a ``finally``) to remove the hooks and close ``/metrics``.
+  ``callback.close()`` (e.g. in a ``finally``) to remove the hooks and close ``/metrics`` when the
+  process goes on (a process that ends closes it at exit, every completed step sent).
 * Rank: ``observe()`` labels records with ``torch.distributed``'s rank (Accelerate has initialised the
   process group before ``on_train_begin``); if that differs from ``args.process_index`` the callback
   warns.
