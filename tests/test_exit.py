@@ -67,29 +67,32 @@ def test_a_script_that_raises_has_every_completed_step_in_its_run_file(tmp_path:
     assert _recorded(tmp_path / "run.swr") == printed
 
 
-def test_sigterm_as_system_exit_has_every_completed_step_in_its_run_file(tmp_path: Path) -> None:
-    """SIGTERM (a preemption, a scheduler's stop) with the one-line handler docs/observe.md#close shows:
-    the run exits with 143 and every step it completed is in the run file (the step under way when the
-    signal came is not a completed step: it may be missing)."""
-    path = tmp_path / "run.swr"
+def _sigterm(args: list[str], after: int = 200) -> tuple[int, str, str]:
+    """Run ``python *args``, send it SIGTERM once it printed ``after`` lines (200 steps done: past the
+    governor's calibration); its exit code, everything it printed, and its stderr."""
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(path), "sigterm"],
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        [sys.executable, *args], env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         assert proc.stdout is not None
-        lines = [proc.stdout.readline() for _ in range(200)]  # (200 steps done: past the calibration)
+        lines = [proc.stdout.readline() for _ in range(after)]
         time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         rest, stderr = proc.communicate(timeout=TIMEOUT_S)
     finally:
         proc.kill()
         proc.wait()
-    assert proc.returncode == 128 + signal.SIGTERM, stderr
-    printed = _printed("".join(lines) + rest)
+    return proc.returncode, "".join(lines) + rest, stderr
+
+
+def test_sigterm_as_system_exit_has_every_completed_step_in_its_run_file(tmp_path: Path) -> None:
+    """SIGTERM (a preemption, a scheduler's stop) with the one-line handler docs/observe.md#close shows:
+    the run exits with 143 and every step it completed is in the run file (the step under way when the
+    signal came is not a completed step: it may be missing)."""
+    path = tmp_path / "run.swr"
+    code, output, stderr = _sigterm([str(SCRIPT), str(path), "sigterm"])
+    assert code == 128 + signal.SIGTERM, stderr
+    printed = _printed(output)
     last = max(printed)
     assert sorted(printed) == list(range(last + 1))
     recorded = _recorded(path)
@@ -109,25 +112,9 @@ def test_lightning_stopped_by_sigterm_has_every_completed_step_in_its_run_file(t
     """Lightning turns SIGTERM into the end of the fit itself (its signal connector): the callback's run
     file holds every optimizer step the fit completed, with its loss, under the default governor."""
     pytest.importorskip("lightning.pytorch")
-    script = SCRIPT.parent / "lightning_sigterm.py"
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path)],
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        lines = [proc.stdout.readline() for _ in range(200)]
-        proc.send_signal(signal.SIGTERM)
-        rest, stderr = proc.communicate(timeout=TIMEOUT_S)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == 0, stderr
+    code, output, stderr = _sigterm([str(SCRIPT.parent / "lightning_sigterm.py"), str(tmp_path)])
+    assert code == 0, stderr
     assert "Received SIGTERM" in stderr
-    output = "".join(lines) + rest
     stopped = [line for line in output.splitlines() if line.startswith("stopped at")]
     assert len(stopped) == 1
     printed = _printed("\n".join(line for line in output.splitlines() if not line.startswith("stopped")))
