@@ -99,7 +99,7 @@ class TapState:
     errors: list[BaseException] = field(default_factory=list)
     hook_errors: int = 0
     paused: bool = False  # an opt-in metric runs the model itself (probe batch, Hessian), or the Watch was
-    # collected without close() (``_attach.orphan``): no tap does anything
+    # collected without close() (``_attach.Attachments.drop``, until it is closed): no tap does anything
     # the root module's last call was a training forward (train mode, gradients on): a submodule in eval
     # mode inside it (a frozen BatchNorm) is part of the training step, not an evaluation pass
     root_training: bool = False
@@ -475,7 +475,7 @@ def guarded(state: TapState, fn: Callable[..., Any], eager: bool = False) -> Cal
     ``eager``, code ``torch.compile`` traces calls it as it is (a graph break) instead of tracing it."""
 
     def hook(*args: Any) -> Any:
-        if state.paused:  # (a metric runs the model itself; or the Watch was dropped unclosed: orphan)
+        if state.paused:  # (a metric runs the model itself; or the Watch was dropped unclosed)
             return None
         compiling = torch.compiler.is_compiling()  # a constant to dynamo: no wall clock inside a graph
         start = 0.0 if compiling else perf_counter()
