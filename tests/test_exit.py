@@ -120,3 +120,17 @@ def test_lightning_stopped_by_sigterm_has_every_completed_step_in_its_run_file(t
     printed = _printed("\n".join(line for line in output.splitlines() if not line.startswith("stopped")))
     assert sorted(printed) == list(range(int(stopped[0].split()[-1])))
     assert _recorded(tmp_path / "run.jsonl") == printed
+
+
+def test_a_transformers_train_that_raises_has_every_completed_step_in_its_run_file(tmp_path: Path) -> None:
+    """The Hugging Face Trainer has no event for a failed ``train()``: the callback's Watch stays open,
+    and the script ends with the exception. Its run file holds every optimizer step the Trainer completed
+    (before: 99 of the 120, under the default governor)."""
+    pytest.importorskip("transformers")
+    args = [sys.executable, str(SCRIPT.parent / "transformers_crash.py"), str(tmp_path)]
+    done = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 1
+    assert "RuntimeError: the training step failed" in done.stderr
+    printed = [int(line) for line in done.stdout.split()]
+    assert printed == list(range(120))
+    assert sorted(read_run(tmp_path / "run.jsonl").to_pandas()["step"]) == printed
