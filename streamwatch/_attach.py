@@ -9,8 +9,8 @@ one that steps none of the model's parameters is warned about (:func:`check_opti
 Example:
     >>> import torch
     >>> model = torch.nn.Linear(2, 1)
-    >>> on_cpu(model), unwrap_optimizer(None)
-    (True, None)
+    >>> device_type(model), unwrap_optimizer(None)
+    ('cpu', None)
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ __all__ = [
     "check_optimizer_steps",
     "checked",
     "close_at_exit",
-    "on_cpu",
+    "device_type",
     "unobserve",
     "unwrap_optimizer",
     "unwrap_optimizers",
@@ -161,13 +161,14 @@ def _close(close: Any, site: str, when: str) -> None:
 at_exit(close_at_exit)
 
 
-def on_cpu(model: nn.Module) -> bool:
-    """Whether the model's tensors live on the CPU (or it has none): then the fused kernel is built."""
+def device_type(model: nn.Module) -> str:
+    """Where the model's tensors live (its first parameter's or buffer's device type; ``"cpu"`` if it has
+    none): the summaries are chosen for it (the fused kernel for the CPU, the Triton kernels for CUDA)."""
     for param in model.parameters():
-        return param.device.type == "cpu"
+        return param.device.type
     for buffer in model.buffers():
-        return buffer.device.type == "cpu"
-    return True
+        return buffer.device.type
+    return "cpu"
 
 
 def unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer | None:

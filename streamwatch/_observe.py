@@ -32,10 +32,9 @@ import torch
 from prometheus_client import CollectorRegistry
 from torch import nn
 
-from streamwatch import _kernel, _triton
 from streamwatch._accuracy import AMBIGUOUS
 from streamwatch._allowance import EvalAllowance
-from streamwatch._attach import OBSERVED, OptimizerArg, checked, on_cpu
+from streamwatch._attach import OBSERVED, OptimizerArg, checked, device_type
 from streamwatch._boundary import SCALAR_SECONDS, StepBoundary, paused
 from streamwatch._cadence import Cadence
 from streamwatch._channel import OverflowPolicy, Receiver, channel
@@ -57,7 +56,7 @@ from streamwatch._record import PendingRecord, Sample
 from streamwatch._select import named_params
 from streamwatch._store import SeriesStore, Served, WatchStatistics
 from streamwatch._taps import DEFAULT_TAPS, KINDS, TapSet
-from streamwatch._tapstate import TapState
+from streamwatch._tapstate import TapState, kernel_status, load_summaries
 from streamwatch._validate import check_seconds
 from streamwatch._worker import Worker, seconds_or_forever
 from streamwatch.metrics._base import Binding, Metric
@@ -80,14 +79,6 @@ _governor_clock: Clock = time.perf_counter
 which monkeypatch it with a :class:`streamwatch.testing.FakeClock` before ``observe()``."""
 
 
-def _summaries(cpu: bool) -> tuple[_kernel.FusedKernel | None, _triton.Kernels | None, str]:
-    """The fused CPU kernel (a CPU model) or the Triton kernels (any other), each None where it could
-    not load, and what ``statistics().kernel`` says of them."""
-    if cpu and not _triton.forced():
-        return _kernel.load(), None, _kernel.status()
-    return None, _triton.load(), _triton.status()
-
-
 class Watch:
     """A running observation of one model. Create it with :func:`observe`."""
 
@@ -102,7 +93,6 @@ class Watch:
         self._detectors = options.detectors
         self._exporters: list[Exporter] = []
         self._model_ref = weakref.ref(model)
-        kernel, triton, self._kernel_status = _summaries(on_cpu(model))
         metrics = list(options.metrics)
         try:
             params = named_params(model, modules, all_params=options.every_parameter)
@@ -111,9 +101,8 @@ class Watch:
                 channel_last=options.channel_last,
                 dead_units="dead" in options.stats and detailed,  # per-layer only: not worth it for totals
                 count_nonfinite="nonfinite" in options.stats,
-                kernel=kernel,
-                triton=triton,
             )
+            load_summaries(state, device_type(model))
             # everything after the channel reads the store; it runs the worker-side metrics itself
             self._store = SeriesStore(metrics=options.derived)
             # NaN/Inf: where it started (worker); the per-step sentinel and escalation (the boundary's guard)
@@ -518,7 +507,7 @@ class Watch:
             skipped=_skipped(self._state.skipped, boundary.scoring.ambiguous),
             hook_errors=self._state.hook_errors,
             pipeline_failures=worker_stats.failed + len(self._store.failures) + len(self._tracker.failures),
-            kernel=self._kernel_status if self._state.triton is None else _triton.status(),
+            kernel=kernel_status(self._state),
             overhead_seconds=boundary.overhead,
             overhead_seconds_total=boundary.overhead_total,
             failed_steps=boundary.failed_steps,

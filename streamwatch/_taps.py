@@ -65,7 +65,7 @@ from streamwatch._gradprobe import GradProbe
 from streamwatch._param_taps import ParamTaps
 from streamwatch._record import SeriesKey
 from streamwatch._summary import saturation_bounds
-from streamwatch._tapstate import Hook, TapState, guarded, summarize_into
+from streamwatch._tapstate import Hook, TapState, guarded, load_summaries, summarize_into
 from streamwatch._torchhooks import (
     CHECKPOINT_BACKWARD,
     CHECKPOINT_FORWARD,
@@ -186,6 +186,7 @@ class TapSet:
         self.guards = HookGuards()  # dynamo checks module hooks while the Watch is open (once it is loaded)
         self.guards.hold()
         self.parameters = ParamTaps(state, params, optimizers, state.taps)  # the parameter kinds' taps
+        self._where = params[0][2] if params else None  # (its device: where the model is now, arm)
         self._probes: list[GradProbe] = []  # output gradients in compiled code (_gradprobe)
         self._model: Callable[[], nn.Module | None] = lambda: None  # (weakly, once installed)
         self._auxiliary = (-1, False)  # (graph task id, whether that backward is auxiliary): see _grad_hook
@@ -384,6 +385,9 @@ class TapSet:
             has[1] and (static or state.on.get("param_grad", False)),
             has[2] and (static or state.timed),
         )
+        where = self._where
+        if where is not None and where.device.type != state.device:  # moved since observe(): its summaries
+            load_summaries(state, where.device.type)
         # (step 0, compiled code, or a step whose forward hooks record: a model compiled only now drains)
         self._keep_draining(state.compiled or self._arms == 1 or wanted[0])
         if wanted != self._armed_now:  # (groups already as wanted are left alone: the every-step case)
@@ -637,6 +641,7 @@ class TapSet:
         if getattr(self, "_drain_handle", None) is not None:
             self._keep_draining(False)
         self._drain_params = []
+        self._where = None
         for probe in getattr(self, "_probes", ()):
             probe.remove()
         self._probes = []

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from streamwatch import _kernel, _triton
 from streamwatch._buffer import StepBuffer
 from streamwatch._cudagraphs import GraphMemory
 from streamwatch._gradprobe import GradProbe
@@ -95,6 +96,7 @@ class TapState:
     count_nonfinite: bool = False
     kernel: FusedKernel | None = None  # the fused CPU kernel, if it could be built
     triton: Kernels | None = None  # the Triton kernels for CUDA tensors, if they load and compile
+    device: str = "cpu"  # the device type the model was last seen on (load_summaries)
     skipped: dict[str, int] = field(default_factory=dict)
     errors: list[BaseException] = field(default_factory=list)
     hook_errors: int = 0
@@ -255,6 +257,34 @@ class TapState:
             fn(*args)
         except Exception as exc:
             self.fail(exc)
+
+
+def load_summaries(state: TapState, device: str) -> None:
+    """Make ``state`` summarise tensors on ``device`` (a device type) in the fastest way that loads: the
+    fused kernel for the CPU (unless ``STREAMWATCH_KERNEL=triton``), the Triton kernels for any other
+    device; each loads once, and the other's stays (a model split over devices). ``observe()`` calls it
+    for where the model is; a sampled step again where the model has moved since (``observe()`` before
+    ``model.to("cuda")``, ``accelerator.prepare()`` or ``fabric.setup()``), whose tensors would otherwise
+    take the torch path, with several launches each where a kernel takes one.
+
+    Example:
+        >>> state = TapState()
+        >>> load_summaries(state, "cpu")
+        >>> state.device, kernel_status(state).split(":")[0] in ("fused", "torch")
+        ('cpu', True)
+    """
+    state.device = device
+    if device == "cpu" and not _triton.forced():
+        if state.kernel is None:
+            state.kernel = _kernel.load()
+    elif state.triton is None:
+        state.triton = _triton.load()
+
+
+def kernel_status(state: TapState) -> str:
+    """How tensors on the model's device are summarised (``statistics().kernel``): the fused kernel's
+    status for a CPU model, the Triton kernels' for any other."""
+    return _kernel.status() if state.device == "cpu" and not _triton.forced() else _triton.status()
 
 
 def local(x: torch.Tensor) -> torch.Tensor:

@@ -523,3 +523,32 @@ def test_a_gradient_penaltys_pass_is_skipped_on_the_device_thread_too() -> None:
     from tests.test_gradient_penalty import check_penalty_pass
 
     check_penalty_pass("cuda")
+
+
+def test_a_model_moved_to_the_gpu_after_observe_takes_the_gpus_summaries() -> None:
+    """``observe(model, opt)`` before ``model.cuda()`` (or ``accelerator.prepare()``, ``fabric.setup()``):
+    the first boundary on the GPU loads what a model observed on the GPU from the start gets (the Triton
+    kernels, where Triton loads), the values match a reference, and no step syncs the host."""
+    torch.manual_seed(0)
+    moved = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    opt = torch.optim.SGD(moved.parameters(), lr=0.1)
+    captured: dict[str, torch.Tensor] = {}
+    moved[0].register_forward_hook(lambda m, a, out: captured.__setitem__("h", out.detach().clone()))
+    records = sw.sinks.collect()
+    watch = sw.observe(moved, opt, sinks=[records], every=1)
+    assert watch.statistics().kernel.startswith(("fused", "torch"))
+    moved.cuda()  # (the parameters keep their identity: the optimizer and the hooks still hold them)
+    x = torch.randn(32, 64, device="cuda")
+    y = torch.randint(0, 10, (32,), device="cuda")
+    train_step(moved, opt, watch, x, y)  # (the boundary after it sees the GPU)
+    with no_host_sync():
+        train_step(moved, opt, watch, x, y)
+    watch.close()
+    born, _ = make()
+    with sw.observe(born, every=1) as on_the_gpu:
+        assert watch.statistics().kernel == on_the_gpu.statistics().kernel
+    record = records.items[-1]
+    row = record.keys.index(sw.SeriesKey("train", "0", "activation", ""))
+    h = captured["h"].double().cpu().numpy()
+    expected = [h.size, h.sum(), (h * h).sum(), h.min(), h.max(), np.sum(h == 0)]
+    np.testing.assert_allclose([record.column(c)[row] for c in FIRST_SIX], expected, rtol=1e-5)

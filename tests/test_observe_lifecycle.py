@@ -6,6 +6,7 @@ import gc
 import inspect
 import re
 import threading
+import types
 import warnings
 import weakref
 from typing import Any
@@ -19,6 +20,7 @@ import streamwatch._channel
 import streamwatch._clip_tap
 import streamwatch._taps
 import streamwatch._tapstate
+import streamwatch._triton
 from streamwatch._observe import STATS
 from streamwatch._taps import KINDS
 from tests.threads import JOIN_S, spawn, wait_until
@@ -763,3 +765,36 @@ def test_the_options_defaults_are_observes() -> None:
     signature = inspect.signature(sw.observe).parameters
     keyword = {n: p.default for n, p in signature.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     assert keyword == dict(OBSERVE_DEFAULTS)
+
+
+def test_a_model_that_moves_after_observe_is_summarised_for_where_it_is(
+    train: Train, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``observe()`` before ``model.cuda()`` (``accelerator.prepare()``, ``fabric.setup()``): the next step
+    boundary sees the model's parameters on another device and loads that device's summaries, once (the
+    Triton kernels for CUDA; ``tests/test_cuda.py`` moves a real model). Without a GPU the move is
+    played by the boundary's view of where the first parameter is; Triton's loader is counted."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loads: list[str] = []
+    monkeypatch.setattr(streamwatch._triton, "load", lambda: loads.append("triton"))
+    monkeypatch.setattr(streamwatch._triton, "status", lambda: "torch: no CUDA device (counted)")
+    recs = sw.sinks.collect()
+    with sw.observe(model, opt, sinks=[recs], every=1) as watch:
+        assert watch.statistics().kernel.startswith("fused")
+        assert loads == []
+        train(model, opt, watch, 1)
+        taps = watch._taps
+        first = next(model.parameters())
+        assert taps._where is first
+        taps._where = types.SimpleNamespace(device=torch.device("cuda"))  # (where the model is now)
+        train(model, opt, watch, 2)
+        assert loads == ["triton"]  # once
+        assert watch.statistics().kernel == "torch: no CUDA device (counted)"
+        assert watch._state.kernel is not None  # (CPU tensors keep the fused kernel: a model split)
+        taps._where = first  # back on the CPU
+        train(model, opt, watch, 1)
+        assert watch.statistics().kernel.startswith("fused")
+    assert loads == ["triton"]
+    assert [r.step for r in recs.items] == [0, 1, 2, 3]
+    assert watch.statistics().hook_errors == 0
