@@ -114,16 +114,19 @@ class Attachments:
         state.paused = True
         self._dropped.append(closing)
 
-    def reap(self) -> None:
-        """Close every Watch collected without ``close()``, on this thread (``observe()``, exit): its last
-        steps go to its sinks, its hooks come out, its model is free. What fails is warned about, naming
-        where the Watch was made."""
+    def reap(self, model: nn.Module | None = None) -> bool:
+        """Close every Watch collected without ``close()``, on this thread (``observe()``, ``unobserve()``,
+        exit): its last steps go to its sinks, its hooks come out, its model is free. What fails is warned
+        about, naming where the Watch was made. True if one of them observed ``model``."""
+        found = False
         while self._dropped:
             try:
                 closing = self._dropped.pop(0)
             except IndexError:  # (another thread reaped it first)
-                return
+                break
+            found = found or (model is not None and closing.model() is model)
             _close(partial(closing.close, closing.timeout), closing.site, "dropped without close()")
+        return found
 
     def open_watches(self) -> list[tuple[Any, str]]:
         """Every Watch still open, with where ``observe()`` made it, in the order they were made."""
@@ -326,8 +329,9 @@ def checked(
 
 def unobserve(model: nn.Module) -> bool:
     """Close the Watch observing ``model``, if one does: for the Watch you no longer hold (a notebook cell
-    run again after its ``observe()``, a loop that raised before ``close()``). What ``close()`` does is
-    done (the last records sent, the sinks closed, every hook removed). True if a Watch was closed.
+    run again after its ``observe()``, a loop that raised before ``close()``, a Watch dropped without
+    ``close()``, whose hooks wait paused for the next ``observe()``). What ``close()`` does is done (the
+    last records sent, the sinks closed, every hook removed). True if a Watch was closed.
 
     Example:
         >>> import torch, streamwatch as sw
@@ -339,6 +343,8 @@ def unobserve(model: nn.Module) -> bool:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"Expected `model` to be a torch.nn.Module, got {type(model).__name__}")
+    if OBSERVED.reap(model):  # (its Watch was dropped without close(): closed now)
+        return True
     watch = OBSERVED.owner(model)
     if watch is None or watch.closed:
         return False

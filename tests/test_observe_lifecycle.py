@@ -345,6 +345,22 @@ def test_a_watch_dropped_without_close_pauses_and_is_closed_by_the_next_observe(
     assert torch.nn.utils.clip_grad_norm_ is streamwatch._clip_tap.ORIGINAL
 
 
+def test_unobserve_closes_a_dropped_watch_at_once(train: Train) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recs = sw.sinks.collect()
+    watch = sw.observe(model, opt, sinks=[recs], every=1)
+    train(model, opt, watch, 2)
+    del watch
+    gc.collect()
+    assert not recs.closed  # (dropped: paused, waiting to be closed)
+    assert sw.unobserve(model) is True
+    assert recs.closed
+    assert [r.step for r in recs.items] == [0, 1]
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert sw.unobserve(model) is False
+
+
 def test_a_module_two_observed_models_share_is_refused_to_the_second_watch() -> None:
     # before: both were accepted, and the second watch's rows for the shared layer held both models'
     # passes (count 128 where its own pass gives 64)
