@@ -89,7 +89,6 @@ class Watch:
         site = OBSERVED.claim(model, modules, self)
         self._claimed = modules  # (given back by close(), or by _undo())
         self._every = options.every
-        self._close_timeout = options.close_timeout
         self._detectors = options.detectors
         self._exporters: list[Exporter] = []
         self._model_ref = weakref.ref(model)
@@ -557,7 +556,7 @@ class Watch:
             >>> watch.statistics().stuck_pipelines, watch.statistics().unflushed_records
             ((), 0)
         """
-        wait = self._close_timeout if timeout is None else seconds_or_forever(timeout, "timeout")
+        wait = self._closing.timeout if timeout is None else seconds_or_forever(timeout, "timeout")
         self._dropped.detach()
         self._closing.close(wait)
 
