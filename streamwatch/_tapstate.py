@@ -35,6 +35,7 @@ from streamwatch._cudagraphs import GraphMemory
 from streamwatch._gradprobe import GradProbe
 from streamwatch._kernel import FusedKernel
 from streamwatch._record import SeriesKey
+from streamwatch._sparse import stored_values
 from streamwatch._summary import summarize, unit_dim_for
 from streamwatch._torchpath import GROUP_ELEMENTS, Packing, Packings, Row, batches, summarize_packed
 from streamwatch._triton import Kernels
@@ -366,8 +367,13 @@ def summarize_into(
     """Summarise ``x`` into the current step buffer under ``key`` (skips odd tensors, counted).
 
     ``channel_last`` says where units are for per-unit activity (None: none taken); ``bounds`` are the
-    producing module's saturation bounds (activations only).
+    producing module's saturation bounds (activations only). A sparse gradient takes its own path
+    (:func:`_summarize_sparse`).
     """
+    x = local(x)
+    if x.layout is not torch.strided and not x.is_nested:
+        _summarize_sparse(state, key, x, channel_last, replace)
+        return
     prepared = prepare(x, state)
     if prepared is None:
         return
@@ -410,6 +416,31 @@ def summarize_into(
             state.call(metric, state.buffer, key, prepared)
 
 
+def _summarize_sparse(
+    state: TapState, key: SeriesKey, x: torch.Tensor, channel_last: bool | None, replace: bool
+) -> None:
+    """A sparse gradient's row (``nn.Embedding(sparse=True)``): its stored values, duplicates summed, on
+    the torch path, counted as the whole tensor (:mod:`streamwatch._sparse`). Skipped and counted
+    (``sparse``) where that cannot be exact: per-unit activity (activations), complex or integer
+    values, compiled code. Opt-in tensor metrics (histograms, p-norms) skip it, counted
+    (``sparse_metric``): they would not see the zeros that are not stored."""
+    if (
+        channel_last is not None
+        or not x.is_floating_point()
+        or x.device.type == "meta"
+        or torch.compiler.is_compiling()
+    ):
+        state.skip("sparse")
+        return
+    if x.numel() == 0:
+        state.skip("empty")
+        return
+    row = summarize(stored_values(x), unit_dim=None, count_nonfinite=state.count_nonfinite)
+    state.buffer.add(key, x.numel(), row, replace=replace)
+    if state.kind_metrics.get(key.kind):
+        state.skip("sparse_metric")
+
+
 def summarize_many(state: TapState, items: Sequence[tuple[SeriesKey, torch.Tensor]]) -> None:  # one kind
     """Summarise several tensors of the parameter kinds into the step (each replacing an earlier row of
     its key): with the fused kernel and CPU tensors (the first one's device decides) one by one as
@@ -431,6 +462,9 @@ def summarize_many(state: TapState, items: Sequence[tuple[SeriesKey, torch.Tenso
         return
     packed: dict[torch.device, list[tuple[SeriesKey, torch.Tensor]]] = {}
     for key, x in items:
+        if x.layout is not torch.strided:  # (a sparse gradient: its own path, see summarize_into)
+            state.call(summarize_into, state, key, x, None, True)
+            continue
         prepared = prepare(x, state, detach=False)  # (read under no_grad)
         if prepared is not None and prepared.numel() > GROUP_ELEMENTS:  # alone: a pack would copy it
             state.call(summarize_into, state, key, prepared, None, True)

@@ -552,3 +552,45 @@ def test_a_model_moved_to_the_gpu_after_observe_takes_the_gpus_summaries() -> No
     h = captured["h"].double().cpu().numpy()
     expected = [h.size, h.sum(), (h * h).sum(), h.min(), h.max(), np.sum(h == 0)]
     np.testing.assert_allclose([record.column(c)[row] for c in FIRST_SIX], expected, rtol=1e-5)
+
+
+def test_a_sparse_embedding_gradient_is_summarised_without_a_host_sync() -> None:
+    """``nn.Embedding(sparse=True)`` on the GPU: its gradient's row is the dense gradient's (duplicated
+    tokens summed, the rows never looked up counted as zeros), read without waiting for the device
+    (``_sparse``: no ``coalesce()``). No optimizer step: torch's own sparse update is not ours to test."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(1000, 32, sparse=True), torch.nn.Flatten(), torch.nn.Linear(8 * 32, 4)
+    ).cuda()
+    grads: list[torch.Tensor] = []
+
+    def step(watch: sw.Watch | None) -> None:
+        tokens = torch.randint(0, 50, (16, 8), device="cuda")  # (tokens repeat: entries to sum)
+        model.zero_grad()
+        loss = model(tokens).pow(2).mean()
+        loss.backward()
+        grads.append(model[0].weight.grad.detach().clone())  # type: ignore[union-attr]
+        if watch is not None:
+            watch.step(loss=loss)
+
+    step(None)
+    try:
+        with no_host_sync():
+            step(None)
+    except RuntimeError as exc:
+        pytest.skip(f"this torch syncs in a sparse embedding's own backward: {exc}")
+    grads.clear()
+    records = sw.sinks.collect()
+    watch = sw.observe(model, sinks=[records], every=1)
+    step(watch)
+    with no_host_sync():
+        for _ in range(3):
+            step(watch)
+    watch.close()
+    assert "sparse" not in watch.statistics().skipped
+    key = sw.SeriesKey("train", "0", "param_grad", "weight")
+    for record, grad in zip(records.items, grads, strict=True):
+        g = grad.to_dense().double().cpu().numpy()
+        expected = [g.size, g.sum(), (g * g).sum(), g.min(), g.max(), np.sum(g == 0)]
+        row = record.keys.index(key)
+        np.testing.assert_allclose([record.column(c)[row] for c in FIRST_SIX], expected, rtol=1e-5, atol=1e-7)
