@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from streamwatch import _zero
 from streamwatch._exit import at_exit
 from streamwatch._failures import user_frame
 from streamwatch._options import Options
@@ -178,7 +179,9 @@ def unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer | None:
     """The torch optimizer to hook: ``optimizer`` itself, or the one a framework's wrapper steps
     (Accelerate's ``AcceleratedOptimizer.optimizer``, Lightning's ``LightningOptimizer._optimizer``):
     those subclass or imitate ``torch.optim.Optimizer`` without its hook tables, and step the inner one
-    only when a step really happens (not on an accumulation micro-step, not when a scaler skips it).
+    only when a step really happens (not on an accumulation micro-step, not when a scaler skips it). A
+    DeepSpeed ZeRO optimizer (or Accelerate's wrapper of one): the torch optimizer it steps this rank's
+    partitions with (:mod:`streamwatch._zero`).
 
     Example:
         >>> import torch
@@ -190,6 +193,9 @@ def unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer | None:
         (True, True)
     """
     seen = optimizer
+    zero = _zero.find(optimizer)
+    if zero is not None:  # DeepSpeed ZeRO: the torch optimizer it steps its partitions with (_zero)
+        optimizer = zero.optimizer
     for _ in range(8):  # wrappers of wrappers, bounded
         if optimizer is None or (
             isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks")
@@ -323,7 +329,8 @@ def checked(
             "these qualified names (globs), or pass select=None for every leaf module"
         )
     check_hookable(model, modules)
-    check_optimizer_steps(model, optimizers, stacklevel=5)  # the user's observe() call
+    if _zero.find(optimizer) is None:  # (ZeRO's steps flat partitions: its parameters are not the model's)
+        check_optimizer_steps(model, optimizers, stacklevel=5)  # the user's observe() call
     return optimizers, modules
 
 

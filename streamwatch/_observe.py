@@ -59,6 +59,7 @@ from streamwatch._taps import DEFAULT_TAPS, KINDS, TapSet
 from streamwatch._tapstate import TapState, kernel_status, load_summaries
 from streamwatch._validate import check_seconds
 from streamwatch._worker import Worker, seconds_or_forever
+from streamwatch._zero import fragments
 from streamwatch.metrics._base import Binding, Metric
 from streamwatch.metrics._derived import DEFAULT_METRICS
 from streamwatch.sinks._prometheus import DEFAULT_PORT, Exporter
@@ -95,6 +96,7 @@ class Watch:
         metrics = list(options.metrics)
         try:
             params = named_params(model, modules, all_params=options.every_parameter)
+            zero = fragments(optimizer, params)  # (DeepSpeed ZeRO: what its optimizer steps of them)
             self._state = state = TapState(
                 taps=options.taps,
                 channel_last=options.channel_last,
@@ -114,7 +116,7 @@ class Watch:
             alarm = Alarm(state)  # the detectors' (worker) → the guard's escalation (training thread)
             self._worker = _worker(rx, self._store, self._tracker, options, detailed, alarm)
             self._failures = Failures(state, self._store, self._tracker, self._worker)
-            self._taps = TapSet(model, modules, params, optimizers, state)
+            self._taps = TapSet(model, modules, params, optimizers, state, zero)
             binding = Binding(model, tuple(params), optimizers, lambda: paused(state))
             bound: tuple[Metric, ...] = ()
             for metric in metrics:

@@ -37,6 +37,7 @@ from streamwatch._loopchecks import LoopChecks
 from streamwatch._record import SeriesKey
 from streamwatch._tapstate import TapState, guarded, summarize_into, summarize_many, summarize_pack
 from streamwatch._torchpath import GROUP_ELEMENTS, Packing, Packings, batches
+from streamwatch._zero import Fragments
 
 __all__ = ["NO_HOOK", "UNOBSERVED_OPTIMIZER", "UNSEEN_FORWARD", "ParamTaps", "place_in_backward"]
 
@@ -106,9 +107,11 @@ class ParamTaps:
         params: list[tuple[str, str, nn.Parameter]],
         optimizers: tuple[torch.optim.Optimizer, ...],
         taps: frozenset[str],
+        fragments: Fragments | None = None,
     ) -> None:
         self.state = state
         self.params = params
+        self.fragments = fragments  # DeepSpeed ZeRO: ``params`` hold fragment views (_zero)
         self.has_optimizer = bool(optimizers)
         self.several = len(optimizers) > 1
         self._optimizers = optimizers
@@ -188,6 +191,8 @@ class ParamTaps:
         self._stand_in = None
         self.grads_taken = self.params_taken = False
         self._grads_after = None
+        if self.fragments is not None:  # (a step that raised inside the optimizer's step left them given)
+            self.fragments.release()
         if self.several:
             self._pre_ran.clear()
             self._post_ran.clear()
@@ -303,18 +308,21 @@ class ParamTaps:
         signature = tuple(
             (id(group["params"]), len(group["params"])) for each in optimizers for group in each.param_groups
         )
-        if signature != self._split_signature:
+        # (ZeRO: a fragment is stepped with its flat partition; stage 3 gives the inner optimizer a new
+        # list of one partition at each step of a sub-group, whose id may be an old one's: not cached)
+        home = {} if self.fragments is None else self.fragments.home
+        if signature != self._split_signature or home:
             self._owned = {}
             every: set[int] = set()
             for i, each in enumerate(optimizers):
                 owned = {id(param) for group in each.param_groups for param in group["params"]}
                 every |= owned
                 self._owned[i] = (
-                    [t for t in self.params if id(t[2]) in owned],
-                    [t for t in self._grads if id(t[1]) in owned],
+                    [t for t in self.params if id(home.get(id(t[2]), t[2])) in owned],
+                    [t for t in self._grads if id(home.get(id(t[1]), t[1])) in owned],
                 )
-            self._other_params = [t for t in self.params if id(t[2]) not in every]
-            self._other_grads = [t for t in self._grads if id(t[1]) not in every]
+            self._other_params = [t for t in self.params if id(home.get(id(t[2]), t[2])) not in every]
+            self._other_grads = [t for t in self._grads if id(home.get(id(t[1]), t[1])) not in every]
             self._split_signature = signature
         return self._owned[index]
 
@@ -378,6 +386,9 @@ class ParamTaps:
         if self._standing_in(index, optimizer):
             return  # (the wrapper standing in for it reads the step: it began first, it ends last)
         state = self.state
+        on = state.on
+        if self.fragments is not None and (on.get("param_grad") or on.get("update") or state.step_metrics):
+            self.fragments.refresh()  # (ZeRO: the partitions it steps now have their gradients)
         self.stepped = True
         self._stepping.add(index)
         several, first = self.several, not self._pre_ran
@@ -391,7 +402,6 @@ class ParamTaps:
         if first:
             self.checks.eval_mode(state.eval_with_grad, state.trained)
             state.eval_with_grad = state.trained = False
-        on = state.on
         if on.get("param_grad") or on.get("update") or on.get("param"):
             params, grads = self._split(index)
             if on.get("param_grad") and self._grads:
@@ -440,6 +450,8 @@ class ParamTaps:
         self._summarize_updates()
         if state.on.get("param"):
             self.summarize_params(self._split(index)[0])
+        if self.fragments is not None:
+            self.fragments.release()
 
     def _snapshot(self, stepped: list[tuple[str, str, nn.Parameter]]) -> None:
         """The weights before the step: with the fused kernel and CPU parameters (the first one's device

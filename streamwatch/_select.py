@@ -47,9 +47,17 @@ PARALLEL = (nn.DataParallel, nn.parallel.DistributedDataParallel)
 own submodule may well be called ``module``)."""
 
 
+def _deepspeed_engine(module: nn.Module) -> bool:
+    """Whether ``module`` is DeepSpeed's ``DeepSpeedEngine`` (what ``deepspeed.initialize`` returns), which
+    keeps the model under ``module`` as DDP does (recognised without importing ``deepspeed``)."""
+    kind = type(module)
+    return kind.__name__ == "DeepSpeedEngine" and kind.__module__.startswith("deepspeed.")
+
+
 def named_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``model.named_modules()`` without torch's wrappers: their attributes left out of the names
-    (:data:`WRAPPERS`, and ``module`` of DDP and ``DataParallel``: :data:`PARALLEL`), the wrappers
+    (:data:`WRAPPERS`, and ``module`` of DDP, ``DataParallel`` (:data:`PARALLEL`) and DeepSpeed's
+    engine), the wrappers
     themselves not listed (the module a wrapper holds goes by its name).
 
     Example:
@@ -69,7 +77,7 @@ def named_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             return
         seen.add(id(module))
         children = module._modules
-        parallel = isinstance(module, PARALLEL)
+        parallel = isinstance(module, PARALLEL) or _deepspeed_engine(module)
         if not (any(attr in children for attr in WRAPPERS) or (parallel and "module" in children)):
             found.append((name, module))
         for attr, child in children.items():

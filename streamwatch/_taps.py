@@ -83,6 +83,7 @@ from streamwatch._torchhooks import (
     remove_grad_hook,
 )
 from streamwatch._torchpath import Row
+from streamwatch._zero import Fragments
 
 __all__ = ["DEFAULT_CADENCE", "DEFAULT_TAPS", "KINDS", "TapSet"]
 
@@ -149,7 +150,10 @@ class TapSet:
         params: list[tuple[str, str, nn.Parameter]],
         optimizers: tuple[torch.optim.Optimizer, ...],
         state: TapState,
+        zero: tuple[list[tuple[str, str, nn.Parameter]], Fragments] | None = None,
     ) -> None:
+        """``zero``: under DeepSpeed ZeRO, the parameters with their fragment views, which the parameter
+        kinds read in place of ``params`` (:mod:`streamwatch._zero`)."""
         self.state = state
         self.clip: ClipHandle | None = None  # the clip tap (streamwatch._clip_tap), removed with the hooks
         # The root module's calls are seen for the Watch's life (:meth:`_root_in`): through its call slot
@@ -185,7 +189,11 @@ class TapSet:
         self.static = False
         self.guards = HookGuards()  # dynamo checks module hooks while the Watch is open (once it is loaded)
         self.guards.hold()
-        self.parameters = ParamTaps(state, params, optimizers, state.taps)  # the parameter kinds' taps
+        self.parameters = (  # the parameter kinds' taps
+            ParamTaps(state, params, optimizers, state.taps)
+            if zero is None
+            else ParamTaps(state, zero[0], optimizers, state.taps, zero[1])
+        )
         self._where = params[0][2] if params else None  # (its device: where the model is now, arm)
         self._probes: list[GradProbe] = []  # output gradients in compiled code (_gradprobe)
         self._model: Callable[[], nn.Module | None] = lambda: None  # (weakly, once installed)

@@ -7,8 +7,10 @@ What it does, event by event:
   Trainer's ``self.model``: the model itself, not its DDP or ``torch.compile`` wrapper, which call it)
   and ``optimizer``. The Trainer has prepared the optimizer with Accelerate by then; the
   ``AcceleratedOptimizer`` wrapper is unwrapped to the torch optimizer whose ``step()`` it calls, which
-  is where streamwatch's optimizer hooks go. No forward pass has run yet, so a ``torch_compile=True``
-  run traces the taps with the model. With ``expose=``, the watch's ``/metrics`` endpoint starts here
+  is where streamwatch's optimizer hooks go; with ``deepspeed=``, to the one DeepSpeed's ZeRO optimizer
+  steps its partitions with, whose fragments stand for the parameters (docs/scale.md#deepspeed-zero).
+  No forward pass has run yet, so a ``torch_compile=True`` run traces the taps with the model. With
+  ``expose=``, the watch's ``/metrics`` endpoint starts here
   (``watch.expose(port, host=host)``: ``port + LOCAL_RANK`` per process, so every rank of a
   ``torchrun`` job serves its own); with ``run_dir=``, a run file in that directory is one of its sinks
   (``run.jsonl``; ``run-rank{N}.jsonl`` when the job has several processes).
