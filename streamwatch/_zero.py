@@ -45,7 +45,8 @@ FLATS = ("single_partition_of_fp32_groups", "fp32_groups_flat_partition", "fp32_
 
 def find(optimizer: object) -> Any | None:
     """The DeepSpeed ZeRO (or BF16) optimizer ``optimizer`` is or wraps (Accelerate's
-    ``DeepSpeedOptimizerWrapper`` keeps it in ``.optimizer``), else None.
+    ``DeepSpeedOptimizerWrapper`` keeps it in ``.optimizer``, Lightning's ``LightningOptimizer`` in
+    ``._optimizer``), or the first of a list of optimizers (Lightning's ``trainer.optimizers``); else None.
 
     Example:
         >>> class Wrapper:  # Accelerate's, around DeepSpeed's
@@ -56,9 +57,11 @@ def find(optimizer: object) -> Any | None:
         ...         self.single_partition_of_fp32_groups = []
         ...         self.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
         >>> zero = Zero()
-        >>> find(Wrapper(zero)) is zero, find(zero.optimizer)
-        (True, None)
+        >>> find(Wrapper(zero)) is zero, find([Wrapper(zero)]) is zero, find(zero.optimizer)
+        (True, True, None)
     """
+    if isinstance(optimizer, list | tuple):
+        return next((found for found in map(find, optimizer) if found is not None), None)
     for _ in range(8):  # wrappers of wrappers, bounded
         if optimizer is None:
             return None
@@ -68,7 +71,8 @@ def find(optimizer: object) -> Any | None:
             and any(hasattr(optimizer, name) for name in FLATS)
         ):
             return optimizer
-        optimizer = getattr(optimizer, "optimizer", None)
+        inner = getattr(optimizer, "optimizer", None)
+        optimizer = inner if inner is not None else getattr(optimizer, "_optimizer", None)
     return None
 
 

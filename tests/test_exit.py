@@ -131,6 +131,6 @@ def test_a_transformers_train_that_raises_has_every_completed_step_in_its_run_fi
     done = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 1
     assert "RuntimeError: the training step failed" in done.stderr
-    printed = [int(line) for line in done.stdout.split()]
+    printed = [int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("step ")]
     assert printed == list(range(120))
     assert sorted(read_run(tmp_path / "run.jsonl").to_pandas()["step"]) == printed

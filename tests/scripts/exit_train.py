@@ -47,7 +47,7 @@ def main(run_file: str, how: str, every: int | None) -> None:
         loss.backward()
         opt.step()
         watch.step(loss=loss)
-        print(step, loss.item().hex(), flush=True)
+        print(f"{step} {loss.item().hex()}", flush=True)  # (one write: a SIGTERM cannot split the line)
         if how == "raise" and step == 150:
             raise RuntimeError("the training loop failed")
 

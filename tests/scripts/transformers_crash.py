@@ -4,7 +4,8 @@
 ``StreamwatchCallback(run_dir=RUN_DIR)`` (the default governor) on a small classifier; the model's
 forward raises at its 121st training call, so ``trainer.train()`` raises after 120 optimizer steps and
 the script ends with that exception (the Trainer has no event for it: nothing calls ``close()``). A
-callback prints each completed optimizer step, as the step its record carries.
+callback prints each completed optimizer step (``step N``: other libraries may print to stdout too, as
+DeepSpeed's logger does when transformers imports it), as the step its record carries.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class Printer(transformers.TrainerCallback):
     """Prints each completed optimizer step as the streamwatch callback numbers it."""
 
     def on_step_end(self, args: object, state: transformers.TrainerState, control: object, **_: Any) -> None:
-        print(state.global_step - 1, flush=True)
+        print("step", state.global_step - 1, flush=True)
 
 
 def main(run_dir: str) -> None:
