@@ -19,17 +19,12 @@ import warnings
 from pathlib import Path
 
 import torch
+import transformers
 from torch.utils.data import Dataset
 
-warnings.filterwarnings("ignore", category=FutureWarning)
-for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-    os.environ.setdefault(name, value)
-
-import transformers  # noqa: E402
-
-import streamwatch as sw  # noqa: E402
-from streamwatch.integrations.transformers import StreamwatchCallback  # noqa: E402
-from tests.hfnet import HFNet  # noqa: E402
+import streamwatch as sw
+from streamwatch.integrations.transformers import StreamwatchCallback
+from tests.hfnet import HFNet
 
 
 class Data(Dataset[dict[str, torch.Tensor]]):
@@ -53,6 +48,12 @@ def _trained(trainer: transformers.Trainer) -> list[tuple[float, float]]:
 
 def main() -> None:
     stage, out, watched = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "watched"
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    # (one process as a rank of a job of one; set here, not at import: pytest imports this file to
+    # collect its doctests, and these variables would then make every later Trainer a distributed one)
+    one = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    for name, value in one.items():
+        os.environ.setdefault(name, value)
     deepspeed = {
         "train_micro_batch_size_per_gpu": "auto",
         "train_batch_size": "auto",
