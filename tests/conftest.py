@@ -58,16 +58,21 @@ def train() -> training.Train:
     return training.train
 
 
-_ENVIRONMENT = {k: v for k, v in os.environ.items() if k.startswith(("STREAMWATCH_", "TRITON_"))}
-"""streamwatch's and Triton's environment variables as the session began (``TRITON_INTERPRET`` set above)."""
+WATCHED = ("STREAMWATCH_", "TRITON_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_")
+"""Environment variables collection must leave alone: streamwatch's, Triton's, and those that make torch,
+Accelerate and the Trainers take the process for a rank of a distributed job."""
+
+_ENVIRONMENT = {k: v for k, v in os.environ.items() if k.startswith(WATCHED)}
+"""Those variables as the session began (``TRITON_INTERPRET`` set above)."""
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Collecting must not change streamwatch's or Triton's environment: ``--doctest-modules`` imports
     every file under the test paths (``tests/scripts/`` included), and a variable one of them set at
     import reached every test and every child process after it (``STREAMWATCH_KERNEL=triton`` once sent
-    the command-line tests' demos through the Triton interpreter, which timed them out)."""
-    now = {k: v for k, v in os.environ.items() if k.startswith(("STREAMWATCH_", "TRITON_"))}
+    the command-line tests' demos through the Triton interpreter, which timed them out; ``RANK``,
+    ``LOCAL_RANK`` and ``WORLD_SIZE`` once made every later in-process Trainer a distributed one)."""
+    now = {k: v for k, v in os.environ.items() if k.startswith(WATCHED)}
     if now != _ENVIRONMENT:
         changed = sorted(k for k in now.keys() | _ENVIRONMENT.keys() if now.get(k) != _ENVIRONMENT.get(k))
         raise pytest.UsageError(
