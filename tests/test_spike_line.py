@@ -90,10 +90,12 @@ def test_a_spike_on_an_unsampled_step_is_sent_and_judged_at_that_step(
     assert carried == list(range(51, SPIKE))
     assert not rows
     assert arrivals.steps()[:3] == [0, 25, 50]
-    # LossSpike fired on it (judged by the flush after it, when step 61's sampling was already decided),
-    # and its alarm escalated: from step 62 on every step is sampled in full
+    # LossSpike fired on it, and its alarm escalated: every step from then on is sampled in full. From step
+    # 62 as a rule (the worker judges the spike's record while step 60's boundary decides step 61's
+    # sampling); from step 61 when the worker's alarm lands before that decision (seen once, on a loaded
+    # machine): both are the escalation working, a thread's timing apart
     escalated = [s for s, _, rows in arrivals.records if s > SPIKE and rows]
-    assert escalated == list(range(SPIKE + 2, 80))
+    assert escalated in (list(range(SPIKE + 2, 80)), list(range(SPIKE + 1, 80)))
     assert watch.statistics().escalations >= 1
     assert watch.statistics().scalar_records == 1  # (the spike's: none once a second here; 79 escalated)
     everything = reference(losses, kind="z", threshold=6.0)
