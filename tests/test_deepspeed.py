@@ -8,7 +8,7 @@
 * A Hugging Face ``Trainer`` with ``deepspeed=`` (``tests/scripts/deepspeed_trainer.py``), which crashed in
   ``on_train_begin`` before (the callback refused Accelerate's ``DeepSpeedOptimizerWrapper``): every kind is
   recorded, the gradient norm of the ``param_grad`` rows is the one the Trainer logs, and the losses and
-  norms it logs are those of the same run without the callback.
+  norms it logs and its final weights (bit for bit) are those of the same run without the callback.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def test_a_trainer_with_deepspeed_is_observed_with_every_kind(tmp_path: Path, st
         assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
         runs[mode] = json.loads(out.read_text())
     assert runs["watched"]["trained"] == runs["plain"]["trained"]  # (losses, norms: training unchanged)
+    assert runs["watched"]["weights"] == runs["plain"]["weights"]  # (bit for bit)
+    assert len(runs["plain"]["weights"]) == 4
     result = runs["watched"]
     assert result["deepspeed"] is True
     assert len(result["norms"]) == len(result["logged"]) == 4

@@ -180,3 +180,43 @@ def test_an_opt_in_histogram_of_a_sparse_gradient_is_skipped_and_counted() -> No
         assert watch.statistics().skipped == {"sparse_metric": 1}
     layers = {s.labels.get("layer") for s in watch.snapshot() if "histogram" in s.name}
     assert layers == {"2"}  # (the Linear; the Embedding is 0)
+
+
+@pytest.mark.parametrize("case", ["sgd", "adam"])
+def test_training_with_a_sparse_gradient_is_bit_identical_with_and_without_the_watch(case: str) -> None:
+    """The stored values are read, never changed: ``coalesce()`` makes a new tensor, the gradient the
+    optimizer applies stays the uncoalesced one. Weights, the last gradients and the RNG state match."""
+
+    def trained(watched: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        model = _model(bag=False)
+        dense_params = [p for n, p in model.named_parameters() if not n.startswith("0.")]
+        optimizers: list[torch.optim.Optimizer] = (
+            [torch.optim.SparseAdam(list(model[0].parameters())), torch.optim.Adam(dense_params)]
+            if case == "adam"
+            else [torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)]
+        )
+        g = torch.Generator().manual_seed(4)
+        torch.manual_seed(5)
+        watch = sw.observe(model, optimizers, every=1, cadence={"param": 1, "update": 1}) if watched else None
+        for _ in range(5):
+            for opt in optimizers:
+                opt.zero_grad()
+            tokens = torch.randint(0, 12, (3, 5), generator=g)
+            loss = nn.functional.cross_entropy(model(tokens), torch.randint(0, 2, (3,), generator=g))
+            loss.backward()
+            for opt in optimizers:
+                opt.step()
+            if watch is not None:
+                watch.step(loss=loss)
+        if watch is not None:
+            watch.close()
+        grad = model[0].weight.grad
+        assert grad is not None
+        return model.state_dict(), grad.to_dense(), torch.get_rng_state()
+
+    (plain, plain_grad, plain_rng), (seen, seen_grad, seen_rng) = trained(False), trained(True)
+    assert plain.keys() == seen.keys()
+    for name in plain:
+        assert torch.equal(plain[name], seen[name]), name
+    assert torch.equal(plain_grad, seen_grad)
+    assert torch.equal(plain_rng, seen_rng)

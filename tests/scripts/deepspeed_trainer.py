@@ -3,10 +3,10 @@
 watched|plain`` (``MASTER_PORT`` set by the test; ``plain``: without the callback, whose logged losses and
 gradient norms the watched run's must equal: monitoring changes no weight).
 
-Writes every step's logged loss and gradient norm and, per optimizer step, the global gradient norm the
-Trainer logs (DeepSpeed's, of the averaged gradient before clipping: the default clip at 1.0 never acts on
-this model) and the one streamwatch's ``param_grad`` rows give (the square root of their sums of
-squares), and the record's kinds and names.
+Writes every step's logged loss and gradient norm, the final master weights and, per optimizer step, the
+global gradient norm the Trainer logs (DeepSpeed's, of the averaged gradient before clipping: the default
+clip at 1.0 never acts on this model) and the one streamwatch's ``param_grad`` rows give (the square root
+of their sums of squares), and the record's kinds and names.
 """
 
 from __future__ import annotations
@@ -44,6 +44,17 @@ def _model() -> HFNet:
 def _trained(trainer: transformers.Trainer) -> list[tuple[float, float]]:
     """Every step's logged loss and gradient norm: equal exactly when training was not changed."""
     return [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "grad_norm" in e]
+
+
+def _weights(trainer: transformers.Trainer) -> dict[str, str]:
+    """Each parameter's whole float32 master weight at the end, as the hex of its bytes (DeepSpeed's own
+    accessor: under ZeRO-3 the model holds none of it between steps)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return {
+        name: safe_get_full_fp32_param(p).detach().cpu().numpy().tobytes().hex()
+        for name, p in trainer.model.named_parameters()
+    }
 
 
 def main() -> None:
@@ -89,6 +100,7 @@ def main() -> None:
             {
                 "deepspeed": trainer.is_deepspeed_enabled,
                 "trained": _trained(trainer),
+                "weights": _weights(trainer),
                 "logged": logged,
                 "norms": norms,
                 "kinds": kinds,
